@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+// The four policy kinds a user composes (sharding, ring topology, index estimator, tile) as C++20 concepts.
+#pragma once
+
+#include <concepts>
+#include <string_view>
+
+#include "stria/core/config.hpp"
+
+namespace stria {
+
+// ---------------------------------------------------------------------------------------------
+// Sharding: how 64-token blocks are laid out over the context-parallel ranks.
+
+/// The global problem a sharding is applied to: `num_blocks` = seq_len / 64 blocks over `world_size` ranks.
+struct shard_layout {
+  index_t num_blocks;
+  index_t world_size;
+};
+
+/// Where a global block lives: its owner rank and its position in the owner's local shard.
+struct block_location {
+  index_t rank;
+  index_t local_block;
+
+  friend constexpr bool operator==(const block_location&, const block_location&) = default;
+};
+
+/// Requirements of a sharding policy P (built-ins: sharding::sequential, zigzag, striped<G>):
+/// - `P::name`: a short name for reports;
+/// - `p.validate(layout)`: throws stria::invalid_argument naming seq_len or world_size when the
+///   layout cannot be sharded (every rank must own the same number of blocks);
+/// - `p.local_blocks(layout)`: blocks per rank;
+/// - `p.locate(layout, global_block)` and `p.global_block(layout, location)`: inverse bijections;
+///   each rank's local order keeps global order (local block i < j implies global(i) < global(j)).
+template <class P>
+concept sharding_policy =
+    std::semiregular<P> && requires(const P p, shard_layout layout, index_t global_block, block_location location) {
+      { P::name } -> std::convertible_to<std::string_view>;
+      { p.validate(layout) } -> std::same_as<void>;
+      { p.local_blocks(layout) } -> std::same_as<index_t>;
+      { p.locate(layout, global_block) } -> std::same_as<block_location>;
+      { p.global_block(layout, location) } -> std::same_as<index_t>;
+    };
+
+// ---------------------------------------------------------------------------------------------
+// Ring topology: which KV chunk each rank computes with at each step, and how chunks move.
+
+/// Links a transfer can use; hierarchical rings keep inner (intra-node) and outer (inter-node) apart.
+enum class ring_channel : unsigned char { inner, outer };
+
+/// One point-to-point move of a KV chunk (and, in backward, its travelling dK/dV), posted at the
+/// start of `post_step` and complete before `ready_step` begins. Buffers are per-rank slots.
+struct ring_transfer {
+  ring_channel channel;
+  index_t send_to;         // rank that receives what this rank sends
+  index_t receive_from;    // rank whose send this rank receives
+  index_t sent_origin;     // rank that owns the KV chunk being sent
+  index_t received_origin; // rank that owns the KV chunk being received
+  int send_buffer;         // slot read by the send
+  int receive_buffer;      // slot written by the receive
+  index_t post_step;
+  index_t ready_step;
+};
+
+/// The transfers a rank posts at the start of one step (at most one per channel).
+struct transfer_list {
+  static constexpr int capacity = 2;
+  ring_transfer items[capacity];
+  int count = 0;
+
+  constexpr const ring_transfer* begin() const { return items; }
+  constexpr const ring_transfer* end() const { return items + count; }
+};
+
+/// Requirements of a ring topology T (built-ins: topology::flat_ring, hierarchical_ring):
+/// - `T::name`; `t.world_size()`; `t.num_steps()` (a ring has one step per KV chunk);
+/// - `t.kv_source_rank(rank, step)`: whose KV chunk `rank` computes with at `step`; over all steps
+///   each rank meets every chunk exactly once;
+/// - `t.kv_buffer(rank, step)`: the slot that holds that chunk during the step;
+/// - `t.transfers(rank, step)`: what `rank` sends and receives while `step` computes.
+template <class T>
+concept ring_topology = std::copyable<T> && requires(const T t, index_t rank, index_t step) {
+  { T::name } -> std::convertible_to<std::string_view>;
+  { t.world_size() } -> std::same_as<index_t>;
+  { t.num_steps() } -> std::same_as<index_t>;
+  { t.kv_source_rank(rank, step) } -> std::same_as<index_t>;
+  { t.kv_buffer(rank, step) } -> std::same_as<int>;
+  { t.transfers(rank, step) } -> std::same_as<transfer_list>;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Index estimator: how the global sparse selection is found from the data, each layer.
+
+struct global_selection;  // stria/index/global_selection.hpp
+struct vs_statistics;     // stria/estimator/statistics.hpp
+
+/// Requirements of an index estimator E (built-ins: estimator::vertical_slash_top_p, top_k, dense, block_mask):
+/// - `E::name`; `E::needs_statistics`: whether the distributed window statistics must be gathered;
+/// - `e.validate(seq_len, num_heads)`: throws stria::invalid_argument for settings that cannot apply;
+/// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
+template <class E>
+concept index_estimator = std::copyable<E> && requires(const E e, index_t seq_len, index_t num_heads,
+                                                       const vs_statistics& statistics) {
+  { E::name } -> std::convertible_to<std::string_view>;
+  { E::needs_statistics } -> std::convertible_to<bool>;
+  { e.validate(seq_len, num_heads) } -> std::same_as<void>;
+  { e.select(statistics) } -> std::same_as<global_selection>;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Tile: the kernel's tile shape (stria::tile<64, 64, D>).
+
+/// Requirements of tile traits T: compile-time `block_q`, `block_kv`, `head_dim`, with the
+/// tile sides equal to the 64-token block and head_dim a multiple of the 16-wide mma step.
+template <class T>
+concept tile_traits = requires {
+  { T::block_q } -> std::convertible_to<index_t>;
+  { T::block_kv } -> std::convertible_to<index_t>;
+  { T::head_dim } -> std::convertible_to<index_t>;
+} && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
+
+}  // namespace stria

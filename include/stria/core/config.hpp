@@ -1,0 +1,23 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compiler configuration: host/device annotations that degrade to plain inline without nvcc.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define STRIA_HOST_DEVICE __host__ __device__ __forceinline__
+#define STRIA_DEVICE __device__ __forceinline__
+#define STRIA_HAS_CUDA_COMPILER 1
+#else
+#define STRIA_HOST_DEVICE inline
+#define STRIA_DEVICE inline
+#define STRIA_HAS_CUDA_COMPILER 0
+#endif
+
+namespace stria {
+
+/// Signed index type for token, block and entry positions. 32 bits hold 1M tokens x 64 heads of
+/// block-level entries; token-level products that can exceed it are computed in std::int64_t.
+using index_t = std::int32_t;
+
+}  // namespace stria

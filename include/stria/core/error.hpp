@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+// The exceptions stria throws: every message names the argument (or failing call), the value and the rule.
+#pragma once
+
+#include <source_location>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace stria {
+
+/// A caller passed a value that breaks a documented rule. `argument()` is the parameter's name.
+class invalid_argument : public std::invalid_argument {
+ public:
+  template <class Value>
+  invalid_argument(std::string_view argument, const Value& value, std::string_view rule)
+      : std::invalid_argument(format(argument, value, rule)), argument_(argument) {}
+
+  [[nodiscard]] const std::string& argument() const noexcept { return argument_; }
+
+ private:
+  template <class Value>
+  static std::string format(std::string_view argument, const Value& value, std::string_view rule) {
+    std::ostringstream out;
+    out << "stria: " << argument << " = " << value << ": " << rule;
+    return out.str();
+  }
+
+  std::string argument_;
+};
+
+/// A library call (CUDA runtime or NCCL) failed: what was called, where, with which code.
+class call_error : public std::runtime_error {
+ public:
+  call_error(std::string_view library, std::string_view call, int code, std::string_view reason,
+             std::source_location where)
+      : std::runtime_error(format(library, call, code, reason, where)),
+        call_(call),
+        code_(code),
+        file_(where.file_name()),
+        line_(where.line()) {}
+
+  [[nodiscard]] const std::string& call() const noexcept { return call_; }
+  [[nodiscard]] int code() const noexcept { return code_; }
+  [[nodiscard]] const std::string& file() const noexcept { return file_; }
+  [[nodiscard]] unsigned line() const noexcept { return line_; }
+
+ private:
+  static std::string format(std::string_view library, std::string_view call, int code, std::string_view reason,
+                            std::source_location where) {
+    std::ostringstream out;
+    out << "stria: " << library << " call `" << call << "` failed with code " << code << " (" << reason
+        << ") at " << where.file_name() << ":" << where.line();
+    return out.str();
+  }
+
+  std::string call_;
+  int code_;
+  std::string file_;
+  unsigned line_;
+};
+
+/// A CUDA runtime call failed; `code()` is the cudaError_t value. Thrown by STRIA_CUDA_CHECK.
+class cuda_error : public call_error {
+ public:
+  cuda_error(std::string_view call, int code, std::string_view reason,
+             std::source_location where = std::source_location::current())
+      : call_error("CUDA", call, code, reason, where) {}
+};
+
+/// An NCCL call failed; `code()` is the ncclResult_t value. Thrown by STRIA_NCCL_CHECK.
+class nccl_error : public call_error {
+ public:
+  nccl_error(std::string_view call, int code, std::string_view reason,
+             std::source_location where = std::source_location::current())
+      : call_error("NCCL", call, code, reason, where) {}
+};
+
+}  // namespace stria

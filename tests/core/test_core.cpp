@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: Apache-2.0
+// Core: error messages carry argument, value, rule (or call and location); tile constants; strided views.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "stria/core/error.hpp"
+#include "stria/core/softmax_merge.hpp"
+#include "stria/core/tensor_view.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/version.hpp"
+
+using namespace stria;
+
+TEST_CASE("invalid_argument names the argument, the value and the rule") {
+  const stria::invalid_argument e("seq_len", 1000, "must be a multiple of 64");
+  CHECK(std::string(e.what()) == "stria: seq_len = 1000: must be a multiple of 64");
+  CHECK(e.argument() == "seq_len");
+  // It is also a std::invalid_argument, so generic handlers catch it.
+  CHECK_THROWS_AS(throw e, std::invalid_argument);
+}
+
+TEST_CASE("cuda_error and nccl_error carry the failing call, the code and file:line") {
+  const int line = __LINE__ + 1;
+  const stria::cuda_error e("cudaMalloc(&p, bytes)", 2, "cudaErrorMemoryAllocation: out of memory");
+  CHECK(e.call() == "cudaMalloc(&p, bytes)");
+  CHECK(e.code() == 2);
+  CHECK(e.line() == static_cast<unsigned>(line));
+  CHECK(e.file().find("test_core.cpp") != std::string::npos);
+  const std::string what = e.what();
+  CHECK(what.find("CUDA call `cudaMalloc(&p, bytes)` failed with code 2 (cudaErrorMemoryAllocation: out of memory) at ") != std::string::npos);
+  CHECK(what.find("test_core.cpp:" + std::to_string(line)) != std::string::npos);
+
+  const stria::nccl_error n("ncclAllReduce(...)", 5, "invalid usage");
+  CHECK(std::string(n.what()).find("NCCL call `ncclAllReduce(...)` failed with code 5 (invalid usage)") != std::string::npos);
+  CHECK_THROWS_AS(throw n, std::runtime_error);
+}
+
+TEST_CASE("tile traits expose the derived constants") {
+  using t128 = tile<64, 64, 128>;
+  using t64 = tile<64, 64, 64>;
+  static_assert(t128::block_q == 64 && t128::block_kv == 64 && t128::head_dim == 128);
+  static_assert(t128::score_elements == 4096);
+  static_assert(t128::q_elements == 8192 && t64::kv_elements == 4096);
+  static_assert(t128::head_dim_mma_steps == 8 && t64::head_dim_mma_steps == 4);
+  static_assert(t128::vectors_per_row_16bit == 16 && t64::vectors_per_row_16bit == 8);
+  static_assert(t128::tile_bytes<std::uint16_t> == 16384);
+  CHECK(t64::default_softmax_scale == doctest::Approx(0.125));
+  CHECK(t128::default_softmax_scale == doctest::Approx(1.0 / std::sqrt(128.0)).epsilon(1e-15));
+  static_assert(tile_traits<t64> && tile_traits<t128>);
+}
+
+TEST_CASE("tensor_view indexes row-major and strided memory") {
+  std::vector<int> data(2 * 3 * 4);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<int>(i);
+  const tensor_view<int, 3> v(data.data(), {2, 3, 4});
+  CHECK(v.size() == 24);
+  CHECK(v.is_contiguous());
+  CHECK(v(1, 2, 3) == 23);
+  CHECK(v(1, 0, 2) == 14);
+  CHECK(v.stride(0) == 12);
+  CHECK(v.stride(2) == 1);
+  // A transposed view [4, 3, 2] over the same memory.
+  const tensor_view<int, 3> t(data.data(), {4, 3, 2}, {1, 4, 12});
+  CHECK_FALSE(t.is_contiguous());
+  CHECK(t(3, 2, 1) == v(1, 2, 3));
+  const tensor_view<const int, 3> c = v;  // mutable -> const converts implicitly
+  CHECK(c(0, 1, 1) == 5);
+  v(0, 0, 0) = -7;
+  CHECK(c(0, 0, 0) == -7);
+}
+
+TEST_CASE("merge_lse combines log-sum-exps stably") {
+  const auto m = merge_lse(1000.0, 1000.0);  // exp(1000) overflows; the merge must not
+  CHECK(m.lse == doctest::Approx(1000.0 + std::log(2.0)));
+  CHECK(m.weight_a == doctest::Approx(0.5));
+  const auto f = merge_lse(0.0f, -3.0f);
+  CHECK(f.lse == doctest::Approx(std::log(1.0 + std::exp(-3.0))));
+  CHECK(f.weight_a + f.weight_b == doctest::Approx(1.0f));
+}
+
+TEST_CASE("the version macros and constants agree") {
+  CHECK(version_major == STRIA_VERSION_MAJOR);
+  CHECK(version_minor == STRIA_VERSION_MINOR);
+  CHECK(version_patch == STRIA_VERSION_PATCH);
+}

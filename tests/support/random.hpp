@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// Test randomness: a fresh seed per run (printed on failure), or STRIA_TEST_SEED to replay one.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace stria::test {
+
+inline std::uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("STRIA_TEST_SEED")) return std::stoull(fixed);
+  std::random_device device;
+  return (std::uint64_t{device()} << 32) ^ device();
+}
+
+/// A generator seeded freshly for each test; the seed is reported with any failure in the test.
+struct seeded_rng {
+  std::uint64_t seed = fresh_seed();
+  std::mt19937_64 engine{seed};
+
+  template <class Real>
+  Real uniform(Real lo, Real hi) {
+    return std::uniform_real_distribution<Real>(lo, hi)(engine);
+  }
+  int integer(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(engine); }
+  bool chance(double p) { return std::bernoulli_distribution(p)(engine); }
+
+  /// Values in [-1, 1) with no exact zeros, so unwritten outputs and dropped terms show up.
+  template <class Real>
+  std::vector<Real> values(std::size_t n) {
+    std::vector<Real> out(n);
+    for (Real& x : out) {
+      do x = uniform<Real>(Real(-1), Real(1));
+      while (x == Real(0));
+    }
+    return out;
+  }
+};
+
+}  // namespace stria::test
+
+/// Declares `rng` and attaches its seed to every assertion message in the enclosing scope.
+#define STRIA_SEEDED_RNG(rng)          \
+  ::stria::test::seeded_rng rng;       \
+  INFO("STRIA_TEST_SEED=", rng.seed)

@@ -1,0 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
+// doctest's main for the host test executables.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
