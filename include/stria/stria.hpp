@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: Apache-2.0
+// Umbrella header: everything in stria that builds with a plain C++20 compiler.
+#pragma once
+
+#include "stria/core/attention_shape.hpp"
+#include "stria/core/concepts.hpp"
+#include "stria/core/config.hpp"
+#include "stria/core/error.hpp"
+#include "stria/core/softmax_merge.hpp"
+#include "stria/core/tensor_view.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/estimator/statistics.hpp"
+#include "stria/host/reference_attention.hpp"
+#include "stria/index/global_selection.hpp"
+#include "stria/index/step_index.hpp"
+#include "stria/version.hpp"
+
+// Under nvcc the device layer comes too; NCCL parts only where nccl.h is reachable.
+#if defined(__CUDACC__)
+#include "stria/core/cuda_check.cuh"
+#if __has_include(<nccl.h>)
+#include "stria/core/nccl_check.cuh"
+#endif
+#endif
