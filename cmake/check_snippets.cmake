@@ -3,6 +3,7 @@
 # Every code block that follows a `<!-- snippet: PATH -->` line in DOC must appear verbatim in PATH,
 # so documentation shows only code that is compiled and tested.
 file(READ "${DOC}" doc)
+string(REPLACE ";" "@SEMICOLON@" doc "${doc}")  # keep code semicolons from splitting CMake lists
 string(REGEX MATCHALL "<!-- snippet: [^ ]+ -->\n```[a-z]*\n[^`]*```" blocks "${doc}")
 list(LENGTH blocks count)
 if(count EQUAL 0)
@@ -14,8 +15,10 @@ foreach(block IN LISTS blocks)
   string(REGEX REPLACE "^<!-- snippet: [^ ]+ -->\n```[a-z]*\n" "" code "${block}")
   string(REGEX REPLACE "```$" "" code "${code}")
   file(READ "${ROOT}/${path}" source)
+  string(REPLACE ";" "@SEMICOLON@" source "${source}")
   string(FIND "${source}" "${code}" at)
   if(at EQUAL -1)
+    string(REPLACE "@SEMICOLON@" ";" code "${code}")
     message(FATAL_ERROR "${DOC}: a snippet no longer matches ${path}:\n${code}")
   endif()
   message(STATUS "snippet from ${path}: matches")
