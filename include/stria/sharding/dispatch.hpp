@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host dispatch/undispatch: a global tensor to per-rank shards and back, for any sharding policy.
+#pragma once
+
+#include <array>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "stria/core/concepts.hpp"
+#include "stria/core/error.hpp"
+#include "stria/core/tensor_view.hpp"
+#include "stria/core/tile.hpp"
+
+namespace stria::sharding {
+
+namespace detail {
+
+/// Calls f(index) for every multi-index of `extents` (row-major order).
+template <std::size_t Rank, class F>
+void for_each_index(const std::array<index_t, Rank>& extents, F&& f) {
+  for (index_t e : extents)
+    if (e <= 0) return;
+  std::array<index_t, Rank> idx{};
+  while (true) {
+    f(idx);
+    std::size_t d = Rank;
+    while (d-- > 0) {
+      if (++idx[d] < extents[d]) break;
+      idx[d] = 0;
+      if (d == 0) return;
+    }
+  }
+}
+
+template <class T, std::size_t Rank>
+T& at(const tensor_view<T, Rank>& v, const std::array<index_t, Rank>& idx) {
+  return [&]<std::size_t... D>(std::index_sequence<D...>) -> T& { return v(idx[D]...); }(std::make_index_sequence<Rank>{});
+}
+
+/// Checks shard count and extents against the global tensor; returns the layout.
+template <class Global, class Shard>
+shard_layout check_shards(const Global& global, std::span<const Shard> shards, std::size_t token_dim) {
+  if (token_dim >= Global::rank)
+    throw invalid_argument("token_dim", token_dim, "must name a dimension of the tensor (rank " + std::to_string(Global::rank) + ")");
+  const index_t seq_len = global.extent(token_dim);
+  const auto world = static_cast<index_t>(shards.size());
+  if (world < 1) throw invalid_argument("shards.size()", 0, "must be at least 1 (one shard per rank)");
+  if (seq_len % (world * block_tokens) != 0)
+    throw invalid_argument("global.extent(token_dim) (seq_len)", seq_len,
+                           "must be a multiple of world_size * 64 = " + std::to_string(world * block_tokens));
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    for (std::size_t d = 0; d < Global::rank; ++d) {
+      const index_t want = d == token_dim ? seq_len / world : global.extent(d);
+      if (shards[r].extent(d) != want)
+        throw invalid_argument("shards[" + std::to_string(r) + "].extent(" + std::to_string(d) + ")", shards[r].extent(d),
+                               "must be " + std::to_string(want) + " (the global extent" +
+                                   (d == token_dim ? " / world_size)" : ")"));
+    }
+  return {seq_len / block_tokens, world};
+}
+
+/// Copies block by block between the global tensor and the shards, in the direction `ToShards` says.
+template <bool ToShards, sharding_policy P, class G, class S, std::size_t Rank>
+void copy_blocks(const P& policy, const tensor_view<G, Rank>& global, std::span<const tensor_view<S, Rank>> shards,
+                 std::size_t token_dim) {
+  const shard_layout layout = check_shards(global, shards, token_dim);
+  policy.validate(layout);
+  std::array<index_t, Rank> extents{};
+  for (std::size_t d = 0; d < Rank; ++d) extents[d] = global.extent(d);
+  extents[token_dim] = block_tokens;  // iterate one block's tokens at a time
+  for (index_t b = 0; b < layout.num_blocks; ++b) {
+    const block_location where = policy.locate(layout, b);
+    const auto& shard = shards[static_cast<std::size_t>(where.rank)];
+    for_each_index(extents, [&](std::array<index_t, Rank> idx) {
+      std::array<index_t, Rank> g = idx, s = idx;
+      g[token_dim] += b * block_tokens;
+      s[token_dim] += where.local_block * block_tokens;
+      if constexpr (ToShards) at(shard, s) = at(global, g);
+      else at(global, g) = at(shard, s);
+    });
+  }
+}
+
+}  // namespace detail
+
+/// Copies `global` into one shard per rank along `token_dim` (0 for [S, H, D] tensors, 1 for [H, S] LSE).
+template <sharding_policy P, class T, std::size_t Rank>
+void dispatch(const P& policy, tensor_view<const T, Rank> global, std::span<const tensor_view<T, Rank>> shards,
+              std::size_t token_dim = 0) {
+  detail::copy_blocks<true>(policy, global, shards, token_dim);
+}
+
+/// The inverse of dispatch: gathers the per-rank shards back into `global`.
+template <sharding_policy P, class T, std::size_t Rank>
+void undispatch(const P& policy, std::span<const tensor_view<const T, Rank>> shards, tensor_view<T, Rank> global,
+                std::size_t token_dim = 0) {
+  detail::copy_blocks<false>(policy, global, shards, token_dim);
+}
+
+}  // namespace stria::sharding
