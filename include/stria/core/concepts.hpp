@@ -69,6 +69,7 @@ struct transfer_list {
   ring_transfer items[capacity];
   int count = 0;
 
+  constexpr void push(const ring_transfer& t) { items[count++] = t; }
   constexpr const ring_transfer* begin() const { return items; }
   constexpr const ring_transfer* end() const { return items + count; }
 };
@@ -78,7 +79,12 @@ struct transfer_list {
 /// - `t.kv_source_rank(rank, step)`: whose KV chunk `rank` computes with at `step`; over all steps
 ///   each rank meets every chunk exactly once;
 /// - `t.kv_buffer(rank, step)`: the slot that holds that chunk during the step;
-/// - `t.transfers(rank, step)`: what `rank` sends and receives while `step` computes.
+/// - `t.transfers(rank, step)`: KV moves `rank` posts at the start of `step` (each received chunk is
+///   in place before `ready_step` computes);
+/// - `t.gradient_transfers(rank, step)`: backward only, posted in list order once `step`'s compute is
+///   done: the travelling fp32 dK/dV partial sums. A received partial is added into the chunk's sum
+///   at the end of `ready_step` (before that step end's sends); `ready_step == num_steps()` marks
+///   the final delivery, after which every rank holds the complete dK/dV of its own chunk.
 template <class T>
 concept ring_topology = std::copyable<T> && requires(const T t, index_t rank, index_t step) {
   { T::name } -> std::convertible_to<std::string_view>;
@@ -87,6 +93,7 @@ concept ring_topology = std::copyable<T> && requires(const T t, index_t rank, in
   { t.kv_source_rank(rank, step) } -> std::same_as<index_t>;
   { t.kv_buffer(rank, step) } -> std::same_as<int>;
   { t.transfers(rank, step) } -> std::same_as<transfer_list>;
+  { t.gradient_transfers(rank, step) } -> std::same_as<transfer_list>;
 };
 
 // ---------------------------------------------------------------------------------------------
