@@ -77,4 +77,11 @@ class nccl_error : public call_error {
       : call_error("NCCL", call, code, reason, where) {}
 };
 
+/// A communicator could not complete an operation: peers that disagree on it, a peer that failed,
+/// or a wait that timed out (never a silent hang).
+class comm_error : public std::runtime_error {
+ public:
+  explicit comm_error(const std::string& what) : std::runtime_error("stria: " + what) {}
+};
+
 }  // namespace stria

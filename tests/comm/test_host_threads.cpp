@@ -1,0 +1,135 @@
+// SPDX-License-Identifier: Apache-2.0
+// comm::host_threads: point-to-point and collectives are correct and deterministic; disagreeing
+// ranks, a failing rank, a missing peer and an unreceived message are errors, never hangs.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <stdexcept>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+
+using namespace stria;
+using namespace std::chrono_literals;
+using comm::host_threads;
+using comm::host_world;
+
+TEST_CASE("a grouped ring exchange moves every rank's data to its successor") {
+  for (index_t w : {1, 2, 3, 5, 8}) {
+    host_world world(w, 10s);
+    world.run([&](host_threads& c) {
+      std::vector<int> mine(100), got(100, -1);
+      std::iota(mine.begin(), mine.end(), 1000 * c.rank());
+      c.group_start();
+      c.send(mine.data(), mine.size(), (c.rank() + 1) % w);
+      c.recv(got.data(), got.size(), (c.rank() + w - 1) % w);
+      c.group_end();
+      const index_t from = (c.rank() + w - 1) % w;
+      for (int i = 0; i < 100; ++i) REQUIRE(got[static_cast<std::size_t>(i)] == 1000 * from + i);
+    });
+  }
+}
+
+TEST_CASE("messages match in order per tag") {
+  host_world world(2, 10s);
+  world.run([](host_threads& c) {
+    if (c.rank() == 0) {
+      const float a = 1, b = 2, z = 3;
+      c.send(&a, 1, 1, 0);
+      c.send(&b, 1, 1, 0);
+      c.send(&z, 1, 1, 7);
+    } else {
+      float x = 0, y = 0, z = 0;
+      c.recv(&z, 1, 0, 7);  // a different tag is its own queue
+      c.recv(&x, 1, 0, 0);
+      c.recv(&y, 1, 0, 0);
+      REQUIRE(x == 1);
+      REQUIRE(y == 2);
+      REQUIRE(z == 3);
+    }
+  });
+}
+
+TEST_CASE("collectives: all_gather, all_reduce in rank order, broadcast, repeated barriers") {
+  const index_t w = 6;
+  host_world world(w, 10s);
+  world.run([&](host_threads& c) {
+    for (int round = 0; round < 20; ++round) {
+      std::vector<double> mine{double(c.rank()), 0.1 * c.rank() + round}, all(2 * w);
+      c.all_gather(mine.data(), all.data(), 2);
+      for (index_t r = 0; r < w; ++r) REQUIRE(all[static_cast<std::size_t>(2 * r + 1)] == 0.1 * r + round);
+      std::vector<float> x{0.1f * float(c.rank() + 1), -float(c.rank())}, sum(2), top(2);
+      c.all_reduce(x.data(), sum.data(), 2, comm::reduce_op::sum);
+      c.all_reduce(x.data(), top.data(), 2, comm::reduce_op::max);
+      float expected = 0;
+      for (index_t r = 0; r < w; ++r) expected += 0.1f * float(r + 1);  // the same order: bit-identical
+      REQUIRE(sum[0] == expected);
+      REQUIRE(top[1] == 0.0f);
+      int value = c.rank() == 4 ? 42 : -1;
+      c.broadcast(&value, 1, 4);
+      REQUIRE(value == 42);
+      c.barrier();
+    }
+  });
+}
+
+TEST_CASE("ranks that call different collectives get a comm_error naming both calls") {
+  host_world world(3, 10s);
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         std::vector<float> x(4), y(12);
+                         if (c.rank() == 2) c.all_reduce(x.data(), x.data(), 4, comm::reduce_op::sum);
+                         else c.all_gather(x.data(), y.data(), 4);
+                       }),
+                       doctest::Contains("collective mismatch"), stria::comm_error);
+  host_world counts(2, 10s);
+  CHECK_THROWS_WITH_AS(counts.run([](host_threads& c) {
+                         std::vector<float> x(8);
+                         c.all_reduce(x.data(), x.data(), c.rank() == 0 ? 8 : 4, comm::reduce_op::sum);
+                       }),
+                       doctest::Contains("all_reduce(8 x float)"), stria::comm_error);
+}
+
+TEST_CASE("a receive with no matching send times out with a clear error instead of hanging") {
+  host_world world(2, 200ms);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         if (c.rank() == 1) {
+                           int x = 0;
+                           c.recv(&x, 1, 0);
+                         }
+                       }),
+                       doctest::Contains("rank 1 timed out after 200 ms waiting for a message from rank 0"), stria::comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("a receive of the wrong size or type is an error naming both sides") {
+  host_world world(2, 10s);
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         std::vector<float> x(10);
+                         if (c.rank() == 0) c.send(x.data(), 10, 1);
+                         else c.recv(x.data(), 8, 0);
+                       }),
+                       "stria: rank 1 expected 8 x float from rank 0 but rank 0 sent 10 x float", stria::comm_error);
+}
+
+TEST_CASE("a failing rank releases the others and its own exception is rethrown") {
+  host_world world(4, 30s);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         if (c.rank() == 3) throw std::runtime_error("rank 3's own failure");
+                         c.barrier();  // the others would wait for rank 3 forever
+                       }),
+                       "rank 3's own failure", std::runtime_error);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
+TEST_CASE("a message never received is reported, not lost") {
+  host_world world(2, 10s);
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         const int x = 1;
+                         if (c.rank() == 0) c.send(&x, 1, 1, 3);
+                       }),
+                       "stria: rank 0 sent 1 message(s) to rank 1 (tag 3) that were never received", stria::comm_error);
+}
