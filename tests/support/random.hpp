@@ -12,6 +12,17 @@
 
 namespace stria::test {
 
+/// The sanitized build (ASan + UBSan, about 20x slower) runs every code path on a thinned sweep
+/// of configurations; the plain build runs the whole sweep.
+#if defined(STRIA_TEST_SANITIZED)
+inline constexpr bool full_sweep = false;
+#else
+inline constexpr bool full_sweep = true;
+#endif
+
+/// Whether configuration number `i` of a sweep runs in this build: all of them, or every `stride`-th.
+constexpr bool in_sweep(int i, int stride = 3) { return full_sweep || i % stride == 0; }
+
 inline std::uint64_t fresh_seed() {
   if (const char* fixed = std::getenv("STRIA_TEST_SEED")) return std::stoull(fixed);
   std::random_device device;

@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host ring attention equals single-rank attention on the same global selection, forward and
+// backward, for every sharding x topology, world sizes 1-8, GQA 1/2/8, D 64/128, causal and full;
+// its fp32 error does not grow with the world size; mismatched indices are rejected.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/host/ring_attention.hpp"
+#include "stria/index/local_index.hpp"
+#include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "stria/topology/flat_ring.hpp"
+#include "stria/topology/hierarchical_ring.hpp"
+#include "support/oracle.hpp"
+#include "support/selection.hpp"
+
+using namespace stria;
+using test::view2;
+using test::view3;
+
+namespace {
+
+struct ring_errors {
+  double out, lse, dq, dk, dv;
+  [[nodiscard]] double max() const { return std::max({out, lse, dq, dk, dv}); }
+};
+
+/// Splits a global [S, H, D] (or [H, S] with token_dim 1) tensor into per-rank shards and back.
+template <class Sharding, std::size_t Rank>
+std::vector<std::vector<float>> split(const Sharding& sharding, const std::vector<float>& global, std::array<index_t, Rank> extents,
+                                      index_t world, std::size_t token_dim = 0) {
+  std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
+  std::array<index_t, Rank> local = extents;
+  local[token_dim] /= world;
+  std::vector<tensor_view<float, Rank>> views;
+  for (auto& s : shards) views.emplace_back(s.data(), local);
+  sharding::dispatch(sharding, tensor_view<const float, Rank>(global.data(), extents), std::span<const tensor_view<float, Rank>>(views), token_dim);
+  return shards;
+}
+
+template <class Sharding, std::size_t Rank>
+std::vector<float> join(const Sharding& sharding, const std::vector<std::vector<float>>& shards, std::array<index_t, Rank> extents,
+                        std::size_t token_dim = 0) {
+  const auto world = static_cast<index_t>(shards.size());
+  std::vector<float> global(shards[0].size() * shards.size());
+  std::array<index_t, Rank> local = extents;
+  local[token_dim] /= world;
+  std::vector<tensor_view<const float, Rank>> views;
+  for (const auto& s : shards) views.emplace_back(s.data(), local);
+  sharding::undispatch(sharding, std::span<const tensor_view<const float, Rank>>(views), tensor_view<float, Rank>(global.data(), extents), token_dim);
+  return global;
+}
+
+/// Runs the ring on `world` threads and compares with single-rank attention in double on the same selection.
+template <class Sharding, class Topology>
+ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const Topology& topology, const global_selection& selection,
+                         index_t heads_kv, index_t dim) {
+  const index_t world = topology.world_size(), seq = selection.seq_len, heads_q = selection.num_heads();
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const std::array<index_t, 3> q_ext{seq, heads_q, dim}, kv_ext{seq, heads_kv, dim};
+  const std::array<index_t, 2> lse_ext{heads_q, seq};
+  const std::vector<float> q = rng.values<float>(static_cast<std::size_t>(seq) * heads_q * dim);
+  const std::vector<float> k = rng.values<float>(static_cast<std::size_t>(seq) * heads_kv * dim);
+  const std::vector<float> v = rng.values<float>(k.size());
+  const std::vector<float> d_out = rng.values<float>(q.size());
+
+  // Single rank, double precision throughout.
+  const step_index whole = build_local_index(selection, sharding::sequential{}, 1, 0, 0);
+  const std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), d_out64(d_out.begin(), d_out.end());
+  std::vector<double> out64(q.size()), lse64(static_cast<std::size_t>(heads_q) * seq), dq64(q.size(), 0.0), dk64(k.size(), 0.0), dv64(k.size(), 0.0);
+  host::reference_forward<double>(view3(q64, seq, heads_q, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim), whole.view(),
+                                  scale, view3(out64, seq, heads_q, dim), view2(lse64, heads_q, seq));
+  host::reference_backward<double>(view3(q64, seq, heads_q, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim),
+                                   view3(std::as_const(out64), seq, heads_q, dim), view3(d_out64, seq, heads_q, dim),
+                                   view2(std::as_const(lse64), heads_q, seq), whole.view(), scale, view3(dq64, seq, heads_q, dim),
+                                   view3(dk64, seq, heads_kv, dim), view3(dv64, seq, heads_kv, dim));
+
+  const auto q_s = split(sharding, q, q_ext, world), k_s = split(sharding, k, kv_ext, world), v_s = split(sharding, v, kv_ext, world);
+  const auto d_out_s = split(sharding, d_out, q_ext, world);
+  std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(world), std::vector<float>(lse64.size() / static_cast<std::size_t>(world)));
+  std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
+  const index_t sq = seq / world;
+  comm::host_world host(world, std::chrono::seconds(120));
+  host.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    const std::vector<step_index> indices = build_ring_indices(selection, sharding, topology, c.rank());
+    host::ring_forward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
+                       std::span<const step_index>(indices), scale, view3(out_s[r], sq, heads_q, dim), view2(lse_s[r], heads_q, sq));
+    host::ring_backward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
+                        view3(std::as_const(out_s[r]), sq, heads_q, dim), view3(d_out_s[r], sq, heads_q, dim),
+                        view2(std::as_const(lse_s[r]), heads_q, sq), std::span<const step_index>(indices), scale,
+                        view3(dq_s[r], sq, heads_q, dim), view3(dk_s[r], sq, heads_kv, dim), view3(dv_s[r], sq, heads_kv, dim));
+  });
+  return {test::relative_error(join(sharding, out_s, q_ext), out64), test::relative_error(join(sharding, lse_s, lse_ext, 1), lse64),
+          test::relative_error(join(sharding, dq_s, q_ext), dq64), test::relative_error(join(sharding, dk_s, kv_ext), dk64),
+          test::relative_error(join(sharding, dv_s, kv_ext), dv64)};
+}
+
+template <class Sharding>
+void check_all_topologies(test::seeded_rng& rng, const Sharding& sharding) {
+  struct ring_case {
+    index_t nodes, cards;  // nodes == 0: flat ring of `cards` ranks
+  };
+  const ring_case cases[] = {{0, 1}, {0, 2}, {0, 3}, {0, 4}, {0, 6}, {0, 8}, {2, 2}, {2, 3}, {2, 4}, {4, 2}};
+  int variant = 0;
+  for (const ring_case& rc : cases) {
+    if (!test::in_sweep(variant, 3)) {
+      ++variant;
+      continue;
+    }
+    const index_t world = rc.nodes == 0 ? rc.cards : rc.nodes * rc.cards;
+    // Cycle GQA ratio, head dim and causality over the cases, so each appears with several rings.
+    const index_t group = std::array<index_t, 3>{1, 2, 8}[static_cast<std::size_t>(variant % 3)];
+    const index_t dim = variant % 2 ? 128 : 64;
+    const bool causal = variant % 4 != 1;
+    ++variant;
+    const index_t seq = 2 * world * 64;  // the smallest length every sharding accepts
+    const global_selection selection = test::random_selection(rng, seq, 8, causal, 0.35, 0.03);
+    CAPTURE(Sharding::name);
+    CAPTURE(world);
+    CAPTURE(rc.nodes);
+    CAPTURE(group);
+    CAPTURE(dim);
+    CAPTURE(causal);
+    const ring_errors e = rc.nodes == 0 ? compare_ring(rng, sharding, topology::flat_ring(world), selection, 8 / group, dim)
+                                        : compare_ring(rng, sharding, topology::hierarchical_ring(rc.nodes, rc.cards), selection, 8 / group, dim);
+    CAPTURE(e.out);
+    CAPTURE(e.lse);
+    CAPTURE(e.dq);
+    CAPTURE(e.dk);
+    CAPTURE(e.dv);
+    CHECK(e.max() < 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host ring attention equals single-rank attention: sequential sharding, all rings") {
+  STRIA_SEEDED_RNG(rng);
+  check_all_topologies(rng, sharding::sequential{});
+}
+
+TEST_CASE("host ring attention equals single-rank attention: zigzag sharding, all rings") {
+  STRIA_SEEDED_RNG(rng);
+  check_all_topologies(rng, sharding::zigzag{});
+}
+
+TEST_CASE("host ring attention equals single-rank attention: striped sharding, all rings") {
+  STRIA_SEEDED_RNG(rng);
+  check_all_topologies(rng, sharding::striped<64>{});
+  // A wider stripe too.
+  const global_selection selection = test::random_selection(rng, 1024, 4, true);
+  CHECK(compare_ring(rng, sharding::striped<128>{}, topology::hierarchical_ring(2, 2), selection, 2, 64).max() < 1e-5);
+}
+
+TEST_CASE("every GQA ratio, head dim and mode on one ring") {
+  STRIA_SEEDED_RNG(rng);
+  int variant = 0;
+  for (const index_t group : {1, 2, 8})
+    for (const index_t dim : {64, 128})
+      for (const bool causal : {true, false}) {
+        if (!test::in_sweep(variant++, 4)) continue;
+        CAPTURE(group);
+        CAPTURE(dim);
+        CAPTURE(causal);
+        const global_selection selection = test::random_selection(rng, 768, 8, causal, 0.3, 0.03);
+        CHECK(compare_ring(rng, sharding::striped<64>{}, topology::hierarchical_ring(3, 1), selection, 8 / group, dim).max() < 1e-5);
+      }
+}
+
+TEST_CASE("the fp32 ring error does not grow with the world size") {
+  STRIA_SEEDED_RNG(rng);
+  const global_selection selection = test::random_selection(rng, 1536, 4, true, 0.4, 0.03);
+  std::vector<double> errors;
+  for (const index_t world : {1, 2, 3, 4, 6, 8}) {
+    if (!test::full_sweep && world != 1 && world != 8) continue;
+    const test::seeded_rng replay{rng.seed, std::mt19937_64(rng.seed)};  // the same inputs for every world size
+    test::seeded_rng inputs = replay;
+    errors.push_back(compare_ring(inputs, sharding::striped<64>{}, topology::flat_ring(world), selection, 2, 64).max());
+    CAPTURE(world);
+    CAPTURE(errors.back());
+    CHECK(errors.back() < 1e-5);
+  }
+  // fp32 running state: eight merges cost at most a small factor over one rank's fp32 error.
+  CHECK(*std::max_element(errors.begin(), errors.end()) < 3.0 * errors.front() + 1e-7);
+}
+
+TEST_CASE("indices built for another configuration are rejected") {
+  STRIA_SEEDED_RNG(rng);
+  const global_selection selection = test::random_selection(rng, 512, 2, true);
+  const topology::flat_ring ring(4);
+  comm::host_world host(4, std::chrono::seconds(30));
+  std::vector<float> q(128 * 2 * 64), k(128 * 1 * 64), out(q.size()), lse(2 * 128);
+  CHECK_THROWS_WITH_AS(host.run([&](comm::host_threads& c) {
+                         // Indices of rank 0 used on every rank.
+                         const std::vector<step_index> indices = build_ring_indices(selection, sharding::striped<64>{}, ring, 0);
+                         host::ring_forward(c, ring, view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
+                                            view3(std::as_const(k), 128, 1, 64), std::span<const step_index>(indices), 0.125,
+                                            view3(out, 128, 2, 64), view2(lse, 2, 128));
+                       }),
+                       doctest::Contains("the index was built for another configuration"), stria::invalid_argument);
+  comm::host_world three(3, std::chrono::seconds(30));
+  CHECK_THROWS_WITH_AS(three.run([&](comm::host_threads& c) {
+                         const std::vector<step_index> indices;
+                         host::ring_forward(c, ring, view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
+                                            view3(std::as_const(k), 128, 1, 64), std::span<const step_index>(indices), 0.125,
+                                            view3(out, 128, 2, 64), view2(lse, 2, 128));
+                       }),
+                       doctest::Contains("comm.world_size() = 3: must equal the topology's world size 4"), stria::invalid_argument);
+}
