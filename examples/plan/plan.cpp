@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: Apache-2.0
+// plan: how evenly each sharding x ring topology spreads a Vertical-Slash pattern over the ranks.
+// For a synthetic VS input (or a recorded selection) it prints, per combination, the worker- and
+// step-level imbalance degrees and the busiest rank's attention FLOPs. Runs on any machine.
+#include <stria/index/workload.hpp>
+#include <stria/host/synthetic_vs.hpp>
+#include <stria/sharding/sequential.hpp>
+#include <stria/sharding/striped.hpp>
+#include <stria/sharding/zigzag.hpp>
+#include <stria/topology/flat_ring.hpp>
+#include <stria/topology/hierarchical_ring.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "json.hpp"
+
+namespace {
+
+constexpr const char* usage =
+    "plan: worker- and step-level imbalance of each sharding x ring topology on a Vertical-Slash pattern\n"
+    "\n"
+    "  --seq-len N      global sequence length (default 131072)\n"
+    "  --world W        context-parallel ranks (default 8)\n"
+    "  --nodes N        nodes for the hierarchical ring, W / N cards each (default 1: flat ring only)\n"
+    "  --sparsity X     fraction of causal entries left out by the synthetic pattern (default 0.95)\n"
+    "  --heads-q H      query heads (default 16)\n"
+    "  --heads-kv H     KV heads (default 2)\n"
+    "  --head-dim D     64 or 128 (default 128)\n"
+    "  --rope-theta T   RoPE base of the synthetic input (default 1e6)\n"
+    "  --seed S         seed of the synthetic input (default 1)\n"
+    "  --selection F    plan a recorded selection instead: JSON {\"seq_len\": S, \"causal\": true,\n"
+    "                   \"heads\": [{\"vertical\": [token, ...], \"slash_blocks\": [delta, ...]}, ...]}\n"
+    "  --json           print one JSON object instead of the table\n"
+    "  --help           this text\n";
+
+struct options {
+  stria::index_t seq_len = 131072;
+  stria::index_t world = 8;
+  stria::index_t nodes = 1;
+  double sparsity = 0.95;
+  stria::index_t heads_q = 16;
+  stria::index_t heads_kv = 2;
+  stria::index_t head_dim = 128;
+  double rope_theta = 1e6;
+  unsigned long long seed = 1;
+  std::string selection_file;
+  bool json = false;
+};
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value (see --help)");
+      return argv[++i];
+    };
+    auto integer = [&]() {
+      const std::string text = next();
+      char* end = nullptr;
+      const long long v = std::strtoll(text.c_str(), &end, 10);
+      if (end == text.c_str() || *end != '\0') throw stria::invalid_argument(arg, text, "must be an integer");
+      return v;
+    };
+    auto real = [&]() {
+      const std::string text = next();
+      char* end = nullptr;
+      const double v = std::strtod(text.c_str(), &end);
+      if (end == text.c_str() || *end != '\0') throw stria::invalid_argument(arg, text, "must be a number");
+      return v;
+    };
+    if (arg == "--seq-len") o.seq_len = static_cast<stria::index_t>(integer());
+    else if (arg == "--world") o.world = static_cast<stria::index_t>(integer());
+    else if (arg == "--nodes") o.nodes = static_cast<stria::index_t>(integer());
+    else if (arg == "--sparsity") o.sparsity = real();
+    else if (arg == "--heads-q") o.heads_q = static_cast<stria::index_t>(integer());
+    else if (arg == "--heads-kv") o.heads_kv = static_cast<stria::index_t>(integer());
+    else if (arg == "--head-dim") o.head_dim = static_cast<stria::index_t>(integer());
+    else if (arg == "--rope-theta") o.rope_theta = real();
+    else if (arg == "--seed") o.seed = static_cast<unsigned long long>(integer());
+    else if (arg == "--selection") o.selection_file = next();
+    else if (arg == "--json") o.json = true;
+    else if (arg == "--help") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
+  }
+  if (o.world < 1) throw stria::invalid_argument("--world", o.world, "must be at least 1");
+  if (o.nodes < 1 || o.world % o.nodes != 0)
+    throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
+  if (!(o.sparsity >= 0.0 && o.sparsity < 1.0)) throw stria::invalid_argument("--sparsity", o.sparsity, "must lie in [0, 1)");
+  return o;
+}
+
+/// Reads a recorded selection: {"seq_len": S, "causal": true, "heads": [{"vertical": [...], "slash_blocks": [...]}, ...]}.
+stria::global_selection read_selection(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw stria::invalid_argument("--selection", path, "cannot be opened");
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string content = text.str();
+  const plan_json::value root = plan_json::parser(content).parse();
+  auto integers = [&](const plan_json::value* list, const std::string& name) {
+    std::vector<stria::index_t> out;
+    if (!list) return out;
+    if (list->type != plan_json::value::kind::array) throw stria::invalid_argument(name, "(not an array)", "must be an array of integers");
+    for (const auto& x : list->array) {
+      if (x.type != plan_json::value::kind::number) throw stria::invalid_argument(name, "(not a number)", "must be an array of integers");
+      out.push_back(static_cast<stria::index_t>(x.number));
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  };
+  const plan_json::value* seq = root.find("seq_len");
+  const plan_json::value* heads = root.find("heads");
+  if (!seq || seq->type != plan_json::value::kind::number) throw stria::invalid_argument("--selection", path, "needs a numeric \"seq_len\"");
+  if (!heads || heads->type != plan_json::value::kind::array || heads->array.empty())
+    throw stria::invalid_argument("--selection", path, "needs a non-empty \"heads\" array");
+  stria::global_selection g;
+  g.seq_len = static_cast<stria::index_t>(seq->number);
+  if (const plan_json::value* causal = root.find("causal")) g.causal = causal->boolean;
+  for (std::size_t h = 0; h < heads->array.size(); ++h) {
+    const std::string where = "heads[" + std::to_string(h) + "]";
+    stria::head_selection head;
+    head.vertical_tokens = integers(heads->array[h].find("vertical"), where + ".vertical");
+    head.slash_deltas = integers(heads->array[h].find("slash_blocks"), where + ".slash_blocks");
+    // Diagonal 0 keeps every causal row non-empty, as every stria estimator guarantees.
+    if (g.causal && !std::binary_search(head.slash_deltas.begin(), head.slash_deltas.end(), 0))
+      head.slash_deltas.insert(head.slash_deltas.begin(), 0);
+    g.heads.push_back(std::move(head));
+  }
+  g.validate();
+  return g;
+}
+
+struct row {
+  std::string sharding, topology;
+  stria::imbalance_degrees imbalance;
+  double max_rank_flops;
+  double total_flops;
+};
+
+template <class Sharding, class Topology>
+row plan_one(const stria::global_selection& g, const Sharding& sharding, const Topology& topology, stria::index_t head_dim,
+             const std::string& topology_name) {
+  const stria::ring_workload w = stria::count_ring_workload(g, sharding, topology);
+  return {std::string(Sharding::name), topology_name, stria::measure_imbalance(w), stria::forward_flops(w.max_rank_total(), head_dim),
+          stria::forward_flops(w.total(), head_dim)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const options o = parse(argc, argv);
+  const auto start = std::chrono::steady_clock::now();
+  stria::global_selection g;
+  if (!o.selection_file.empty()) {
+    g = read_selection(o.selection_file);
+  } else {
+    stria::host::synthetic_vs_options s;
+    s.seq_len = o.seq_len;
+    s.heads_q = o.heads_q;
+    s.heads_kv = o.heads_kv;
+    s.head_dim = o.head_dim;
+    s.rope_theta = o.rope_theta;
+    s.density = 1.0 - o.sparsity;
+    s.seed = o.seed;
+    g = stria::host::plant_vs_selection(s);
+  }
+  const stria::index_t cards = o.world / o.nodes;
+  std::vector<row> rows;
+  auto plan_sharding = [&](const auto& sharding) {
+    rows.push_back(plan_one(g, sharding, stria::topology::flat_ring(o.world), o.head_dim, "flat_ring"));
+    if (o.nodes > 1)
+      rows.push_back(plan_one(g, sharding, stria::topology::hierarchical_ring(o.nodes, cards), o.head_dim,
+                              "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(cards) + ")"));
+  };
+  plan_sharding(stria::sharding::sequential{});
+  plan_sharding(stria::sharding::zigzag{});
+  plan_sharding(stria::sharding::striped<64>{});
+
+  const double causal_entries = double(g.seq_len) * (double(g.seq_len) + 1.0) / 2.0 * g.num_heads();
+  const double density = rows.front().total_flops / (4.0 * o.head_dim) / causal_entries;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (o.json) {
+    std::printf("{\"config\": {\"seq_len\": %d, \"world\": %d, \"nodes\": %d, \"heads_q\": %d, \"heads_kv\": %d, \"head_dim\": %d, "
+                "\"sparsity\": %.6f, \"density\": %.6f, \"source\": \"%s\", \"seed\": %llu, \"seconds\": %.3f},\n \"rows\": [",
+                g.seq_len, o.world, o.nodes, g.num_heads(), o.heads_kv, o.head_dim, 1.0 - density, density,
+                o.selection_file.empty() ? "synthetic" : "selection", o.seed, seconds);
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const row& r = rows[i];
+      std::printf("%s\n  {\"sharding\": \"%s\", \"topology\": \"%s\", \"worker_imbalance\": %.4f, \"worker_imbalance_max\": %.4f, "
+                  "\"step_imbalance\": %.4f, \"step_imbalance_max\": %.4f, \"max_rank_flops\": %.6e}",
+                  i ? "," : "", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean, r.imbalance.worker_max,
+                  r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops);
+    }
+    std::printf("\n]}\n");
+    return 0;
+  }
+  std::printf("plan: seq_len %d, world %d (%d node%s), heads %d, head_dim %d, %s pattern, density %.2f%% of causal entries\n",
+              g.seq_len, o.world, o.nodes, o.nodes > 1 ? "s" : "", g.num_heads(), o.head_dim,
+              o.selection_file.empty() ? "synthetic Vertical-Slash" : o.selection_file.c_str(), 100.0 * density);
+  std::printf("imbalance = busiest / mean (1.00 is perfect); worker: over ranks within a step, step: over one rank's steps\n\n");
+  std::printf("%-11s %-26s %17s %17s %22s\n", "sharding", "topology", "worker mean/max", "step mean/max", "busiest rank fwd GFLOP");
+  for (const row& r : rows)
+    std::printf("%-11s %-26s %8.3f /%7.3f %8.3f /%7.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
+                r.imbalance.worker_max, r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops * 1e-9);
+  std::printf("\n(%.2f s)\n", seconds);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "%s\n", e.what());
+  return 2;
+}

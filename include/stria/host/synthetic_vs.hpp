@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0
+// Seeded synthetic attention inputs whose Vertical-Slash structure comes from the math, with the
+// selection that was planted (for tests, examples, benchmarks and the planner).
+//
+// MTraining's Theorem 3.1: with RoPE, if queries and keys have nonzero means mu_q, mu_k, the expected
+// score E[q_n . k_m] = f(n - m) = sum_i |mu_q,i| |mu_k,i| cos(theta_i (n - m) + phi_i) depends on the
+// relative position only, so it is constant along diagonals: slash lines. Keys with a large norm in
+// the slowest-rotating RoPE pairs, which every query's mean shares, are attended from everywhere:
+// vertical lines. The generator knows f, so the slash lines it plants are the block diagonals with
+// the largest expected attention mass, and the vertical tokens are the outlier keys it placed.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "stria/core/config.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/core/error.hpp"
+#include "stria/index/global_selection.hpp"
+
+namespace stria::host {
+
+struct synthetic_vs_options {
+  index_t seq_len = 16384;
+  index_t heads_q = 16;
+  index_t heads_kv = 2;
+  index_t head_dim = 128;
+  double rope_theta = 1e6;   // 1e4 (Llama 2) and 1e6 (Qwen2.5) both work
+  double density = 0.05;     // planted fraction of the causal entries (sparsity = 1 - density)
+  double slash_share = 0.6;  // of the planted entries, the share on slash diagonals (the rest vertical)
+  index_t sink_tokens = 4;   // the first tokens are always vertical
+  std::uint64_t seed = 1;
+
+  void validate() const {
+    if (seq_len <= 0 || seq_len % block_tokens != 0)
+      throw invalid_argument("seq_len", seq_len, "must be a positive multiple of 64 (the block size)");
+    if (heads_kv <= 0) throw invalid_argument("heads_kv", heads_kv, "must be positive");
+    if (heads_q <= 0 || heads_q % heads_kv != 0)
+      throw invalid_argument("heads_q", heads_q, "must be a positive multiple of heads_kv = " + std::to_string(heads_kv));
+    if (head_dim != 64 && head_dim != 128) throw invalid_argument("head_dim", head_dim, "unsupported head dim: stria supports 64 and 128");
+    if (!(density > 0.0 && density <= 1.0)) throw invalid_argument("density", density, "must lie in (0, 1]");
+    if (!(slash_share >= 0.0 && slash_share <= 1.0)) throw invalid_argument("slash_share", slash_share, "must lie in [0, 1]");
+    if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
+    if (sink_tokens < 0 || sink_tokens > seq_len)
+      throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
+  }
+};
+
+/// Q, K, V after RoPE, and the planted causal selection (one head_selection per query head).
+struct synthetic_vs {
+  global_selection planted;
+  std::vector<float> q;  // [S, Hq, D]
+  std::vector<float> k;  // [S, Hkv, D]
+  std::vector<float> v;  // [S, Hkv, D]
+};
+
+namespace detail {
+
+/// The pre-RoPE means and outlier positions that define one problem; the tensors and the planted
+/// selection are both derived from it, so they always agree.
+struct vs_model {
+  index_t pairs = 0;                       // RoPE frequency pairs: head_dim / 2
+  std::vector<double> theta;               // [pairs] rotation per token of pair i: rope_theta^(-2i/D)
+  std::vector<double> mean_k;              // [Hkv, D] key mean (pre-RoPE)
+  std::vector<double> mean_q;              // [Hq, D] query mean (pre-RoPE)
+  std::vector<std::vector<index_t>> vertical;  // [Hkv] outlier key positions, ascending (sinks included)
+  std::vector<double> outlier;             // [Hkv, D] direction of the outliers' extra norm (slow pairs)
+  double scale = 0;                        // softmax scale 1/sqrt(D)
+  double noise = 0;                        // per-element standard deviation of the token noise
+};
+
+inline constexpr double expected_peak_logit = 6.0;    // scale * f(0): the local window's pull
+inline constexpr double outlier_logit = 9.0;          // scale * q . outlier: the vertical lines' pull
+
+/// Expected scaled score of a query of head h against a key `delta` tokens earlier: scale * f(delta).
+inline double expected_logit(const vs_model& m, index_t head_dim, index_t h, index_t hk, double delta) {
+  double f = 0;
+  for (index_t i = 0; i < m.pairs; ++i) {
+    // Pair i holds dims (2i, 2i + 1); rotation by theta_i * (n - m) between a query and an earlier key.
+    const double qa = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i)];
+    const double qb = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i + 1)];
+    const double ka = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i)];
+    const double kb = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i + 1)];
+    const double angle = m.theta[static_cast<std::size_t>(i)] * delta;
+    // (R(n) q) . (R(m) k) = q . R(m - n) k = q . R(-delta) k
+    f += (qa * ka + qb * kb) * std::cos(angle) + (qa * kb - qb * ka) * std::sin(angle);
+  }
+  return m.scale * f;
+}
+
+inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, index_t verticals_per_kv_head) {
+  vs_model m;
+  const index_t d = o.head_dim;
+  m.pairs = d / 2;
+  m.scale = 1.0 / std::sqrt(double(d));
+  m.noise = 0.5;
+  m.theta.resize(static_cast<std::size_t>(m.pairs));
+  for (index_t i = 0; i < m.pairs; ++i) m.theta[static_cast<std::size_t>(i)] = std::pow(o.rope_theta, -2.0 * i / double(d));
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+
+  // Key means: random directions per pair. Query means: the key mean per pair, turned by a small
+  // random phase and rescaled, so f peaks near delta = 0 (a local window) with head-specific detail.
+  const index_t slow_begin = m.pairs - std::max<index_t>(2, m.pairs / 8);  // the slowest pairs carry the outliers
+  m.mean_k.assign(static_cast<std::size_t>(o.heads_kv * d), 0.0);
+  for (index_t hk = 0; hk < o.heads_kv; ++hk)
+    for (index_t i = 0; i < slow_begin; ++i) {
+      const double angle = 2.0 * std::numbers::pi * uniform(rng);
+      m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)] = std::cos(angle);
+      m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)] = std::sin(angle);
+    }
+  m.mean_q.assign(static_cast<std::size_t>(o.heads_q * d), 0.0);
+  const index_t group = o.heads_q / o.heads_kv;
+  for (index_t h = 0; h < o.heads_q; ++h) {
+    const index_t hk = h / group;
+    for (index_t i = 0; i < slow_begin; ++i) {
+      const double phase = (uniform(rng) - 0.5) * 2.0 * std::numbers::pi / 3.0;
+      const double gain = 0.5 + uniform(rng);
+      const double ka = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)], kb = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)];
+      m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] = gain * (std::cos(phase) * ka - std::sin(phase) * kb);
+      m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] = gain * (std::sin(phase) * ka + std::cos(phase) * kb);
+    }
+    // Normalise so that the expected scaled score at delta = 0 is expected_peak_logit.
+    const double f0 = expected_logit(m, d, h, hk, 0.0);
+    const double fix = f0 > 0 ? expected_peak_logit / f0 : 1.0;
+    for (index_t j = 0; j < d; ++j) m.mean_q[static_cast<std::size_t>(h * d + j)] *= fix;
+  }
+
+  // Outliers: a unit direction in the slowest pairs; every query mean gets a matching component.
+  m.outlier.assign(static_cast<std::size_t>(o.heads_kv * d), 0.0);
+  m.vertical.assign(static_cast<std::size_t>(o.heads_kv), {});
+  for (index_t hk = 0; hk < o.heads_kv; ++hk) {
+    double norm = 0;
+    for (index_t j = 2 * slow_begin; j < d; ++j) {
+      const double x = normal(rng);
+      m.outlier[static_cast<std::size_t>(hk * d + j)] = x;
+      norm += x * x;
+    }
+    for (index_t j = 2 * slow_begin; j < d; ++j) m.outlier[static_cast<std::size_t>(hk * d + j)] /= std::sqrt(norm);
+    auto& tokens = m.vertical[static_cast<std::size_t>(hk)];
+    for (index_t t = 0; t < std::min(o.sink_tokens, o.seq_len); ++t) tokens.push_back(t);
+    std::uniform_int_distribution<index_t> position(std::min(o.sink_tokens, o.seq_len - 1), o.seq_len - 1);
+    for (index_t n = 0; n < 4 * verticals_per_kv_head && static_cast<index_t>(tokens.size()) < verticals_per_kv_head; ++n) {
+      tokens.push_back(position(rng));
+      std::sort(tokens.begin(), tokens.end());
+      tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+    }
+  }
+  // Each query's unit-norm outlier component u: scale * u . (L * u) = outlier_logit.
+  for (index_t h = 0; h < o.heads_q; ++h)
+    for (index_t j = 2 * slow_begin; j < d; ++j)
+      m.mean_q[static_cast<std::size_t>(h * d + j)] = m.outlier[static_cast<std::size_t>((h / group) * d + j)];
+  return m;
+}
+
+/// Causal entries of block diagonal delta: the tiles of the triangle on that diagonal.
+inline double diagonal_entries(index_t blocks, index_t delta) {
+  return delta == 0 ? double(blocks) * 64.0 * 65.0 / 2.0 : double(blocks - delta) * 64.0 * 64.0;
+}
+
+/// expected_logit(h, delta) for every delta in [0, count), by one rotating phasor per RoPE pair
+/// (f = Re sum_i (A_i - i B_i) e^{i theta_i delta}): no trigonometry inside the loop.
+inline std::vector<double> expected_logits(const vs_model& m, index_t head_dim, index_t h, index_t hk, index_t count) {
+  std::vector<double> f(static_cast<std::size_t>(count), 0.0);
+  for (index_t i = 0; i < m.pairs; ++i) {
+    const double qa = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i)];
+    const double qb = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i + 1)];
+    const double ka = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i)];
+    const double kb = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i + 1)];
+    const double a = m.scale * (qa * ka + qb * kb), b = m.scale * (qa * kb - qb * ka);
+    if (a == 0.0 && b == 0.0) continue;
+    const double step_re = std::cos(m.theta[static_cast<std::size_t>(i)]), step_im = std::sin(m.theta[static_cast<std::size_t>(i)]);
+    double re = 1.0, im = 0.0;  // e^{i theta delta}
+    for (index_t delta = 0; delta < count; ++delta) {
+      f[static_cast<std::size_t>(delta)] += a * re + b * im;
+      const double next_re = re * step_re - im * step_im;
+      im = re * step_im + im * step_re;
+      re = next_re;
+      if ((delta & 4095) == 4095) {  // keep the phasor on the unit circle
+        const double norm = std::sqrt(re * re + im * im);
+        re /= norm;
+        im /= norm;
+      }
+    }
+  }
+  return f;
+}
+
+}  // namespace detail
+
+/// The planted selection only (cheap: no tensors). Identical to make_synthetic_vs(o).planted.
+inline global_selection plant_vs_selection(const synthetic_vs_options& o, detail::vs_model* model_out = nullptr) {
+  o.validate();
+  std::mt19937_64 rng(o.seed);
+  const index_t nb = o.seq_len / block_tokens;
+  const double causal_entries = double(o.seq_len) * (double(o.seq_len) + 1.0) / 2.0;
+  const double target = o.density * causal_entries;
+  // A vertical token in a random position covers about half the sequence's rows below it.
+  const auto verticals = static_cast<index_t>(std::llround((1.0 - o.slash_share) * target / (0.5 * double(o.seq_len))));
+  detail::vs_model m = detail::make_model(o, rng, std::max(verticals, o.sink_tokens));
+
+  global_selection g{o.seq_len, true, {}};
+  const index_t group = o.heads_q / o.heads_kv;
+  std::vector<double> mass(static_cast<std::size_t>(nb));
+  std::vector<index_t> order(static_cast<std::size_t>(nb));
+  for (index_t h = 0; h < o.heads_q; ++h) {
+    const index_t hk = h / group;
+    // Expected attention weight of each block diagonal, per query: over the token offsets of a
+    // tile pair (triangular weights), exp(expected logit).
+    const std::vector<double> f = detail::expected_logits(m, o.head_dim, h, hk, o.seq_len);
+    for (index_t delta = 0; delta < nb; ++delta) {
+      double w = 0;
+      for (index_t off = -63; off <= 63; ++off) {
+        const index_t token_delta = delta * 64 + off;
+        if (token_delta < 0 || token_delta >= o.seq_len) continue;
+        w += double(64 - std::abs(off)) * std::exp(f[static_cast<std::size_t>(token_delta)]);
+      }
+      mass[static_cast<std::size_t>(delta)] = w;
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return mass[static_cast<std::size_t>(a)] > mass[static_cast<std::size_t>(b)]; });
+    head_selection head;
+    double slash_entries = 0;
+    head.slash_deltas.push_back(0);  // always: no row is ever empty
+    slash_entries += detail::diagonal_entries(nb, 0);
+    for (const index_t delta : order) {
+      if (slash_entries >= o.slash_share * target) break;
+      if (delta == 0) continue;
+      head.slash_deltas.push_back(delta);
+      slash_entries += detail::diagonal_entries(nb, delta);
+    }
+    std::sort(head.slash_deltas.begin(), head.slash_deltas.end());
+    head.vertical_tokens = m.vertical[static_cast<std::size_t>(hk)];
+    g.heads.push_back(std::move(head));
+  }
+  if (model_out) *model_out = std::move(m);
+  return g;
+}
+
+/// Q, K, V drawn from the model (token noise, outlier keys), with RoPE applied, and the planted selection.
+inline synthetic_vs make_synthetic_vs(const synthetic_vs_options& o) {
+  detail::vs_model m;
+  synthetic_vs out;
+  out.planted = plant_vs_selection(o, &m);
+  const index_t s = o.seq_len, d = o.head_dim;
+  std::mt19937_64 rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  out.q.resize(static_cast<std::size_t>(s) * o.heads_q * d);
+  out.k.resize(static_cast<std::size_t>(s) * o.heads_kv * d);
+  out.v.resize(out.k.size());
+  std::vector<double> x(static_cast<std::size_t>(d));
+  // RoPE on pairs (2i, 2i + 1) by angle theta_i * position.
+  auto rope_store = [&](float* dst, index_t position) {
+    for (index_t i = 0; i < m.pairs; ++i) {
+      const double angle = m.theta[static_cast<std::size_t>(i)] * double(position);
+      const double c = std::cos(angle), sn = std::sin(angle);
+      const double a = x[static_cast<std::size_t>(2 * i)], b = x[static_cast<std::size_t>(2 * i + 1)];
+      dst[2 * i] = float(c * a - sn * b);
+      dst[2 * i + 1] = float(sn * a + c * b);
+    }
+  };
+  const double outlier_norm = detail::outlier_logit / m.scale;  // L: scale * (u . L u) = outlier_logit
+  for (index_t t = 0; t < s; ++t) {
+    for (index_t h = 0; h < o.heads_q; ++h) {
+      for (index_t j = 0; j < d; ++j) x[static_cast<std::size_t>(j)] = m.mean_q[static_cast<std::size_t>(h * d + j)] + m.noise * normal(rng);
+      rope_store(out.q.data() + (static_cast<std::size_t>(t) * o.heads_q + h) * d, t);
+    }
+    for (index_t hk = 0; hk < o.heads_kv; ++hk) {
+      const auto& vertical = m.vertical[static_cast<std::size_t>(hk)];
+      const bool is_outlier = std::binary_search(vertical.begin(), vertical.end(), t);
+      for (index_t j = 0; j < d; ++j) {
+        x[static_cast<std::size_t>(j)] = m.mean_k[static_cast<std::size_t>(hk * d + j)] + m.noise * normal(rng);
+        if (is_outlier) x[static_cast<std::size_t>(j)] += outlier_norm * m.outlier[static_cast<std::size_t>(hk * d + j)];
+      }
+      rope_store(out.k.data() + (static_cast<std::size_t>(t) * o.heads_kv + hk) * d, t);
+      for (index_t j = 0; j < d; ++j) out.v[(static_cast<std::size_t>(t) * o.heads_kv + hk) * d + static_cast<std::size_t>(j)] = float(normal(rng));
+    }
+  }
+  return out;
+}
+
+}  // namespace stria::host

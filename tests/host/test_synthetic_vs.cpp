@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: Apache-2.0
+// The synthetic Vertical-Slash generator: deterministic, valid, near its density target, and its
+// planted selection holds most of the exact attention mass of the tensors it made (and a shifted
+// selection of the same size does not).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/topology/flat_ring.hpp"
+
+using namespace stria;
+
+namespace {
+
+/// Mean over sampled rows of the exact attention probability that lands on `selection`'s entries.
+double mean_recall(const host::synthetic_vs& x, const global_selection& selection, const host::synthetic_vs_options& o) {
+  const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, group = hq / hkv;
+  std::vector<double> score(static_cast<std::size_t>(s));
+  double sum = 0;
+  int rows = 0;
+  for (index_t h = 0; h < hq; ++h) {
+    const head_selection& sel = selection.heads[static_cast<std::size_t>(h)];
+    for (index_t n = 5; n < s; n += 13) {
+      double top = -1e300;
+      for (index_t j = 0; j <= n; ++j) {
+        double dot = 0;
+        for (index_t e = 0; e < d; ++e)
+          dot += double(x.q[(static_cast<std::size_t>(n) * hq + h) * d + e]) * double(x.k[(static_cast<std::size_t>(j) * hkv + h / group) * d + e]);
+        score[static_cast<std::size_t>(j)] = dot / std::sqrt(double(d));
+        top = std::max(top, score[static_cast<std::size_t>(j)]);
+      }
+      double total = 0, hit = 0;
+      for (index_t j = 0; j <= n; ++j) {
+        const double p = std::exp(score[static_cast<std::size_t>(j)] - top);
+        total += p;
+        if (std::binary_search(sel.vertical_tokens.begin(), sel.vertical_tokens.end(), j) ||
+            std::binary_search(sel.slash_deltas.begin(), sel.slash_deltas.end(), n / 64 - j / 64))
+          hit += p;
+      }
+      sum += hit / total;
+      ++rows;
+    }
+  }
+  return sum / rows;
+}
+
+}  // namespace
+
+TEST_CASE("the generator is deterministic for a seed and its planted selection validates") {
+  host::synthetic_vs_options o;
+  o.seq_len = 2048;
+  o.heads_q = 4;
+  o.heads_kv = 2;
+  o.head_dim = 64;
+  const host::synthetic_vs a = host::make_synthetic_vs(o), b = host::make_synthetic_vs(o);
+  CHECK(a.q == b.q);
+  CHECK(a.k == b.k);
+  CHECK(a.v == b.v);
+  CHECK_NOTHROW(a.planted.validate());
+  CHECK(a.planted.heads.size() == 4);
+  for (const head_selection& h : a.planted.heads) {
+    CHECK(h.slash_deltas.front() == 0);
+    CHECK(h.vertical_tokens.size() >= 4);
+    CHECK(h.vertical_tokens[3] == 3);  // the sink tokens
+  }
+  // plant_vs_selection alone gives the same selection as the full generator.
+  const global_selection planted = host::plant_vs_selection(o);
+  CHECK(planted.heads[3].slash_deltas == a.planted.heads[3].slash_deltas);
+  o.seed = 2;
+  CHECK(host::make_synthetic_vs(o).q != a.q);
+}
+
+TEST_CASE("the planted density is near the target at long sequences") {
+  for (const double density : {0.05, 0.1}) {
+    host::synthetic_vs_options o;
+    o.seq_len = 65536;
+    o.density = density;
+    const global_selection g = host::plant_vs_selection(o);
+    const ring_workload w = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(1));
+    const double achieved = double(w.total()) / (double(o.seq_len) * (o.seq_len + 1) / 2.0 * o.heads_q);
+    CAPTURE(density);
+    CAPTURE(achieved);
+    CHECK(achieved > 0.8 * density);
+    CHECK(achieved < 1.25 * density);
+  }
+}
+
+TEST_CASE("the planted selection holds most of the exact attention mass; the same lines moved do not") {
+  for (const double theta : {1e4, 1e6}) {
+    host::synthetic_vs_options o;
+    o.seq_len = 2048;
+    o.heads_q = 4;
+    o.heads_kv = 2;
+    o.head_dim = 64;
+    o.density = 0.1;
+    o.rope_theta = theta;
+    const host::synthetic_vs x = host::make_synthetic_vs(o);
+    const double planted = mean_recall(x, x.planted, o);
+    // Control: as many slash lines and vertical tokens, moved by half the sequence.
+    global_selection moved = x.planted;
+    const index_t nb = o.seq_len / 64;
+    for (head_selection& h : moved.heads) {
+      for (index_t& delta : h.slash_deltas) delta = (delta + nb / 2) % nb;
+      for (index_t& t : h.vertical_tokens) t = (t + o.seq_len / 2) % o.seq_len;
+      std::sort(h.slash_deltas.begin(), h.slash_deltas.end());
+      std::sort(h.vertical_tokens.begin(), h.vertical_tokens.end());
+    }
+    const double control = mean_recall(x, moved, o);
+    CAPTURE(theta);
+    CAPTURE(planted);
+    CAPTURE(control);
+    CHECK(planted > 0.85);
+    CHECK(control < 0.5 * planted);
+  }
+}
+
+TEST_CASE("generator options are validated with the argument and the rule") {
+  host::synthetic_vs_options o;
+  o.seq_len = 1000;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), "stria: seq_len = 1000: must be a positive multiple of 64 (the block size)", stria::invalid_argument);
+  o.seq_len = 4096;
+  o.density = 0;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains("density = 0: must lie in (0, 1]"), stria::invalid_argument);
+  o.density = 0.05;
+  o.heads_q = 6;
+  o.heads_kv = 4;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains("heads_q = 6: must be a positive multiple of heads_kv = 4"), stria::invalid_argument);
+}
