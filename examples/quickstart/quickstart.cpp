@@ -1,175 +1,197 @@
 // SPDX-License-Identifier: Apache-2.0
-// Quickstart: sparse attention on a Vertical-Slash index with the host reference backend, forward and
-// backward, checked against the same computation in double precision.
+// Quickstart: distributed sparse attention on a Vertical-Slash input, forward and backward, on the
+// host backend with W simulated ranks (one thread each): striped sharding, a flat or hierarchical
+// ring, fp32 running state; checked against single-rank attention in double precision.
 //
-// Usage: quickstart [--seq-len N] [--heads-q H] [--heads-kv H] [--head-dim 64|128] [--seed S]
+// Usage: quickstart [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]
+//                   [--head-dim 64|128] [--sparsity X] [--seed S]
 #include <stria/stria.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 namespace {
 
 struct options {
-  stria::index_t seq_len = 2048;
+  stria::index_t seq_len = 4096;
+  stria::index_t world = 4;
+  stria::index_t nodes = 1;
   stria::index_t heads_q = 8;
   stria::index_t heads_kv = 2;
   stria::index_t head_dim = 128;
-  unsigned seed = 1;
+  double sparsity = 0.9;
+  unsigned long long seed = 1;
 };
 
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto value = [&]() -> long {
+    auto value = [&]() -> std::string {
       if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value");
-      return std::strtol(argv[++i], nullptr, 10);
+      return argv[++i];
     };
-    if (arg == "--seq-len") o.seq_len = static_cast<stria::index_t>(value());
-    else if (arg == "--heads-q") o.heads_q = static_cast<stria::index_t>(value());
-    else if (arg == "--heads-kv") o.heads_kv = static_cast<stria::index_t>(value());
-    else if (arg == "--head-dim") o.head_dim = static_cast<stria::index_t>(value());
-    else if (arg == "--seed") o.seed = static_cast<unsigned>(value());
+    if (arg == "--seq-len") o.seq_len = std::stoi(value());
+    else if (arg == "--world") o.world = std::stoi(value());
+    else if (arg == "--nodes") o.nodes = std::stoi(value());
+    else if (arg == "--heads-q") o.heads_q = std::stoi(value());
+    else if (arg == "--heads-kv") o.heads_kv = std::stoi(value());
+    else if (arg == "--head-dim") o.head_dim = std::stoi(value());
+    else if (arg == "--sparsity") o.sparsity = std::stod(value());
+    else if (arg == "--seed") o.seed = std::stoull(value());
     else if (arg == "--help") {
-      std::puts("quickstart [--seq-len N] [--heads-q H] [--heads-kv H] [--head-dim 64|128] [--seed S]");
+      std::puts("quickstart [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H] [--head-dim 64|128] [--sparsity X] [--seed S]");
       std::exit(0);
     } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
   }
+  if (o.nodes < 1 || o.world % o.nodes != 0)
+    throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
   return o;
 }
 
-/// A single-rank step index from a Vertical-Slash selection: for each query block, the tiles on the
-/// selected block diagonals, plus the vertical tokens that lie in earlier blocks not already covered.
-stria::step_index single_rank_index(const stria::global_selection& selection) {
-  const stria::index_t nb = selection.num_blocks();
-  const stria::index_t heads = selection.num_heads();
-  std::vector<stria::index_t> global(static_cast<std::size_t>(nb));
-  for (stria::index_t b = 0; b < nb; ++b) global[static_cast<std::size_t>(b)] = b;
-  std::vector<std::vector<stria::index_t>> blocks(static_cast<std::size_t>(heads * nb)), tokens(blocks.size());
-  for (stria::index_t h = 0; h < heads; ++h) {
-    const stria::head_selection& head = selection.heads[static_cast<std::size_t>(h)];
-    for (stria::index_t q = 0; q < nb; ++q) {
-      auto& row_blocks = blocks[static_cast<std::size_t>(h * nb + q)];
-      for (const stria::index_t delta : head.slash_deltas)
-        if (q - delta >= 0) row_blocks.push_back(q - delta);
-      std::sort(row_blocks.begin(), row_blocks.end());
-      for (const stria::index_t t : head.vertical_tokens) {
-        const stria::index_t k = t / stria::block_tokens;
-        if (k < q && !std::binary_search(row_blocks.begin(), row_blocks.end(), k))
-          tokens[static_cast<std::size_t>(h * nb + q)].push_back(t);
-      }
-    }
-  }
-  return stria::build_step_index({heads, nb, nb, true}, {selection.seq_len, 1, 0, 0, 0}, global, global, blocks, tokens);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+using clock_type = std::chrono::steady_clock;
+double seconds_since(clock_type::time_point start) { return std::chrono::duration<double>(clock_type::now() - start).count(); }
 
 double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::isinf(want[i]) && double(got[i]) == want[i]) continue;
     num += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
     den += want[i] * want[i];
   }
   return std::sqrt(num / den);
 }
 
+/// Global [S, H, D] tensor <-> per-rank shards under the sharding (token_dim 1 for [H, S]).
+template <class Sharding, std::size_t Rank>
+std::vector<std::vector<float>> split(const Sharding& sharding, const std::vector<float>& global,
+                                      std::array<stria::index_t, Rank> extents, stria::index_t world, std::size_t token_dim = 0) {
+  std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
+  auto local = extents;
+  local[token_dim] /= world;
+  std::vector<stria::tensor_view<float, Rank>> views;
+  for (auto& s : shards) views.emplace_back(s.data(), local);
+  stria::sharding::dispatch(sharding, stria::tensor_view<const float, Rank>(global.data(), extents),
+                            std::span<const stria::tensor_view<float, Rank>>(views), token_dim);
+  return shards;
+}
+
+template <class Sharding, std::size_t Rank>
+std::vector<float> join(const Sharding& sharding, const std::vector<std::vector<float>>& shards, std::array<stria::index_t, Rank> extents,
+                        std::size_t token_dim = 0) {
+  std::vector<float> global(shards[0].size() * shards.size());
+  auto local = extents;
+  local[token_dim] /= static_cast<stria::index_t>(shards.size());
+  std::vector<stria::tensor_view<const float, Rank>> views;
+  for (const auto& s : shards) views.emplace_back(s.data(), local);
+  stria::sharding::undispatch(sharding, std::span<const stria::tensor_view<const float, Rank>>(views),
+                              stria::tensor_view<float, Rank>(global.data(), extents), token_dim);
+  return global;
+}
+
+template <class Topology>
+int run(const options& o, const Topology& topology, const std::string& topology_name) {
+  using namespace stria;
+  const auto start = clock_type::now();
+  host::synthetic_vs_options input;
+  input.seq_len = o.seq_len;
+  input.heads_q = o.heads_q;
+  input.heads_kv = o.heads_kv;
+  input.head_dim = o.head_dim;
+  input.density = 1.0 - o.sparsity;
+  input.seed = o.seed;
+  const host::synthetic_vs data = host::make_synthetic_vs(input);
+  const global_selection& selection = data.planted;
+  const sharding::striped<64> sharding;
+  const index_t s = o.seq_len, w = o.world, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / w;
+  const double scale = 1.0 / std::sqrt(double(d));
+  const std::vector<float> d_out = [&] {
+    std::vector<float> x(data.q.size());
+    std::uint64_t state = o.seed * 0x9e3779b97f4a7c15ULL + 1;
+    for (float& v : x) {  // a cheap deterministic stream in [-1, 1), never exactly zero
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      v = float((state >> 40) + 1) / float(1 << 24) * 2.0f - 1.0f;
+    }
+    return x;
+  }();
+  const ring_workload workload = count_ring_workload(selection, sharding, topology);
+  const imbalance_degrees balance = measure_imbalance(workload);
+  const double input_s = seconds_since(start);
+
+  std::printf("stria %d.%d.%d quickstart: host backend, %d simulated ranks (threads), no GPU used\n", version_major, version_minor,
+              version_patch, w);
+  std::printf("  seq_len %d, heads %d/%d, head_dim %d, causal; synthetic Vertical-Slash input, density %.2f%%\n", s, hq, hkv, d,
+              100.0 * double(workload.total()) / (double(s) * (s + 1) / 2.0 * hq));
+  std::printf("  sharding striped<64>, topology %s; planned imbalance: worker %.3f, step %.3f\n", topology_name.c_str(),
+              balance.worker_mean, balance.step_mean);
+
+  const std::array<index_t, 3> q_ext{s, hq, d}, kv_ext{s, hkv, d};
+  const std::array<index_t, 2> lse_ext{hq, s};
+  const auto q_s = split(sharding, data.q, q_ext, w), k_s = split(sharding, data.k, kv_ext, w), v_s = split(sharding, data.v, kv_ext, w);
+  const auto d_out_s = split(sharding, d_out, q_ext, w);
+  std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(w), std::vector<float>(static_cast<std::size_t>(hq) * local));
+  std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
+  std::vector<double> index_s(static_cast<std::size_t>(w)), forward_s(static_cast<std::size_t>(w)), backward_s(static_cast<std::size_t>(w));
+
+  comm::host_world world(w);
+  world.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    auto t = clock_type::now();
+    const std::vector<step_index> indices = build_ring_indices(selection, sharding, topology, c.rank());
+    index_s[r] = seconds_since(t);
+    auto q3 = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {local, hq, d}); };
+    auto kv3 = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {local, hkv, d}); };
+    t = clock_type::now();
+    host::ring_forward(c, topology, q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), std::span<const step_index>(indices), scale,
+                       tensor_view<float, 3>(out_s[r].data(), {local, hq, d}), tensor_view<float, 2>(lse_s[r].data(), {hq, local}));
+    forward_s[r] = seconds_since(t);
+    t = clock_type::now();
+    host::ring_backward(c, topology, q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), q3(out_s[r]), q3(d_out_s[r]),
+                        tensor_view<const float, 2>(lse_s[r].data(), {hq, local}), std::span<const step_index>(indices), scale,
+                        tensor_view<float, 3>(dq_s[r].data(), {local, hq, d}), tensor_view<float, 3>(dk_s[r].data(), {local, hkv, d}),
+                        tensor_view<float, 3>(dv_s[r].data(), {local, hkv, d}));
+    backward_s[r] = seconds_since(t);
+  });
+  auto slowest = [](const std::vector<double>& x) { return *std::max_element(x.begin(), x.end()); };
+  std::printf("  time (slowest rank): input %.2f s, index build %.3f s, forward %.2f s, backward %.2f s\n", input_s, slowest(index_s),
+              slowest(forward_s), slowest(backward_s));
+
+  // Reference: one rank, the whole sequence, double precision.
+  std::printf("  checking against single-rank attention in double precision...\n");
+  const step_index whole = build_local_index(selection, sharding::sequential{}, 1, 0, 0);
+  const std::vector<double> q64(data.q.begin(), data.q.end()), k64(data.k.begin(), data.k.end()), v64(data.v.begin(), data.v.end()),
+      d_out64(d_out.begin(), d_out.end());
+  std::vector<double> out64(q64.size()), lse64(static_cast<std::size_t>(hq) * s), dq64(q64.size(), 0.0), dk64(k64.size(), 0.0),
+      dv64(k64.size(), 0.0);
+  auto q3 = [&](const std::vector<double>& x) { return tensor_view<const double, 3>(x.data(), q_ext); };
+  auto kv3 = [&](const std::vector<double>& x) { return tensor_view<const double, 3>(x.data(), kv_ext); };
+  host::reference_forward<double>(q3(q64), kv3(k64), kv3(v64), whole.view(), scale, tensor_view<double, 3>(out64.data(), q_ext),
+                                  tensor_view<double, 2>(lse64.data(), lse_ext));
+  host::reference_backward<double>(q3(q64), kv3(k64), kv3(v64), q3(out64), q3(d_out64), tensor_view<const double, 2>(lse64.data(), lse_ext),
+                                   whole.view(), scale, tensor_view<double, 3>(dq64.data(), q_ext),
+                                   tensor_view<double, 3>(dk64.data(), kv_ext), tensor_view<double, 3>(dv64.data(), kv_ext));
+  const double e_out = relative_error(join(sharding, out_s, q_ext), out64), e_lse = relative_error(join(sharding, lse_s, lse_ext, 1), lse64);
+  const double e_dq = relative_error(join(sharding, dq_s, q_ext), dq64), e_dk = relative_error(join(sharding, dk_s, kv_ext), dk64),
+               e_dv = relative_error(join(sharding, dv_s, kv_ext), dv64);
+  std::printf("  relative error vs fp64: out %.1e, lse %.1e, dq %.1e, dk %.1e, dv %.1e\n", e_out, e_lse, e_dq, e_dk, e_dv);
+  const bool ok = std::max({e_out, e_lse, e_dq, e_dk, e_dv}) < 1e-4;
+  std::printf("%s (total %.1f s)\n", ok ? "ok" : "FAILED: the distributed result differs from the reference beyond 1e-4", seconds_since(start));
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
-  using namespace stria;
   const options o = parse(argc, argv);
-  const attention_shape shape{o.seq_len, o.seq_len, o.heads_q, o.heads_kv, o.head_dim};
-  shape.validate();
-
-  // A Vertical-Slash selection: local diagonals, a few far slash lines, sink and scattered vertical tokens.
-  std::mt19937 rng(o.seed);
-  const index_t nb = o.seq_len / block_tokens;
-  global_selection selection{o.seq_len, true, {}};
-  for (index_t h = 0; h < o.heads_q; ++h) {
-    head_selection head;
-    head.slash_deltas = {0, 1, 2};
-    for (index_t far = 5; far < nb; far *= 3) head.slash_deltas.push_back(far + static_cast<index_t>(rng() % 2));
-    std::sort(head.slash_deltas.begin(), head.slash_deltas.end());
-    head.slash_deltas.erase(std::unique(head.slash_deltas.begin(), head.slash_deltas.end()), head.slash_deltas.end());
-    for (index_t t = 0; t < 4; ++t) head.vertical_tokens.push_back(t);  // attention sinks
-    for (int i = 0; i < 28; ++i) head.vertical_tokens.push_back(4 + static_cast<index_t>(rng() % static_cast<unsigned>(o.seq_len - 4)));
-    std::sort(head.vertical_tokens.begin(), head.vertical_tokens.end());
-    head.vertical_tokens.erase(std::unique(head.vertical_tokens.begin(), head.vertical_tokens.end()), head.vertical_tokens.end());
-    selection.heads.push_back(std::move(head));
-  }
-  selection.validate();
-  const step_index index = single_rank_index(selection);
-  index.validate();
-
-  const auto q_elems = static_cast<std::size_t>(o.seq_len) * o.heads_q * o.head_dim;
-  const auto kv_elems = static_cast<std::size_t>(o.seq_len) * o.heads_kv * o.head_dim;
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  auto random = [&](std::size_t n) {
-    std::vector<float> x(n);
-    for (float& v : x) v = dist(rng);
-    return x;
-  };
-  const std::vector<float> q = random(q_elems), k = random(kv_elems), v = random(kv_elems), d_out = random(q_elems);
-  const double scale = 1.0 / std::sqrt(double(o.head_dim));
-  const std::int64_t causal_entries = std::int64_t{o.seq_len} * (o.seq_len + 1) / 2 * o.heads_q;
-  const std::int64_t active = index.active_entries();
-
-  std::printf("stria %d.%d.%d quickstart: host reference backend, one rank\n", version_major, version_minor, version_patch);
-  std::printf("  seq_len %d, heads %d/%d (GQA %d), head_dim %d, causal\n", o.seq_len, o.heads_q, o.heads_kv,
-              shape.group_size(), o.head_dim);
-  std::printf("  index: %d active 64x64 tiles, %d vertical entries, density %.2f%% of causal entries\n",
-              index.num_active_blocks(), index.num_vertical_entries(), 100.0 * double(active) / double(causal_entries));
-
-  auto view_q = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {o.seq_len, o.heads_q, o.head_dim}); };
-  auto view_kv = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {o.seq_len, o.heads_kv, o.head_dim}); };
-
-  // Forward and backward with fp32 accumulation (what the kernels do), then in double as the check.
-  std::vector<float> out(q_elems), lse(static_cast<std::size_t>(o.heads_q) * o.seq_len);
-  std::vector<double> out64(q_elems), lse64(lse.size());
-  auto start = std::chrono::steady_clock::now();
-  host::reference_forward<float>(view_q(q), view_kv(k), view_kv(v), index.view(), scale,
-                                 tensor_view<float, 3>(out.data(), {o.seq_len, o.heads_q, o.head_dim}),
-                                 tensor_view<float, 2>(lse.data(), {o.heads_q, o.seq_len}));
-  const double forward_s = seconds_since(start);
-  host::reference_forward<double>(view_q(q), view_kv(k), view_kv(v), index.view(), scale,
-                                  tensor_view<double, 3>(out64.data(), {o.seq_len, o.heads_q, o.head_dim}),
-                                  tensor_view<double, 2>(lse64.data(), {o.heads_q, o.seq_len}));
-
-  std::vector<float> dq(q_elems, 0.0f), dk(kv_elems, 0.0f), dv(kv_elems, 0.0f);
-  std::vector<double> dq64(q_elems, 0.0), dk64(kv_elems, 0.0), dv64(kv_elems, 0.0);
-  start = std::chrono::steady_clock::now();
-  host::reference_backward<float>(view_q(q), view_kv(k), view_kv(v), view_q(out), view_q(d_out),
-                                  tensor_view<const float, 2>(lse.data(), {o.heads_q, o.seq_len}), index.view(), scale,
-                                  tensor_view<float, 3>(dq.data(), {o.seq_len, o.heads_q, o.head_dim}),
-                                  tensor_view<float, 3>(dk.data(), {o.seq_len, o.heads_kv, o.head_dim}),
-                                  tensor_view<float, 3>(dv.data(), {o.seq_len, o.heads_kv, o.head_dim}));
-  const double backward_s = seconds_since(start);
-  host::reference_backward<double>(view_q(q), view_kv(k), view_kv(v), view_q(out), view_q(d_out),
-                                   tensor_view<const float, 2>(lse.data(), {o.heads_q, o.seq_len}), index.view(), scale,
-                                   tensor_view<double, 3>(dq64.data(), {o.seq_len, o.heads_q, o.head_dim}),
-                                   tensor_view<double, 3>(dk64.data(), {o.seq_len, o.heads_kv, o.head_dim}),
-                                   tensor_view<double, 3>(dv64.data(), {o.seq_len, o.heads_kv, o.head_dim}));
-
-  const double flops = 4.0 * double(active) * o.head_dim;
-  std::printf("  forward  %8.3f s  (%.2f GFLOP/s on the host)   rel. error vs fp64: out %.1e, lse %.1e\n", forward_s,
-              flops / forward_s * 1e-9, relative_error(out, out64), relative_error(lse, lse64));
-  std::printf("  backward %8.3f s  (%.2f GFLOP/s on the host)   rel. error vs fp64: dq %.1e, dk %.1e, dv %.1e\n", backward_s,
-              2.5 * flops / backward_s * 1e-9, relative_error(dq, dq64), relative_error(dk, dk64), relative_error(dv, dv64));
-  const bool ok = relative_error(out, out64) < 1e-5 && relative_error(dq, dq64) < 1e-4 && relative_error(dk, dk64) < 1e-4 &&
-                  relative_error(dv, dv64) < 1e-4;
-  std::printf("%s\n", ok ? "ok" : "FAILED: fp32 result differs from fp64 beyond 1e-5 (out) / 1e-4 (gradients)");
-  return ok ? 0 : 1;
+  if (o.nodes > 1) return run(o, stria::topology::hierarchical_ring(o.nodes, o.world / o.nodes),
+                              "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(o.world / o.nodes) + ")");
+  return run(o, stria::topology::flat_ring(o.world), "flat_ring(" + std::to_string(o.world) + ")");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());
   return 2;

@@ -2,6 +2,7 @@
 // Umbrella header: everything in stria that builds with a plain C++20 compiler.
 #pragma once
 
+#include "stria/comm/host_threads.hpp"
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/config.hpp"
@@ -11,8 +12,18 @@
 #include "stria/core/tile.hpp"
 #include "stria/estimator/statistics.hpp"
 #include "stria/host/reference_attention.hpp"
+#include "stria/host/ring_attention.hpp"
+#include "stria/host/synthetic_vs.hpp"
 #include "stria/index/global_selection.hpp"
+#include "stria/index/local_index.hpp"
 #include "stria/index/step_index.hpp"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "stria/topology/flat_ring.hpp"
+#include "stria/topology/hierarchical_ring.hpp"
 #include "stria/version.hpp"
 
 // Under nvcc the device layer comes too; NCCL parts only where nccl.h is reachable.
