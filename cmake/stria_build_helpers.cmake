@@ -14,6 +14,9 @@ function(stria_target_warnings target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${flags}>)
   string(REPLACE ";" "," cuda_host_flags "-Wall;-Wextra")
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=${cuda_host_flags}>)
+  if(STRIA_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings>)
+  endif()
 endfunction()
 
 # Device code generation for our own CUDA targets.

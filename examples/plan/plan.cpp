@@ -2,8 +2,13 @@
 // plan: how evenly each sharding x ring topology spreads a Vertical-Slash pattern over the ranks.
 // For a synthetic VS input (or a recorded selection) it prints, per combination, the worker- and
 // step-level imbalance degrees and the busiest rank's attention FLOPs. Runs on any machine.
-#include <stria/index/workload.hpp>
+#include <stria/comm/host_threads.hpp>
+#include <stria/estimator/vertical_slash_top_p.hpp>
+#include <stria/estimator/window_statistics.hpp>
+#include <stria/host/recall.hpp>
 #include <stria/host/synthetic_vs.hpp>
+#include <stria/index/workload.hpp>
+#include <stria/sharding/dispatch.hpp>
 #include <stria/sharding/sequential.hpp>
 #include <stria/sharding/striped.hpp>
 #include <stria/sharding/zigzag.hpp>
@@ -11,7 +16,10 @@
 #include <stria/topology/hierarchical_ring.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cmath>
+#include <span>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -35,6 +43,9 @@ constexpr const char* usage =
     "  --head-dim D     64 or 128 (default 128)\n"
     "  --rope-theta T   RoPE base of the synthetic input (default 1e6)\n"
     "  --seed S         seed of the synthetic input (default 1)\n"
+    "  --estimate       run the online estimator (vertical_slash_top_p, default settings) on the\n"
+    "                   synthetic Q/K over --world simulated ranks and plan its selection; adds\n"
+    "                   recall_mean and recall_min (exact attention, when --seq-len <= 16384)\n"
     "  --selection F    plan a recorded selection instead: JSON {\"seq_len\": S, \"causal\": true,\n"
     "                   \"heads\": [{\"vertical\": [token, ...], \"slash_blocks\": [delta, ...]}, ...]}\n"
     "  --json           print one JSON object instead of the table\n"
@@ -51,6 +62,7 @@ struct options {
   double rope_theta = 1e6;
   unsigned long long seed = 1;
   std::string selection_file;
+  bool estimate = false;
   bool json = false;
 };
 
@@ -87,6 +99,7 @@ options parse(int argc, char** argv) {
     else if (arg == "--seed") o.seed = static_cast<unsigned long long>(integer());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;
+    else if (arg == "--estimate") o.estimate = true;
     else if (arg == "--help") {
       std::fputs(usage, stdout);
       std::exit(0);
@@ -96,6 +109,8 @@ options parse(int argc, char** argv) {
   if (o.nodes < 1 || o.world % o.nodes != 0)
     throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
   if (!(o.sparsity >= 0.0 && o.sparsity < 1.0)) throw stria::invalid_argument("--sparsity", o.sparsity, "must lie in [0, 1)");
+  if (o.estimate && !o.selection_file.empty())
+    throw stria::invalid_argument("--estimate", "with --selection", "choose one: estimate on the synthetic input, or plan a recorded selection");
   return o;
 }
 
@@ -156,14 +171,49 @@ row plan_one(const stria::global_selection& g, const Sharding& sharding, const T
           stria::forward_flops(w.total(), head_dim)};
 }
 
+/// The distributed estimator on `world` simulated ranks (striped<64> shards); every rank must agree.
+stria::global_selection estimate_on_ranks(const stria::host::synthetic_vs& data, const stria::host::synthetic_vs_options& s,
+                                          stria::index_t world, double& seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const stria::sharding::striped<64> sharding;
+  const stria::index_t local = s.seq_len / world;
+  auto split = [&](const std::vector<float>& global, stria::index_t heads) {
+    std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
+    std::vector<stria::tensor_view<float, 3>> views;
+    for (auto& x : shards) views.emplace_back(x.data(), std::array<stria::index_t, 3>{local, heads, s.head_dim});
+    stria::sharding::dispatch(sharding, stria::tensor_view<const float, 3>(global.data(), {s.seq_len, heads, s.head_dim}),
+                              std::span<const stria::tensor_view<float, 3>>(views));
+    return shards;
+  };
+  const auto q = split(data.q, s.heads_q), k = split(data.k, s.heads_kv);
+  std::vector<stria::global_selection> found(static_cast<std::size_t>(world));
+  stria::comm::host_world ranks(world);
+  ranks.run([&](stria::comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    found[r] = stria::estimator::estimate(stria::estimator::vertical_slash_top_p{}, c, sharding, s.seq_len, true,
+                                          stria::tensor_view<const float, 3>(q[r].data(), {local, s.heads_q, s.head_dim}),
+                                          stria::tensor_view<const float, 3>(k[r].data(), {local, s.heads_kv, s.head_dim}),
+                                          1.0 / std::sqrt(double(s.head_dim)));
+  });
+  for (std::size_t r = 1; r < found.size(); ++r)
+    for (std::size_t h = 0; h < found[0].heads.size(); ++h)
+      if (found[r].heads[h].vertical_tokens != found[0].heads[h].vertical_tokens || found[r].heads[h].slash_deltas != found[0].heads[h].slash_deltas)
+        throw stria::comm_error("ranks 0 and " + std::to_string(r) + " estimated different selections");
+  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return found[0];
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   const options o = parse(argc, argv);
   const auto start = std::chrono::steady_clock::now();
   stria::global_selection g;
+  std::string source = "synthetic";
+  double estimate_seconds = 0, recall_mean = -1, recall_min = -1;
   if (!o.selection_file.empty()) {
     g = read_selection(o.selection_file);
+    source = "selection";
   } else {
     stria::host::synthetic_vs_options s;
     s.seq_len = o.seq_len;
@@ -173,7 +223,20 @@ int main(int argc, char** argv) try {
     s.rope_theta = o.rope_theta;
     s.density = 1.0 - o.sparsity;
     s.seed = o.seed;
-    g = stria::host::plant_vs_selection(s);
+    if (!o.estimate) {
+      g = stria::host::plant_vs_selection(s);
+    } else {
+      source = "estimated";
+      const stria::host::synthetic_vs data = stria::host::make_synthetic_vs(s);
+      g = estimate_on_ranks(data, s, o.world, estimate_seconds);
+      if (o.seq_len <= 16384) {
+        const stria::host::recall_summary r = stria::host::attention_recall(
+            g, stria::tensor_view<const float, 3>(data.q.data(), {o.seq_len, o.heads_q, o.head_dim}),
+            stria::tensor_view<const float, 3>(data.k.data(), {o.seq_len, o.heads_kv, o.head_dim}), 1.0 / std::sqrt(double(o.head_dim)));
+        recall_mean = r.mean;
+        recall_min = r.min;
+      }
+    }
   }
   const stria::index_t cards = o.world / o.nodes;
   std::vector<row> rows;
@@ -192,9 +255,14 @@ int main(int argc, char** argv) try {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (o.json) {
     std::printf("{\"config\": {\"seq_len\": %d, \"world\": %d, \"nodes\": %d, \"heads_q\": %d, \"heads_kv\": %d, \"head_dim\": %d, "
-                "\"sparsity\": %.6f, \"density\": %.6f, \"source\": \"%s\", \"seed\": %llu, \"seconds\": %.3f},\n \"rows\": [",
-                g.seq_len, o.world, o.nodes, g.num_heads(), o.heads_kv, o.head_dim, 1.0 - density, density,
-                o.selection_file.empty() ? "synthetic" : "selection", o.seed, seconds);
+                "\"sparsity\": %.6f, \"density\": %.6f, \"source\": \"%s\", \"seed\": %llu, \"seconds\": %.3f",
+                g.seq_len, o.world, o.nodes, g.num_heads(), o.heads_kv, o.head_dim, 1.0 - density, density, source.c_str(), o.seed, seconds);
+    if (o.estimate) {
+      std::printf(", \"estimator\": \"vertical_slash_top_p\", \"estimate_seconds\": %.3f", estimate_seconds);
+      if (recall_mean >= 0) std::printf(", \"recall_mean\": %.6f, \"recall_min\": %.6f", recall_mean, recall_min);
+      else std::printf(", \"recall_mean\": null, \"recall_min\": null");
+    }
+    std::printf("},\n \"rows\": [");
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const row& r = rows[i];
       std::printf("%s\n  {\"sharding\": \"%s\", \"topology\": \"%s\", \"worker_imbalance\": %.4f, \"worker_imbalance_max\": %.4f, "
@@ -207,7 +275,14 @@ int main(int argc, char** argv) try {
   }
   std::printf("plan: seq_len %d, world %d (%d node%s), heads %d, head_dim %d, %s pattern, density %.2f%% of causal entries\n",
               g.seq_len, o.world, o.nodes, o.nodes > 1 ? "s" : "", g.num_heads(), o.head_dim,
-              o.selection_file.empty() ? "synthetic Vertical-Slash" : o.selection_file.c_str(), 100.0 * density);
+              o.estimate ? "estimated (vertical_slash_top_p)" : o.selection_file.empty() ? "synthetic Vertical-Slash" : o.selection_file.c_str(),
+              100.0 * density);
+  if (o.estimate) {
+    std::printf("estimator on %d simulated ranks: %.2f s", o.world, estimate_seconds);
+    if (recall_mean >= 0) std::printf("; recalled attention mass over all query rows: mean %.4f, min %.4f", recall_mean, recall_min);
+    else std::printf("; recall not computed (needs --seq-len <= 16384)");
+    std::printf("\n");
+  }
   std::printf("imbalance = busiest / mean (1.00 is perfect); worker: over ranks within a step, step: over one rank's steps\n\n");
   std::printf("%-11s %-26s %17s %17s %22s\n", "sharding", "topology", "worker mean/max", "step mean/max", "busiest rank fwd GFLOP");
   for (const row& r : rows)

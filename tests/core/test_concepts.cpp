@@ -55,8 +55,8 @@ static_assert(stria::ring_topology<counter_ring>);
 /// Selects the first `count` vertical tokens and nothing else but the diagonal.
 struct first_tokens {
   static constexpr std::string_view name = "first_tokens";
-  static constexpr bool needs_statistics = false;
   index_t count = 4;
+  stria::statistics_request request(index_t) const { return {}; }
   void validate(index_t seq_len, index_t) const {
     if (count > seq_len) throw stria::invalid_argument("count", count, "must not exceed seq_len");
   }
@@ -98,7 +98,7 @@ struct tile_32 {
 };
 static_assert(!stria::tile_traits<tile_32>);
 struct estimator_without_name {
-  static constexpr bool needs_statistics = true;
+  stria::statistics_request request(index_t) const { return {}; }
   void validate(index_t, index_t) const {}
   stria::global_selection select(const stria::vs_statistics&) const { return {}; }
 };
@@ -120,7 +120,10 @@ TEST_CASE("third-party policies satisfy the concepts and behave as declared") {
   }
 
   const third_party::first_tokens estimator{3};
-  const stria::global_selection g = estimator.select({256, 2, true, {}, {}});
+  stria::vs_statistics shape_only;
+  shape_only.seq_len = 256;
+  shape_only.num_heads = 2;
+  const stria::global_selection g = estimator.select(shape_only);
   CHECK_NOTHROW(g.validate());
   CHECK(g.heads.size() == 2);
   CHECK(g.heads[1].vertical_tokens == std::vector<stria::index_t>{0, 1, 2});

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <vector>
 
+#include "stria/host/recall.hpp"
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/workload.hpp"
 #include "stria/sharding/sequential.hpp"
@@ -17,17 +18,19 @@ using namespace stria;
 
 namespace {
 
-/// Mean over sampled rows of the exact attention probability that lands on `selection`'s entries.
-double mean_recall(const host::synthetic_vs& x, const global_selection& selection, const host::synthetic_vs_options& o) {
+/// Mean over rows (every `stride`-th) of the exact attention probability on `selection`'s entries, in fp64.
+double mean_recall(const host::synthetic_vs& x, const global_selection& selection, const host::synthetic_vs_options& o,
+                   index_t stride = 13, double* min_out = nullptr) {
   const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, group = hq / hkv;
   std::vector<double> score(static_cast<std::size_t>(s));
   double sum = 0;
   int rows = 0;
   for (index_t h = 0; h < hq; ++h) {
     const head_selection& sel = selection.heads[static_cast<std::size_t>(h)];
-    for (index_t n = 5; n < s; n += 13) {
+    for (index_t n = stride == 1 ? 0 : 5; n < s; n += stride) {
+      const index_t keys = selection.causal ? n + 1 : s;
       double top = -1e300;
-      for (index_t j = 0; j <= n; ++j) {
+      for (index_t j = 0; j < keys; ++j) {
         double dot = 0;
         for (index_t e = 0; e < d; ++e)
           dot += double(x.q[(static_cast<std::size_t>(n) * hq + h) * d + e]) * double(x.k[(static_cast<std::size_t>(j) * hkv + h / group) * d + e]);
@@ -35,14 +38,16 @@ double mean_recall(const host::synthetic_vs& x, const global_selection& selectio
         top = std::max(top, score[static_cast<std::size_t>(j)]);
       }
       double total = 0, hit = 0;
-      for (index_t j = 0; j <= n; ++j) {
+      for (index_t j = 0; j < keys; ++j) {
         const double p = std::exp(score[static_cast<std::size_t>(j)] - top);
         total += p;
         if (std::binary_search(sel.vertical_tokens.begin(), sel.vertical_tokens.end(), j) ||
-            std::binary_search(sel.slash_deltas.begin(), sel.slash_deltas.end(), n / 64 - j / 64))
+            std::binary_search(sel.slash_deltas.begin(), sel.slash_deltas.end(), n / 64 - j / 64) ||
+            std::binary_search(sel.blocks.begin(), sel.blocks.end(), block_pair{n / 64, j / 64}))
           hit += p;
       }
       sum += hit / total;
+      if (min_out) *min_out = std::min(*min_out, hit / total);
       ++rows;
     }
   }
@@ -130,4 +135,36 @@ TEST_CASE("generator options are validated with the argument and the rule") {
   o.heads_q = 6;
   o.heads_kv = 4;
   CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains("heads_q = 6: must be a positive multiple of heads_kv = 4"), stria::invalid_argument);
+}
+
+TEST_CASE("attention_recall equals the fp64 recall over every row") {
+  host::synthetic_vs_options o;
+  o.seq_len = 1024;
+  o.heads_q = 4;
+  o.heads_kv = 1;
+  o.head_dim = 64;
+  o.density = 0.08;
+  const host::synthetic_vs x = host::make_synthetic_vs(o);
+  double expected_min = 1;
+  const double expected = mean_recall(x, x.planted, o, 1, &expected_min);
+  const host::recall_summary r = host::attention_recall(x.planted, tensor_view<const float, 3>(x.q.data(), {1024, 4, 64}),
+                                                        tensor_view<const float, 3>(x.k.data(), {1024, 1, 64}), 0.125, 2);
+  CHECK(r.rows == 4 * 1024);
+  CHECK(r.mean == doctest::Approx(expected).epsilon(1e-5));
+  CHECK(r.min == doctest::Approx(expected_min).epsilon(1e-4));
+  // Full attention, with explicit tiles and negative diagonals.
+  global_selection full{1024, false, {}};
+  for (index_t h = 0; h < 4; ++h) full.heads.push_back({{3, 700}, {-5, 0, 2}, {{1, 9}, {15, 0}}});
+  double full_min = 1;
+  const double full_expected = mean_recall(x, full, o, 1, &full_min);
+  const host::recall_summary f = host::attention_recall(full, tensor_view<const float, 3>(x.q.data(), {1024, 4, 64}),
+                                                        tensor_view<const float, 3>(x.k.data(), {1024, 1, 64}), 0.125, 2);
+  CHECK(f.mean == doctest::Approx(full_expected).epsilon(1e-5));
+  CHECK(f.min == doctest::Approx(full_min).epsilon(1e-4));
+  CHECK_THROWS_WITH_AS(host::attention_recall(x.planted, tensor_view<const float, 3>(x.q.data(), {1024, 4, 64}),
+                                              tensor_view<const float, 3>(x.k.data(), {1024, 1, 128}), 0.125),
+                       doctest::Contains("k.extent(2) = 128: must be 64"), stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(host::attention_recall(x.planted, tensor_view<const float, 3>(x.q.data(), {1024, 2, 64}),
+                                              tensor_view<const float, 3>(x.k.data(), {1024, 1, 64}), 0.125),
+                       doctest::Contains("q.extent(1) = 2: must equal the selection's head count 4"), stria::invalid_argument);
 }

@@ -99,19 +99,21 @@ concept ring_topology = std::copyable<T> && requires(const T t, index_t rank, in
 // ---------------------------------------------------------------------------------------------
 // Index estimator: how the global sparse selection is found from the data, each layer.
 
-struct global_selection;  // stria/index/global_selection.hpp
-struct vs_statistics;     // stria/estimator/statistics.hpp
+struct global_selection;     // stria/index/global_selection.hpp
+struct vs_statistics;        // stria/estimator/statistics.hpp
+struct statistics_request;   // stria/estimator/statistics.hpp
 
 /// Requirements of an index estimator E (built-ins: estimator::vertical_slash_top_p, top_k, dense, block_mask):
-/// - `E::name`; `E::needs_statistics`: whether the distributed window statistics must be gathered;
+/// - `E::name`;
 /// - `e.validate(seq_len, num_heads)`: throws stria::invalid_argument for settings that cannot apply;
+/// - `e.request(seq_len)`: the window statistics to gather (window_rows 0: none);
 /// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
 template <class E>
 concept index_estimator = std::copyable<E> && requires(const E e, index_t seq_len, index_t num_heads,
                                                        const vs_statistics& statistics) {
   { E::name } -> std::convertible_to<std::string_view>;
-  { E::needs_statistics } -> std::convertible_to<bool>;
   { e.validate(seq_len, num_heads) } -> std::same_as<void>;
+  { e.request(seq_len) } -> std::same_as<statistics_request>;
   { e.select(statistics) } -> std::same_as<global_selection>;
 };
 

@@ -18,6 +18,7 @@ struct block_pair {
   index_t query_block;
   index_t key_block;
 
+  friend constexpr bool operator==(const block_pair&, const block_pair&) = default;
   friend constexpr auto operator<=>(const block_pair&, const block_pair&) = default;
 };
 

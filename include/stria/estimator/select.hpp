@@ -1,0 +1,132 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared selection steps of the Vertical-Slash estimators: budgets, top-p counts, and the slash
+// diagonals in selection order.
+#pragma once
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "stria/core/config.hpp"
+#include "stria/core/error.hpp"
+#include "stria/estimator/statistics.hpp"
+#include "stria/index/global_selection.hpp"
+
+namespace stria::estimator {
+
+/// How many lines an estimator may keep: at least `min`, at most `max` (0: the estimator's default cap).
+struct budget {
+  index_t min = 1;
+  index_t max = 0;
+};
+
+namespace detail {
+
+/// The cap a budget stands for: its max, or `default_cap` when max is 0, never above what exists.
+inline index_t cap_of(const budget& b, index_t default_cap, index_t existing) {
+  return std::min(b.max > 0 ? b.max : default_cap, existing);
+}
+
+/// Throws unless the budget is usable: min >= 1, max >= 0 and not above what exists, min <= the cap.
+inline void validate_budget(const budget& b, const char* name, index_t default_cap, index_t existing, const char* what) {
+  const std::string n(name);
+  if (b.min < 1) throw invalid_argument(n + ".min", b.min, "budgets must be at least 1");
+  if (b.max < 0) throw invalid_argument(n + ".max", b.max, "must be >= 0 (0 picks the default cap)");
+  if (b.max > existing)
+    throw invalid_argument(n + ".max", b.max, "exceeds the " + std::to_string(existing) + " " + what + " that exist");
+  if (b.min > cap_of(b, default_cap, existing))
+    throw invalid_argument(n + ".min", b.min, "exceeds the budget's cap " + std::to_string(cap_of(b, default_cap, existing)));
+}
+
+/// The fewest leading entries of `mass` (already in selection order) whose sum reaches `goal`,
+/// clamped to [min, cap] and to the entries there are.
+inline index_t count_to_goal(const std::vector<float>& mass, double goal, index_t min, index_t cap) {
+  double sum = 0;
+  index_t count = 0;
+  while (count < static_cast<index_t>(mass.size()) && count < cap && sum < goal) sum += mass[static_cast<std::size_t>(count++)];
+  return std::min(std::max(count, min), std::min(cap, static_cast<index_t>(mass.size())));
+}
+
+/// `mass` (one value per diagonal index) as (delta, mass) pairs in selection order: larger mass
+/// first, ties to the smaller delta; diagonals with delta in (-local, local) are left out.
+inline std::vector<index_t> diagonals_by_mass(const vs_statistics& s, const std::vector<double>& mass, index_t local,
+                                              std::vector<float>& mass_in_order) {
+  std::vector<index_t> order;
+  for (index_t i = 0; i < s.num_diagonals(); ++i) {
+    const index_t delta = i - s.diagonal_offset();
+    if (delta > -local && delta < local) continue;
+    order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return mass[static_cast<std::size_t>(a)] > mass[static_cast<std::size_t>(b)]; });
+  mass_in_order.resize(order.size());
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    mass_in_order[i] = float(mass[static_cast<std::size_t>(order[i])]);
+    order[i] -= s.diagonal_offset();  // index -> delta
+  }
+  return order;
+}
+
+/// The Vertical-Slash selection of one head (DESIGN 7, step 4), with the window in the last block:
+/// 1. the local diagonals (-local, local) are always selected;
+/// 2. verticals: the fewest candidates (which exclude the local blocks) whose mass reaches
+///    p_vertical of the window mass outside the local diagonals, within the vertical budget;
+/// 3. slashes: by residual mass (a diagonal's mass minus that of the chosen verticals on it), the
+///    fewest further diagonals that bring the union to p_slash of the window mass, within budget.
+/// The union then recalls at least max(p_vertical, p_slash) of the window's mass unless a budget
+/// cap binds first.
+inline head_selection select_head(const vs_statistics& s, index_t h, double p_vertical, double p_slash, const budget& vertical,
+                                  index_t vertical_cap, const budget& slash, index_t slash_cap, index_t local_diagonals) {
+  const index_t n = s.num_diagonals();
+  const float* slash_mass = s.slash_mass.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(n);
+  const double total = s.window_mass[static_cast<std::size_t>(h)];
+  double local = 0;
+  std::vector<double> residual(static_cast<std::size_t>(n));
+  for (index_t i = 0; i < n; ++i) {
+    residual[static_cast<std::size_t>(i)] = slash_mass[i];
+    const index_t delta = i - s.diagonal_offset();
+    if (delta > -local_diagonals && delta < local_diagonals) local += slash_mass[i];
+  }
+  head_selection head;
+  const auto& candidates = s.vertical[static_cast<std::size_t>(h)];
+  std::vector<float> mass(candidates.size());
+  for (std::size_t i = 0; i < candidates.size(); ++i) mass[i] = candidates[i].mass;
+  const index_t n_vertical = count_to_goal(mass, p_vertical * (total - local), vertical.min, vertical_cap);
+  double covered = local;
+  for (index_t i = 0; i < n_vertical; ++i) {
+    const vertical_candidate& c = candidates[static_cast<std::size_t>(i)];
+    head.vertical_tokens.push_back(c.token);
+    residual[static_cast<std::size_t>(s.diagonal_of(c.token) + s.diagonal_offset())] -= c.mass;
+    covered += c.mass;
+  }
+  for (double& r : residual) r = std::max(r, 0.0);
+  const std::vector<index_t> diagonals = diagonals_by_mass(s, residual, local_diagonals, mass);
+  const index_t n_slash = count_to_goal(mass, p_slash * total - covered, slash.min, slash_cap);
+  head.slash_deltas.assign(diagonals.begin(), diagonals.begin() + n_slash);
+  return head;
+}
+
+/// Throws unless the statistics were gathered (they are empty for estimators that need none).
+inline void check_statistics(const vs_statistics& s, const char* estimator) {
+  if (s.empty() || s.vertical.size() != static_cast<std::size_t>(s.num_heads) ||
+      s.slash_mass.size() != static_cast<std::size_t>(s.num_heads) * static_cast<std::size_t>(s.num_diagonals()) ||
+      s.window_mass.size() != static_cast<std::size_t>(s.num_heads))
+    throw invalid_argument("statistics", "(incomplete)",
+                           std::string(estimator) + " needs the window statistics of every head (see request())");
+}
+
+/// Adds the safeguards (sink tokens; the local diagonals, which include 0) and sorts both lists.
+inline void finish_head(head_selection& head, index_t sink_tokens, index_t local_diagonals, bool causal) {
+  for (index_t t = 0; t < sink_tokens; ++t) head.vertical_tokens.push_back(t);
+  for (index_t d = 0; d < local_diagonals; ++d) {
+    head.slash_deltas.push_back(d);
+    if (!causal && d > 0) head.slash_deltas.push_back(-d);
+  }
+  for (auto* list : {&head.vertical_tokens, &head.slash_deltas}) {
+    std::sort(list->begin(), list->end());
+    list->erase(std::unique(list->begin(), list->end()), list->end());
+  }
+}
+
+}  // namespace detail
+}  // namespace stria::estimator

@@ -1,0 +1,70 @@
+// SPDX-License-Identifier: Apache-2.0
+// estimator::vertical_slash_top_p: per head, the fewest vertical tokens and the fewest slash block
+// diagonals whose window attention mass reaches p_vertical and p_slash, within budgets (MTraining's
+// online budget approximation, DESIGN 7).
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+
+#include "stria/core/concepts.hpp"
+#include "stria/estimator/select.hpp"
+
+namespace stria::estimator {
+
+struct vertical_slash_top_p {
+  static constexpr std::string_view name = "vertical_slash_top_p";
+  static constexpr index_t default_max_vertical = 2048;
+
+  index_t last_q = 64;        // observation window: the last last_q query tokens of the sequence
+  double p_vertical = 0.9;
+  double p_slash = 0.9;
+  budget vertical{1, 0};      // tokens; max 0: min(2048, seq_len)
+  budget slash{1, 0};         // block diagonals beyond the local ones; max 0: all of them
+  index_t sink_tokens = 4;    // the first tokens, always vertical
+  index_t local_diagonals = 1;  // block diagonals 0 .. local_diagonals - 1, always slash
+
+  void validate(index_t seq_len, index_t num_heads) const {
+    if (seq_len <= 0 || seq_len % block_tokens != 0)
+      throw invalid_argument("seq_len", seq_len, "must be a positive multiple of 64 (the block size)");
+    if (num_heads < 1) throw invalid_argument("num_heads", num_heads, "must be at least 1");
+    if (!(p_vertical > 0.0 && p_vertical <= 1.0)) throw invalid_argument("p_vertical", p_vertical, "must lie in (0, 1]");
+    if (!(p_slash > 0.0 && p_slash <= 1.0)) throw invalid_argument("p_slash", p_slash, "must lie in (0, 1]");
+    if (last_q < 1 || last_q > std::min(seq_len, block_tokens))
+      throw invalid_argument("last_q", last_q,
+                             "must lie in [1, " + std::to_string(std::min(seq_len, block_tokens)) +
+                                 "]: the window is the end of the last block (and no longer than seq_len)");
+    const index_t blocks = seq_len / block_tokens;
+    detail::validate_budget(vertical, "vertical", default_max_vertical, seq_len, "key tokens");
+    detail::validate_budget(slash, "slash", blocks, blocks, "causal block diagonals");
+    if (sink_tokens < 0 || sink_tokens > seq_len)
+      throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len = " + std::to_string(seq_len) + "]");
+    if (local_diagonals < 1 || local_diagonals > blocks)
+      throw invalid_argument("local_diagonals", local_diagonals,
+                             "must lie in [1, seq_len / 64 = " + std::to_string(blocks) + "] (diagonal 0 is always selected)");
+  }
+
+  [[nodiscard]] statistics_request request(index_t seq_len) const {
+    return {last_q, detail::cap_of(vertical, default_max_vertical, seq_len), local_diagonals};
+  }
+
+  [[nodiscard]] global_selection select(const vs_statistics& s) const {
+    detail::check_statistics(s, "vertical_slash_top_p");
+    if (s.local_blocks != local_diagonals)
+      throw invalid_argument("statistics.local_blocks", s.local_blocks,
+                             "must equal local_diagonals " + std::to_string(local_diagonals) + " (statistics gathered for another estimator)");
+    global_selection g{s.seq_len, s.causal, {}};
+    const index_t vertical_cap = detail::cap_of(vertical, default_max_vertical, s.seq_len);
+    const index_t slash_cap = detail::cap_of(slash, s.num_blocks(), s.num_blocks());
+    for (index_t h = 0; h < s.num_heads; ++h) {
+      head_selection head = detail::select_head(s, h, p_vertical, p_slash, vertical, vertical_cap, slash, slash_cap, local_diagonals);
+      detail::finish_head(head, sink_tokens, local_diagonals, s.causal);
+      g.heads.push_back(std::move(head));
+    }
+    return g;
+  }
+};
+static_assert(index_estimator<vertical_slash_top_p>);
+
+}  // namespace stria::estimator
