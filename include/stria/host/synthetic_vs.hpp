@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "stria/core/config.hpp"
@@ -243,45 +244,58 @@ inline global_selection plant_vs_selection(const synthetic_vs_options& o, detail
   return g;
 }
 
-/// Q, K, V drawn from the model (token noise, outlier keys), with RoPE applied, and the planted selection.
+/// Q, K, V drawn from the model (token noise, outlier keys), with RoPE applied, and the planted
+/// selection. Tokens are drawn in chunks of 1024, each from its own seeded stream, on all hardware
+/// threads: the result depends on the seed only, not on the thread count.
 inline synthetic_vs make_synthetic_vs(const synthetic_vs_options& o) {
   detail::vs_model m;
   synthetic_vs out;
   out.planted = plant_vs_selection(o, &m);
   const index_t s = o.seq_len, d = o.head_dim;
-  std::mt19937_64 rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
-  std::normal_distribution<double> normal(0.0, 1.0);
   out.q.resize(static_cast<std::size_t>(s) * o.heads_q * d);
   out.k.resize(static_cast<std::size_t>(s) * o.heads_kv * d);
   out.v.resize(out.k.size());
-  std::vector<double> x(static_cast<std::size_t>(d));
-  // RoPE on pairs (2i, 2i + 1) by angle theta_i * position.
-  auto rope_store = [&](float* dst, index_t position) {
-    for (index_t i = 0; i < m.pairs; ++i) {
-      const double angle = m.theta[static_cast<std::size_t>(i)] * double(position);
-      const double c = std::cos(angle), sn = std::sin(angle);
-      const double a = x[static_cast<std::size_t>(2 * i)], b = x[static_cast<std::size_t>(2 * i + 1)];
-      dst[2 * i] = float(c * a - sn * b);
-      dst[2 * i + 1] = float(sn * a + c * b);
+  const double outlier_norm = detail::outlier_logit / m.scale;  // L: scale * (u . L u) = outlier_logit
+  constexpr index_t chunk = 1024;
+  auto draw_chunk = [&](index_t first) {
+    std::mt19937_64 rng(o.seed * 0x9e3779b97f4a7c15ULL + static_cast<std::uint64_t>(first / chunk) + 1);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::vector<double> x(static_cast<std::size_t>(d));
+    // RoPE on pairs (2i, 2i + 1) by angle theta_i * position.
+    auto rope_store = [&](float* dst, index_t position) {
+      for (index_t i = 0; i < m.pairs; ++i) {
+        const double angle = m.theta[static_cast<std::size_t>(i)] * double(position);
+        const double c = std::cos(angle), sn = std::sin(angle);
+        const double a = x[static_cast<std::size_t>(2 * i)], b = x[static_cast<std::size_t>(2 * i + 1)];
+        dst[2 * i] = float(c * a - sn * b);
+        dst[2 * i + 1] = float(sn * a + c * b);
+      }
+    };
+    for (index_t t = first; t < std::min(s, first + chunk); ++t) {
+      for (index_t h = 0; h < o.heads_q; ++h) {
+        for (index_t j = 0; j < d; ++j) x[static_cast<std::size_t>(j)] = m.mean_q[static_cast<std::size_t>(h * d + j)] + m.noise * normal(rng);
+        rope_store(out.q.data() + (static_cast<std::size_t>(t) * o.heads_q + h) * d, t);
+      }
+      for (index_t hk = 0; hk < o.heads_kv; ++hk) {
+        const auto& vertical = m.vertical[static_cast<std::size_t>(hk)];
+        const bool is_outlier = std::binary_search(vertical.begin(), vertical.end(), t);
+        for (index_t j = 0; j < d; ++j) {
+          x[static_cast<std::size_t>(j)] = m.mean_k[static_cast<std::size_t>(hk * d + j)] + m.noise * normal(rng);
+          if (is_outlier) x[static_cast<std::size_t>(j)] += outlier_norm * m.outlier[static_cast<std::size_t>(hk * d + j)];
+        }
+        rope_store(out.k.data() + (static_cast<std::size_t>(t) * o.heads_kv + hk) * d, t);
+        for (index_t j = 0; j < d; ++j) out.v[(static_cast<std::size_t>(t) * o.heads_kv + hk) * d + static_cast<std::size_t>(j)] = float(normal(rng));
+      }
     }
   };
-  const double outlier_norm = detail::outlier_logit / m.scale;  // L: scale * (u . L u) = outlier_logit
-  for (index_t t = 0; t < s; ++t) {
-    for (index_t h = 0; h < o.heads_q; ++h) {
-      for (index_t j = 0; j < d; ++j) x[static_cast<std::size_t>(j)] = m.mean_q[static_cast<std::size_t>(h * d + j)] + m.noise * normal(rng);
-      rope_store(out.q.data() + (static_cast<std::size_t>(t) * o.heads_q + h) * d, t);
-    }
-    for (index_t hk = 0; hk < o.heads_kv; ++hk) {
-      const auto& vertical = m.vertical[static_cast<std::size_t>(hk)];
-      const bool is_outlier = std::binary_search(vertical.begin(), vertical.end(), t);
-      for (index_t j = 0; j < d; ++j) {
-        x[static_cast<std::size_t>(j)] = m.mean_k[static_cast<std::size_t>(hk * d + j)] + m.noise * normal(rng);
-        if (is_outlier) x[static_cast<std::size_t>(j)] += outlier_norm * m.outlier[static_cast<std::size_t>(hk * d + j)];
-      }
-      rope_store(out.k.data() + (static_cast<std::size_t>(t) * o.heads_kv + hk) * d, t);
-      for (index_t j = 0; j < d; ++j) out.v[(static_cast<std::size_t>(t) * o.heads_kv + hk) * d + static_cast<std::size_t>(j)] = float(normal(rng));
-    }
-  }
+  const index_t chunks = (s + chunk - 1) / chunk;
+  const auto workers = static_cast<index_t>(std::max(1u, std::min(std::thread::hardware_concurrency(), static_cast<unsigned>(chunks))));
+  std::vector<std::thread> pool;
+  for (index_t w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (index_t c = w; c < chunks; c += workers) draw_chunk(c * chunk);
+    });
+  for (auto& t : pool) t.join();
   return out;
 }
 

@@ -1,0 +1,182 @@
+// SPDX-License-Identifier: Apache-2.0
+// Window statistics on the GPU: the same algorithm and the same vs_statistics as
+// gather_window_statistics (window_statistics.hpp), with the heavy work (window x local keys, twice)
+// in kernels and the candidate top-k by CUB's segmented radix sort. The collectives exchange small
+// host arrays (rows x heads, diagonals x heads, candidates), so any host-surface communicator works.
+#pragma once
+
+#include <cub/device/device_segmented_radix_sort.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/core/attention_shape.hpp"
+#include "stria/core/concepts.hpp"
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
+#include "stria/estimator/statistics.hpp"
+#include "stria/index/global_selection.hpp"
+#include "stria/kernel/window_statistics.cuh"
+
+namespace stria::estimator {
+
+/// This rank's part of the window statistics, on `stream`. q_local [S_local, Hq, D] and
+/// k_local [S_local, Hkv, D] are contiguous device tensors of bf16, fp16 or float.
+template <class Comm, sharding_policy Sharding, class T>
+vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
+                                              const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
+                                              statistics_request request, cudaStream_t stream) {
+  const index_t world = comm.world_size(), rank = comm.rank();
+  const shard_layout layout{seq_len / block_tokens, world};
+  sharding.validate(layout);
+  const index_t local_blocks = sharding.local_blocks(layout), local_tokens = local_blocks * block_tokens;
+  attention_shape{local_tokens, local_tokens, heads_q, heads_kv, dim}.validate();
+  if (q_local == nullptr) throw invalid_argument("q_local", "nullptr", "must point to device memory");
+  if (k_local == nullptr) throw invalid_argument("k_local", "nullptr", "must point to device memory");
+  if (request.window_rows < 1 || request.window_rows > std::min(seq_len, block_tokens))
+    throw invalid_argument("request.window_rows", request.window_rows, "must lie in [1, 64]: the window is the end of the last block");
+  const index_t rows = request.window_rows, first_row = seq_len - rows;
+
+  // Global block of each local block, and the global token of each local token (sort values).
+  std::vector<index_t> key_global_block(static_cast<std::size_t>(local_blocks));
+  for (index_t b = 0; b < local_blocks; ++b) key_global_block[static_cast<std::size_t>(b)] = sharding.global_block(layout, {rank, b});
+  std::vector<index_t> token_values(static_cast<std::size_t>(heads_q) * local_tokens);
+  for (index_t h = 0; h < heads_q; ++h)
+    for (index_t j = 0; j < local_tokens; ++j)
+      token_values[static_cast<std::size_t>(h) * local_tokens + j] = key_global_block[static_cast<std::size_t>(j / block_tokens)] * block_tokens + j % block_tokens;
+  const device_buffer<index_t> key_global_block_d{std::span<const index_t>(key_global_block)};
+
+  // 1. The window lies in the last block, so one rank owns all of it: it broadcasts the rows.
+  const block_location owner = sharding.locate(layout, layout.num_blocks - 1);
+  std::vector<float> window(static_cast<std::size_t>(rows) * heads_q * dim);
+  if (owner.rank == rank) {
+    std::vector<T> raw(window.size());
+    const std::size_t first_local = static_cast<std::size_t>(owner.local_block) * block_tokens + static_cast<std::size_t>(first_row % block_tokens);
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(raw.data(), q_local + first_local * heads_q * dim, raw.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (std::size_t i = 0; i < raw.size(); ++i) window[i] = to_float(raw[i]);
+  }
+  comm.broadcast(window.data(), window.size(), owner.rank);
+  device_buffer<float> window_d(window.size());
+  window_d.upload(window, stream);
+
+  // 2. Pass 1: this rank's row max and sum of exp2.
+  const float scale_log2 = float(softmax_scale * 1.4426950408889634);
+  const std::size_t shared = kernel::window_shared_bytes(dim);
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+  const dim3 grid(static_cast<unsigned>(local_blocks), static_cast<unsigned>(heads_q));
+  device_buffer<float> tile_max(static_cast<std::size_t>(heads_q) * local_blocks * rows), tile_sum(tile_max.size());
+  kernel::window_tile_partials<T><<<grid, kernel::window_threads, shared, stream>>>(
+      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, tile_max.data(),
+      tile_sum.data());
+  STRIA_CUDA_CHECK_LAUNCH("window_tile_partials");
+  device_buffer<float> row_max_d(static_cast<std::size_t>(heads_q) * rows), row_sum_d(row_max_d.size());
+  kernel::combine_row_partials<<<static_cast<unsigned>((heads_q * rows + 127) / 128), 128, 0, stream>>>(
+      tile_max.data(), tile_sum.data(), heads_q, local_blocks, rows, row_max_d.data(), row_sum_d.data());
+  STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
+
+  // 3. Global softmax normaliser: max over ranks, then every rank's sum rescaled to that max.
+  std::vector<float> row_max = row_max_d.download(stream), row_sum = row_sum_d.download(stream);
+  std::vector<float> global_max = row_max;
+  comm.all_reduce(global_max.data(), global_max.data(), global_max.size(), comm::reduce_op::max);
+  for (std::size_t i = 0; i < row_sum.size(); ++i)
+    row_sum[i] = row_max[i] == -INFINITY ? 0.0f : float(double(row_sum[i]) * std::exp2(double(row_max[i]) - double(global_max[i])));
+  comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
+  row_max_d.upload(global_max, stream);
+  row_sum_d.upload(row_sum, stream);
+
+  // 4. Pass 2: probabilities into per-token vertical mass and per-tile (block diagonal) mass.
+  device_buffer<float> vertical(static_cast<std::size_t>(heads_q) * local_tokens), tile_mass(static_cast<std::size_t>(heads_q) * local_blocks);
+  kernel::window_tile_probabilities<T><<<grid, kernel::window_threads, shared, stream>>>(
+      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, row_max_d.data(),
+      row_sum_d.data(), layout.num_blocks - request.local_blocks, vertical.data(), tile_mass.data());
+  STRIA_CUDA_CHECK_LAUNCH("window_tile_probabilities");
+
+  // Each head's candidates: a stable descending radix sort keeps ascending tokens among equal masses,
+  // the order every rank and the host use (vertical_candidate's operator<).
+  const index_t per_rank = std::min(request.vertical_candidates, local_tokens);
+  std::vector<index_t> offsets(static_cast<std::size_t>(heads_q) + 1);
+  for (index_t h = 0; h <= heads_q; ++h) offsets[static_cast<std::size_t>(h)] = h * local_tokens;
+  const device_buffer<index_t> offsets_d{std::span<const index_t>(offsets)};
+  device_buffer<index_t> tokens_in{std::span<const index_t>(token_values)}, tokens_out(token_values.size());
+  device_buffer<float> vertical_sorted(vertical.size());
+  std::size_t temp_bytes = 0;
+  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, vertical.data(), vertical_sorted.data(),
+                                                                      tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
+                                                                      static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
+                                                                      32, stream));
+  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1));
+  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(temp.data(), temp_bytes, vertical.data(), vertical_sorted.data(),
+                                                                      tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
+                                                                      static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
+                                                                      32, stream));
+  std::vector<float> top_mass(static_cast<std::size_t>(heads_q) * per_rank);
+  std::vector<index_t> top_token(top_mass.size());
+  STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_mass.data(), per_rank * sizeof(float), vertical_sorted.data(), local_tokens * sizeof(float),
+                                     per_rank * sizeof(float), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
+  STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), tokens_out.data(), local_tokens * sizeof(index_t),
+                                     per_rank * sizeof(index_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
+  const std::vector<float> tiles = tile_mass.download(stream);  // synchronises the stream
+
+  // 5. The same collectives as the host path.
+  vs_statistics st;
+  st.seq_len = seq_len;
+  st.num_heads = heads_q;
+  st.causal = causal;
+  st.window_rows = rows;
+  st.local_blocks = request.local_blocks;
+  const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
+  st.slash_mass.assign(static_cast<std::size_t>(heads_q) * diagonals, 0.0f);
+  st.window_mass.assign(static_cast<std::size_t>(heads_q), 0.0f);
+  for (index_t h = 0; h < heads_q; ++h) {
+    double total = 0;
+    for (index_t b = 0; b < local_blocks; ++b) {
+      const float m = tiles[static_cast<std::size_t>(h) * local_blocks + b];
+      st.slash_mass[static_cast<std::size_t>(h) * diagonals + static_cast<std::size_t>(st.diagonal_of(key_global_block[static_cast<std::size_t>(b)] * block_tokens) + offset)] = m;
+      total += m;
+    }
+    st.window_mass[static_cast<std::size_t>(h)] = float(total);
+  }
+  comm.all_reduce(st.slash_mass.data(), st.slash_mass.data(), st.slash_mass.size(), comm::reduce_op::sum);
+  comm.all_reduce(st.window_mass.data(), st.window_mass.data(), st.window_mass.size(), comm::reduce_op::sum);
+  std::vector<vertical_candidate> mine(top_mass.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = {top_mass[i], top_token[i]};
+  std::vector<vertical_candidate> all(mine.size() * static_cast<std::size_t>(world));
+  comm.all_gather(mine.data(), all.data(), mine.size());
+  st.vertical.resize(static_cast<std::size_t>(heads_q));
+  for (index_t h = 0; h < heads_q; ++h) {
+    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
+    for (index_t r = 0; r < world; ++r) {
+      const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads_q + h) * per_rank;
+      union_h.insert(union_h.end(), begin, begin + per_rank);
+    }
+    std::sort(union_h.begin(), union_h.end());
+    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
+  }
+  return st;
+}
+
+/// estimate() with the statistics from the GPU; the selection step is the host's (tiny).
+template <index_estimator Estimator, class Comm, sharding_policy Sharding, class T>
+global_selection estimate_device(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
+                                 const T* q_local, const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
+                                 cudaStream_t stream) {
+  estimator.validate(seq_len, heads_q);
+  const statistics_request request = estimator.request(seq_len);
+  if (request.window_rows == 0) {
+    vs_statistics shape;
+    shape.seq_len = seq_len;
+    shape.num_heads = heads_q;
+    shape.causal = causal;
+    return estimator.select(shape);
+  }
+  return estimator.select(gather_window_statistics_device(comm, sharding, seq_len, causal, q_local, k_local, heads_q, heads_kv, dim,
+                                                          softmax_scale, request, stream));
+}
+
+}  // namespace stria::estimator

@@ -1,0 +1,235 @@
+// SPDX-License-Identifier: Apache-2.0
+// The GPU builder of local step indices: device_selection (a global selection uploaded once per
+// layer) and build_local_index_device, which produces on the device exactly the arrays that
+// build_local_index (local_index.hpp) produces on the host.
+#pragma once
+
+#include <cub/device/device_scan.cuh>
+
+#include <vector>
+
+#include "stria/core/concepts.hpp"
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/index/global_selection.hpp"
+#include "stria/index/step_index.hpp"
+#include "stria/kernel/local_index.cuh"
+
+namespace stria {
+
+/// A step index in device memory; view() gives the pointers kernels consume.
+struct device_step_index {
+  step_index_shape shape;
+  step_index_origin origin;
+  device_buffer<index_t> query_global_block, kv_global_block, block_ptr, block_col, col_ptr, col_token, kv_query_ptr, kv_query,
+      vtoken_head_ptr, vtoken, vtoken_query_ptr, vtoken_query;
+
+  [[nodiscard]] step_index_view view() const {
+    return {shape,           query_global_block.data(), kv_global_block.data(), block_ptr.data(),    block_col.data(),
+            col_ptr.data(),  col_token.data(),          kv_query_ptr.data(),    kv_query.data(),     vtoken_head_ptr.data(),
+            vtoken.data(),   vtoken_query_ptr.data(),   vtoken_query.data()};
+  }
+
+  /// A host copy (for tests and inspection).
+  [[nodiscard]] step_index to_host() const {
+    return {shape,
+            origin,
+            query_global_block.download(),
+            kv_global_block.download(),
+            block_ptr.download(),
+            block_col.download(),
+            col_ptr.download(),
+            col_token.download(),
+            kv_query_ptr.download(),
+            kv_query.download(),
+            vtoken_head_ptr.download(),
+            vtoken.download(),
+            vtoken_query_ptr.download(),
+            vtoken_query.download()};
+  }
+};
+
+/// A global selection flattened into per-head CSR lists on the device.
+class device_selection {
+ public:
+  explicit device_selection(const global_selection& g) : seq_len_(g.seq_len), heads_(g.num_heads()), causal_(g.causal) {
+    g.validate();
+    std::vector<index_t> slash_ptr{0}, slash, vertical_ptr{0}, vertical, tile_ptr{0}, tile_query, tile_key, head_of;
+    for (index_t h = 0; h < heads_; ++h) {
+      const head_selection& head = g.heads[static_cast<std::size_t>(h)];
+      slash.insert(slash.end(), head.slash_deltas.begin(), head.slash_deltas.end());
+      slash_ptr.push_back(static_cast<index_t>(slash.size()));
+      vertical.insert(vertical.end(), head.vertical_tokens.begin(), head.vertical_tokens.end());
+      vertical_ptr.push_back(static_cast<index_t>(vertical.size()));
+      head_of.insert(head_of.end(), head.vertical_tokens.size(), h);
+      for (const block_pair& b : head.blocks) {
+        tile_query.push_back(b.query_block);
+        tile_key.push_back(b.key_block);
+      }
+      tile_ptr.push_back(static_cast<index_t>(tile_query.size()));
+    }
+    vertical_ptr_host_ = vertical_ptr;
+    auto up = [](const std::vector<index_t>& x) { return device_buffer<index_t>(std::span<const index_t>(x)); };
+    slash_ptr_ = up(slash_ptr);
+    slash_ = up(slash);
+    vertical_ptr_ = up(vertical_ptr);
+    vertical_ = up(vertical);
+    tile_ptr_ = up(tile_ptr);
+    tile_query_ = up(tile_query);
+    tile_key_ = up(tile_key);
+    head_of_ = up(head_of);
+  }
+
+  [[nodiscard]] index_t seq_len() const { return seq_len_; }
+  [[nodiscard]] index_t num_heads() const { return heads_; }
+  [[nodiscard]] bool causal() const { return causal_; }
+  [[nodiscard]] index_t num_vertical() const { return static_cast<index_t>(vertical_.size()); }
+  /// Where each head's vertical tokens start in the flattened list (host copy) [heads + 1].
+  [[nodiscard]] const std::vector<index_t>& vertical_ptr_host() const { return vertical_ptr_host_; }
+  /// The head of each flattened vertical token (device).
+  [[nodiscard]] const index_t* vertical_head() const { return head_of_.data(); }
+
+  /// The selection's device lists, in the builder kernels' parameter block.
+  void fill(kernel::index_build_params& p) const {
+    p.slash_ptr = slash_ptr_.data();
+    p.slash = slash_.data();
+    p.vertical_ptr = vertical_ptr_.data();
+    p.vertical = vertical_.data();
+    p.tile_ptr = tile_ptr_.data();
+    p.tile_query = tile_query_.data();
+    p.tile_key = tile_key_.data();
+  }
+
+ private:
+  index_t seq_len_, heads_;
+  bool causal_;
+  std::vector<index_t> vertical_ptr_host_;
+  device_buffer<index_t> slash_ptr_, slash_, vertical_ptr_, vertical_, tile_ptr_, tile_query_, tile_key_, head_of_;
+};
+
+namespace detail {
+
+/// counts[0..n) -> exclusive prefix sums in ptr[0..n] (ptr[n] = total); returns the total.
+inline index_t exclusive_scan(device_buffer<index_t>& counts_with_tail, device_buffer<index_t>& ptr, cudaStream_t stream) {
+  const auto n = counts_with_tail.size();  // the last element is a 0 tail
+  std::size_t temp_bytes = 0;
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts_with_tail.data(), ptr.data(), static_cast<int>(n), stream));
+  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1));
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts_with_tail.data(), ptr.data(), static_cast<int>(n), stream));
+  index_t total = 0;
+  STRIA_CUDA_CHECK(cudaMemcpyAsync(&total, ptr.data() + n - 1, sizeof(index_t), cudaMemcpyDeviceToHost, stream));
+  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return total;
+}
+
+inline unsigned blocks_for(index_t n, unsigned threads) { return static_cast<unsigned>((n + static_cast<index_t>(threads) - 1) / static_cast<index_t>(threads)); }
+
+}  // namespace detail
+
+/// build_local_index on the GPU: the index of `query_rank`'s local query blocks against `kv_rank`'s
+/// KV shard, on `stream`. Returns when the index is complete.
+template <sharding_policy Sharding>
+device_step_index build_local_index_device(const device_selection& sel, const Sharding& sharding, index_t world_size, index_t query_rank,
+                                           index_t kv_rank, step_index_origin origin = {}, cudaStream_t stream = nullptr) {
+  const index_t nb = sel.seq_len() / block_tokens;
+  const shard_layout layout{nb, world_size};
+  sharding.validate(layout);
+  if (query_rank < 0 || query_rank >= world_size)
+    throw invalid_argument("query_rank", query_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+  if (kv_rank < 0 || kv_rank >= world_size)
+    throw invalid_argument("kv_rank", kv_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+  const index_t local = sharding.local_blocks(layout), heads = sel.num_heads(), rows = heads * local;
+
+  std::vector<index_t> query_global(static_cast<std::size_t>(local)), kv_global(query_global.size()), owner(static_cast<std::size_t>(nb)),
+      local_of(owner.size());
+  for (index_t i = 0; i < local; ++i) {
+    query_global[static_cast<std::size_t>(i)] = sharding.global_block(layout, {query_rank, i});
+    kv_global[static_cast<std::size_t>(i)] = sharding.global_block(layout, {kv_rank, i});
+  }
+  for (index_t b = 0; b < nb; ++b) {
+    const block_location where = sharding.locate(layout, b);
+    owner[static_cast<std::size_t>(b)] = where.rank;
+    local_of[static_cast<std::size_t>(b)] = where.local_block;
+  }
+  device_step_index out;
+  out.shape = {heads, local, local, sel.causal()};
+  out.origin = origin;
+  out.origin.seq_len = sel.seq_len();
+  out.origin.world_size = world_size;
+  out.origin.rank = query_rank;
+  out.origin.kv_source_rank = kv_rank;
+  out.query_global_block = device_buffer<index_t>(std::span<const index_t>(query_global));
+  out.kv_global_block = device_buffer<index_t>(std::span<const index_t>(kv_global));
+  const device_buffer<index_t> owner_d{std::span<const index_t>(owner)}, local_of_d{std::span<const index_t>(local_of)};
+
+  kernel::index_build_params p{};
+  p.heads = heads;
+  p.local_blocks = local;
+  p.num_blocks = nb;
+  p.causal = sel.causal();
+  p.query_rank = query_rank;
+  p.kv_rank = kv_rank;
+  p.query_global = out.query_global_block.data();
+  p.kv_global = out.kv_global_block.data();
+  p.owner = owner_d.data();
+  p.local_of = local_of_d.data();
+  sel.fill(p);
+  constexpr unsigned threads = 128;
+
+  // Forward form: per-row counts, pointers, entries.
+  device_buffer<index_t> tile_count(static_cast<std::size_t>(rows) + 1), token_count(static_cast<std::size_t>(rows) + 1);
+  tile_count.fill_bytes(0, stream);
+  token_count.fill_bytes(0, stream);
+  kernel::count_index_rows<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
+  STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
+  out.block_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
+  out.col_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
+  out.block_col = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(tile_count, out.block_ptr, stream)));
+  out.col_token = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(token_count, out.col_ptr, stream)));
+  kernel::fill_index_rows<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.block_ptr.data(), out.block_col.data(),
+                                                                                      out.col_ptr.data(), out.col_token.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_index_rows");
+
+  // Transposed tiles: per (head, KV block) the query blocks.
+  device_buffer<index_t> column_count(static_cast<std::size_t>(rows) + 1);
+  column_count.fill_bytes(0, stream);
+  kernel::count_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
+  STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
+  out.kv_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
+  out.kv_query = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(column_count, out.kv_query_ptr, stream)));
+  kernel::fill_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
+
+  // Transposed vertical tokens: the used tokens of this KV rank, compacted, each with its query blocks.
+  const index_t total = sel.num_vertical();
+  device_buffer<index_t> query_count(static_cast<std::size_t>(total) + 1), used(static_cast<std::size_t>(total) + 1);
+  query_count.fill_bytes(0, stream);
+  used.fill_bytes(0, stream);
+  if (total > 0) {
+    kernel::count_vertical_tokens<<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total, query_count.data(),
+                                                                                              used.data());
+    STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
+  }
+  device_buffer<index_t> position(static_cast<std::size_t>(total) + 1), query_offset(static_cast<std::size_t>(total) + 1);
+  const index_t used_tokens = detail::exclusive_scan(used, position, stream);
+  const index_t used_queries = detail::exclusive_scan(query_count, query_offset, stream);
+  out.vtoken = device_buffer<index_t>(static_cast<std::size_t>(used_tokens));
+  out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries));
+  out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1);
+  if (total > 0) {
+    kernel::fill_vertical_tokens<<<detail::blocks_for(total, threads), threads, 0, stream>>>(
+        p, sel.vertical_head(), total, position.data(), query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
+        out.vtoken_query.data());
+    STRIA_CUDA_CHECK_LAUNCH("fill_vertical_tokens");
+  }
+  STRIA_CUDA_CHECK(cudaMemcpyAsync(out.vtoken_query_ptr.data() + used_tokens, &used_queries, sizeof(index_t), cudaMemcpyHostToDevice, stream));
+  // Per-head pointers into the compacted tokens: the scan of `used` at each head's first entry.
+  const std::vector<index_t> positions = position.download(stream);
+  std::vector<index_t> head_ptr(static_cast<std::size_t>(heads) + 1);
+  for (index_t h = 0; h <= heads; ++h) head_ptr[static_cast<std::size_t>(h)] = positions[static_cast<std::size_t>(sel.vertical_ptr_host()[static_cast<std::size_t>(h)])];
+  out.vtoken_head_ptr = device_buffer<index_t>(std::span<const index_t>(head_ptr));
+  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+}  // namespace stria

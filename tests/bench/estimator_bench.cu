@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// Benchmark (a program, not a test): the online estimator on the GPU. Qwen2.5-3B attention shape
+// (Hq 16, Hkv 2, D 128), bf16 synthetic Vertical-Slash inputs.
+//  - S = 128K on one GPU: window statistics + selection (estimate_device), then the step index build;
+//  - S = 512K over W = 8 ranks sharing the one GPU (threads, host_threads collectives): every rank's
+//    estimate and its 8 step indices; per rank = total / 8 is what one rank would take on its own GPU
+//    if the 8 shared nothing (they share this GPU, so the total is close to the sum of their work).
+// Medians of repeated runs after warm-up; wall-clock, since the estimate includes its host steps.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
+#include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/estimator/window_statistics.cuh"
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/topology/flat_ring.hpp"
+
+using namespace stria;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+double median(std::vector<double> x) {
+  std::sort(x.begin(), x.end());
+  return x[x.size() / 2];
+}
+
+struct result {
+  double estimate_ms, index_ms, density;
+};
+
+/// All ranks' estimate and index builds on `world` threads sharing the GPU; medians over `repeats`.
+result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, index_t world, int repeats) {
+  const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
+  const sharding::striped<64> sharding;
+  const topology::flat_ring ring(world);
+  // Per-rank bf16 shards on the device.
+  std::vector<device_buffer<__nv_bfloat16>> q_d, k_d;
+  for (index_t r = 0; r < world; ++r) {
+    std::vector<__nv_bfloat16> q(static_cast<std::size_t>(local) * hq * d), k(static_cast<std::size_t>(local) * hkv * d);
+    for (index_t lb = 0; lb < local / 64; ++lb) {
+      const index_t gb = sharding.global_block({s / 64, world}, {r, lb});
+      for (index_t t = 0; t < 64; ++t) {
+        const std::size_t gt = static_cast<std::size_t>(gb * 64 + t), lt = static_cast<std::size_t>(lb * 64 + t);
+        for (index_t x = 0; x < hq * d; ++x) q[lt * hq * d + x] = from_float<__nv_bfloat16>(data.q[gt * hq * d + x]);
+        for (index_t x = 0; x < hkv * d; ++x) k[lt * hkv * d + x] = from_float<__nv_bfloat16>(data.k[gt * hkv * d + x]);
+      }
+    }
+    q_d.emplace_back(std::span<const __nv_bfloat16>(q));
+    k_d.emplace_back(std::span<const __nv_bfloat16>(k));
+  }
+  std::vector<double> estimate_ms, index_ms;
+  global_selection selection;
+  comm::host_world ranks(world, std::chrono::seconds(600));
+  ranks.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    cudaStream_t stream{};
+    STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
+    const estimator::vertical_slash_top_p estimator;
+    for (int i = 0; i < repeats + 2; ++i) {  // two warm-up rounds
+      c.barrier();
+      const auto t0 = clock_type::now();
+      global_selection g = estimator::estimate_device(estimator, c, sharding, s, true, q_d[r].data(), k_d[r].data(), hq, hkv, d,
+                                                      1.0 / std::sqrt(double(d)), stream);
+      c.barrier();
+      const auto t1 = clock_type::now();
+      const device_selection on_device(g);
+      for (index_t step = 0; step < world; ++step) {
+        const device_step_index index = build_local_index_device(on_device, sharding, world, c.rank(), ring.kv_source_rank(c.rank(), step),
+                                                                 {0, 0, 0, step, 0}, stream);
+      }
+      c.barrier();
+      const auto t2 = clock_type::now();
+      if (r == 0 && i >= 2) {
+        estimate_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        index_ms.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      }
+      if (r == 0) selection = std::move(g);
+    }
+    STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
+  });
+  const ring_workload w = count_ring_workload(selection, sharding, ring);
+  return {median(estimate_ms), median(index_ms), double(w.total()) / (double(s) * (s + 1) / 2.0 * hq)};
+}
+
+}  // namespace
+
+int main() try {
+  cudaDeviceProp prop{};
+  STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("estimator_bench on %s: Hq 16, Hkv 2, D 128, bf16, vertical_slash_top_p defaults, striped<64>\n", prop.name);
+  host::synthetic_vs_options o;
+  o.heads_q = 16;
+  o.heads_kv = 2;
+  o.head_dim = 128;
+  o.density = 0.05;
+  std::printf("%-34s %12s %14s %10s\n", "case", "estimate ms", "index build ms", "density");
+  for (const auto& [seq, world, name] : {std::tuple{131072, 1, "S=128K, 1 rank"}, std::tuple{524288, 8, "S=512K, 8 ranks on one GPU (all)"}}) {
+    o.seq_len = seq;
+    const auto t0 = clock_type::now();
+    const host::synthetic_vs data = host::make_synthetic_vs(o);
+    const double gen_s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    const result r = run(data, o, world, 9);
+    std::printf("%-34s %12.2f %14.2f %9.2f%%   (inputs generated in %.1f s)\n", name, r.estimate_ms, r.index_ms, 100 * r.density, gen_s);
+    if (world > 1)
+      std::printf("%-34s %12.2f %14.2f\n", "  per rank (total / 8)", r.estimate_ms / world, r.index_ms / world);
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "%s\n", e.what());
+  return 1;
+}

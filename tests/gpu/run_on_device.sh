@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the device tool): the `gpu` tests, compute-sanitizer memcheck and
+# racecheck over them, then the benchmarks; prints a short table last and leaves logs in $OUT.
+# Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
+# sm_90a); otherwise configures and builds them here with -j16.
+#   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/stria-device-out}
+mkdir -p "$OUT"
+mode=${1:-full}
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+bin=.device/bin
+if [ ! -x "$bin/stria_gpu_tests" ]; then
+  bin=build-device/bin
+  start=$(date +%s)
+  cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
+        -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
+    cmake --build build-device -j16 --target stria_gpu_tests estimator_bench > "$OUT/build.log" 2>&1
+  note "build on device: rc=$? in $(( $(date +%s) - start )) s"
+fi
+
+run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and time
+  local name=$1; shift
+  local start=$(date +%s.%N)
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local secs=$(printf "%.1f" "$(echo "$(date +%s.%N) - $start" | bc)")
+  tail -n 3 "$OUT/$name.log"
+  note "$name: rc=$rc (${secs} s)"
+  return $rc
+}
+
+run gpu_tests "$bin/stria_gpu_tests"
+if [ "$mode" != quick ]; then
+  run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/stria_gpu_tests"
+  run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests"
+fi
+run estimator_bench "$bin/estimator_bench"
+
+echo
+echo "================ summary ================"
+printf '%s\n' "${summary[@]}"
+echo "---- estimator_bench ----"
+cat "$OUT/estimator_bench.log"

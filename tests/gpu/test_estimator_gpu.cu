@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+// The estimator on the GPU: the device index builder gives exactly the host builder's arrays; the
+// device window statistics agree with the host's (single rank and several ranks sharing the GPU,
+// bf16, fp16 and fp32), are identical on every rank, and select what the host selects.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <set>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
+#include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/estimator/window_statistics.cuh"
+#include "stria/estimator/window_statistics.hpp"
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/index/local_index.hpp"
+#include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "stria/topology/flat_ring.hpp"
+#include "support/selection.hpp"
+
+using namespace stria;
+
+namespace {
+
+template <class Sharding>
+void check_device_builder(const global_selection& g, const Sharding& sharding, index_t world) {
+  const device_selection on_device(g);
+  const topology::flat_ring ring(world);
+  for (index_t r = 0; r < world; ++r)
+    for (index_t s = 0; s < world; ++s) {
+      CAPTURE(r);
+      CAPTURE(s);
+      const step_index_origin origin{0, 0, 0, s, 0};
+      const step_index host = build_local_index(g, sharding, world, r, ring.kv_source_rank(r, s), origin);
+      const step_index device = build_local_index_device(on_device, sharding, world, r, ring.kv_source_rank(r, s), origin).to_host();
+      CHECK(device.shape == host.shape);
+      CHECK(device.origin == host.origin);
+      CHECK(device.query_global_block == host.query_global_block);
+      CHECK(device.kv_global_block == host.kv_global_block);
+      CHECK(device.block_ptr == host.block_ptr);
+      CHECK(device.block_col == host.block_col);
+      CHECK(device.col_ptr == host.col_ptr);
+      CHECK(device.col_token == host.col_token);
+      CHECK(device.kv_query_ptr == host.kv_query_ptr);
+      CHECK(device.kv_query == host.kv_query);
+      CHECK(device.vtoken_head_ptr == host.vtoken_head_ptr);
+      CHECK(device.vtoken == host.vtoken);
+      CHECK(device.vtoken_query_ptr == host.vtoken_query_ptr);
+      CHECK(device.vtoken_query == host.vtoken_query);
+      CHECK_NOTHROW(device.validate());
+    }
+}
+
+/// Inputs rounded to T, then back to float for the host path (both paths see the same values).
+template <class T>
+struct rounded {
+  std::vector<T> values;
+  std::vector<float> as_float;
+  explicit rounded(const std::vector<float>& x) : values(x.size()), as_float(x.size()) {
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      values[i] = from_float<T>(x[i]);
+      as_float[i] = to_float(values[i]);
+    }
+  }
+};
+
+/// Statistics and selections of `world` ranks, from the host path and the device path.
+template <class T, class Sharding>
+void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_options& o, const Sharding& sharding, index_t world) {
+  const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
+  const double scale = 1.0 / std::sqrt(double(d));
+  const rounded<T> q(data.q), k(data.k);
+  auto split = [&](const std::vector<float>& global, index_t heads) {
+    std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
+    std::vector<tensor_view<float, 3>> views;
+    for (auto& x : shards) views.emplace_back(x.data(), std::array<index_t, 3>{local, heads, d});
+    sharding::dispatch(sharding, tensor_view<const float, 3>(global.data(), {s, heads, d}), std::span<const tensor_view<float, 3>>(views));
+    return shards;
+  };
+  const auto q_s = split(q.as_float, hq), k_s = split(k.as_float, hkv);
+  estimator::vertical_slash_top_p e;
+  e.vertical = {1, 512};
+  std::vector<vs_statistics> host_stats(static_cast<std::size_t>(world)), device_stats(host_stats.size());
+  comm::host_world ranks(world, std::chrono::seconds(120));
+  ranks.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    host_stats[r] = estimator::gather_window_statistics(c, sharding, s, true, tensor_view<const float, 3>(q_s[r].data(), {local, hq, d}),
+                                                        tensor_view<const float, 3>(k_s[r].data(), {local, hkv, d}), scale, e.request(s));
+    std::vector<T> q_local(q_s[r].size()), k_local(k_s[r].size());
+    for (std::size_t i = 0; i < q_local.size(); ++i) q_local[i] = from_float<T>(q_s[r][i]);  // exact: already rounded to T
+    for (std::size_t i = 0; i < k_local.size(); ++i) k_local[i] = from_float<T>(k_s[r][i]);
+    const device_buffer<T> q_d{std::span<const T>(q_local)}, k_d{std::span<const T>(k_local)};
+    cudaStream_t stream{};
+    STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
+    device_stats[r] = estimator::gather_window_statistics_device(c, sharding, s, true, q_d.data(), k_d.data(), hq, hkv, d, scale,
+                                                                 e.request(s), stream);
+    STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
+  });
+  for (index_t r = 1; r < world; ++r) {  // identical on every rank
+    CHECK(device_stats[static_cast<std::size_t>(r)].slash_mass == device_stats[0].slash_mass);
+    CHECK(device_stats[static_cast<std::size_t>(r)].vertical == device_stats[0].vertical);
+  }
+  const vs_statistics& a = device_stats[0];
+  const vs_statistics& b = host_stats[0];
+  REQUIRE(a.slash_mass.size() == b.slash_mass.size());
+  for (std::size_t i = 0; i < a.slash_mass.size(); ++i) CHECK(a.slash_mass[i] == doctest::Approx(b.slash_mass[i]).epsilon(1e-4).scale(1e-6));
+  for (std::size_t h = 0; h < a.window_mass.size(); ++h) CHECK(a.window_mass[h] == doctest::Approx(b.window_mass[h]).epsilon(1e-4));
+  for (index_t h = 0; h < hq; ++h) {
+    const auto& va = a.vertical[static_cast<std::size_t>(h)];
+    const auto& vb = b.vertical[static_cast<std::size_t>(h)];
+    REQUIRE(va.size() == vb.size());
+    for (std::size_t i = 0; i < std::min<std::size_t>(va.size(), 256); ++i)
+      CHECK(va[i].mass == doctest::Approx(vb[i].mass).epsilon(1e-4).scale(1e-7));  // the same top masses in order
+  }
+  // Same selection, up to lines whose masses tie within rounding at the budget's edge.
+  const global_selection ga = e.select(a), gb = e.select(b);
+  for (index_t h = 0; h < hq; ++h) {
+    const auto& ha = ga.heads[static_cast<std::size_t>(h)];
+    const auto& hb = gb.heads[static_cast<std::size_t>(h)];
+    std::vector<index_t> diff;
+    std::set_symmetric_difference(ha.vertical_tokens.begin(), ha.vertical_tokens.end(), hb.vertical_tokens.begin(), hb.vertical_tokens.end(),
+                                  std::back_inserter(diff));
+    CHECK(diff.size() <= std::max<std::size_t>(2, hb.vertical_tokens.size() / 100));
+    CHECK(ha.slash_deltas.size() == doctest::Approx(hb.slash_deltas.size()).epsilon(0.05));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the device index builder reproduces the host builder, array for array") {
+  STRIA_SEEDED_RNG(rng);
+  for (const bool causal : {true, false})
+    for (const index_t world : {1, 2, 3, 4, 8}) {
+      CAPTURE(causal);
+      CAPTURE(world);
+      const global_selection g = test::random_selection(rng, 2 * world * 64 * 3, 3, causal, 0.3, 0.03);
+      check_device_builder(g, sharding::sequential{}, world);
+      check_device_builder(g, sharding::zigzag{}, world);
+      check_device_builder(g, sharding::striped<64>{}, world);
+    }
+  // A synthetic Vertical-Slash selection at a larger size.
+  host::synthetic_vs_options o;
+  o.seq_len = 32768;
+  o.heads_q = 4;
+  o.heads_kv = 1;
+  check_device_builder(host::plant_vs_selection(o), sharding::striped<64>{}, 8);
+}
+
+TEST_CASE("device window statistics agree with the host's, for bf16, fp16 and fp32, on 1 and several ranks") {
+  host::synthetic_vs_options o;
+  o.seq_len = 8192;
+  o.heads_q = 8;
+  o.heads_kv = 2;
+  o.head_dim = 128;
+  o.density = 0.05;
+  const host::synthetic_vs data = host::make_synthetic_vs(o);
+  SUBCASE("bf16") {
+    compare_paths<__nv_bfloat16>(data, o, sharding::sequential{}, 1);
+    compare_paths<__nv_bfloat16>(data, o, sharding::striped<64>{}, 4);
+  }
+  SUBCASE("fp16") { compare_paths<__half>(data, o, sharding::zigzag{}, 2); }
+  SUBCASE("fp32, head_dim 64") {
+    host::synthetic_vs_options o64 = o;
+    o64.head_dim = 64;
+    o64.seq_len = 6144;
+    compare_paths<float>(host::make_synthetic_vs(o64), o64, sharding::striped<64>{}, 3);
+  }
+}
