@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -95,7 +97,9 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
 
 }  // namespace
 
-int main() try {
+int main(int argc, char** argv) try {
+  // --once: the 128K case, one timed run (for profilers such as ncu).
+  const bool once = argc > 1 && std::string(argv[1]) == "--once";
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("estimator_bench on %s: Hq 16, Hkv 2, D 128, bf16, vertical_slash_top_p defaults, striped<64>\n", prop.name);
@@ -106,11 +110,12 @@ int main() try {
   o.density = 0.05;
   std::printf("%-34s %12s %14s %10s\n", "case", "estimate ms", "index build ms", "density");
   for (const auto& [seq, world, name] : {std::tuple{131072, 1, "S=128K, 1 rank"}, std::tuple{524288, 8, "S=512K, 8 ranks on one GPU (all)"}}) {
+    if (once && world > 1) break;
     o.seq_len = seq;
     const auto t0 = clock_type::now();
     const host::synthetic_vs data = host::make_synthetic_vs(o);
     const double gen_s = std::chrono::duration<double>(clock_type::now() - t0).count();
-    const result r = run(data, o, world, 9);
+    const result r = run(data, o, world, once ? 1 : 9);
     std::printf("%-34s %12.2f %14.2f %9.2f%%   (inputs generated in %.1f s)\n", name, r.estimate_ms, r.index_ms, 100 * r.density, gen_s);
     if (world > 1)
       std::printf("%-34s %12.2f %14.2f\n", "  per rank (total / 8)", r.estimate_ms / world, r.index_ms / world);

@@ -225,7 +225,7 @@ TEST_CASE("budgets bound the selection, and safeguards are always present") {
   estimator::vertical_slash_top_p floor;
   floor.p_vertical = floor.p_slash = 1e-6;
   floor.vertical = {7, 0};
-  floor.slash = {5, 0};
+  floor.slash = {5, 10};
   floor.sink_tokens = 0;
   const global_selection f = run_distributed(p, sharding::sequential{}, 1, floor, true).second[0];
   for (const head_selection& h : f.heads) {

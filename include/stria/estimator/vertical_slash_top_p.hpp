@@ -15,13 +15,23 @@ namespace stria::estimator {
 
 struct vertical_slash_top_p {
   static constexpr std::string_view name = "vertical_slash_top_p";
-  static constexpr index_t default_max_vertical = 2048;
+
+  /// Default caps, used when a budget's max is 0. They scale with the sequence so that a full
+  /// budget stays near MTraining's ~95% sparsity: about 1/64 of the key tokens as verticals
+  /// (each covers ~1/seq_len of the causal entries) and 1/32 of the block diagonals as slashes.
+  static constexpr index_t default_vertical_cap(index_t seq_len) {
+    return std::min(seq_len, std::clamp<index_t>(seq_len / 64, 64, 4096));
+  }
+  static constexpr index_t default_slash_cap(index_t seq_len) {
+    const index_t blocks = seq_len / block_tokens;
+    return std::min(blocks, std::clamp<index_t>(blocks / 32, 4, 512));
+  }
 
   index_t last_q = 64;        // observation window: the last last_q query tokens of the sequence
   double p_vertical = 0.9;
   double p_slash = 0.9;
-  budget vertical{1, 0};      // tokens; max 0: min(2048, seq_len)
-  budget slash{1, 0};         // block diagonals beyond the local ones; max 0: all of them
+  budget vertical{1, 0};      // tokens; max 0: default_vertical_cap(seq_len)
+  budget slash{1, 0};         // block diagonals beyond the local ones; max 0: default_slash_cap(seq_len)
   index_t sink_tokens = 4;    // the first tokens, always vertical
   index_t local_diagonals = 1;  // block diagonals 0 .. local_diagonals - 1, always slash
 
@@ -36,8 +46,8 @@ struct vertical_slash_top_p {
                              "must lie in [1, " + std::to_string(std::min(seq_len, block_tokens)) +
                                  "]: the window is the end of the last block (and no longer than seq_len)");
     const index_t blocks = seq_len / block_tokens;
-    detail::validate_budget(vertical, "vertical", default_max_vertical, seq_len, "key tokens");
-    detail::validate_budget(slash, "slash", blocks, blocks, "causal block diagonals");
+    detail::validate_budget(vertical, "vertical", default_vertical_cap(seq_len), seq_len, "key tokens");
+    detail::validate_budget(slash, "slash", default_slash_cap(seq_len), blocks, "causal block diagonals");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len = " + std::to_string(seq_len) + "]");
     if (local_diagonals < 1 || local_diagonals > blocks)
@@ -46,7 +56,7 @@ struct vertical_slash_top_p {
   }
 
   [[nodiscard]] statistics_request request(index_t seq_len) const {
-    return {last_q, detail::cap_of(vertical, default_max_vertical, seq_len), local_diagonals};
+    return {last_q, detail::cap_of(vertical, default_vertical_cap(seq_len), seq_len), local_diagonals};
   }
 
   [[nodiscard]] global_selection select(const vs_statistics& s) const {
@@ -55,8 +65,8 @@ struct vertical_slash_top_p {
       throw invalid_argument("statistics.local_blocks", s.local_blocks,
                              "must equal local_diagonals " + std::to_string(local_diagonals) + " (statistics gathered for another estimator)");
     global_selection g{s.seq_len, s.causal, {}};
-    const index_t vertical_cap = detail::cap_of(vertical, default_max_vertical, s.seq_len);
-    const index_t slash_cap = detail::cap_of(slash, s.num_blocks(), s.num_blocks());
+    const index_t vertical_cap = detail::cap_of(vertical, default_vertical_cap(s.seq_len), s.seq_len);
+    const index_t slash_cap = detail::cap_of(slash, default_slash_cap(s.seq_len), s.num_blocks());
     for (index_t h = 0; h < s.num_heads; ++h) {
       head_selection head = detail::select_head(s, h, p_vertical, p_slash, vertical, vertical_cap, slash, slash_cap, local_diagonals);
       detail::finish_head(head, sink_tokens, local_diagonals, s.causal);

@@ -41,14 +41,10 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
     throw invalid_argument("request.window_rows", request.window_rows, "must lie in [1, 64]: the window is the end of the last block");
   const index_t rows = request.window_rows, first_row = seq_len - rows;
 
-  // Global block of each local block, and the global token of each local token (sort values).
+  // Global block of each local block. Every device buffer below lives in stream order on `stream`.
   std::vector<index_t> key_global_block(static_cast<std::size_t>(local_blocks));
   for (index_t b = 0; b < local_blocks; ++b) key_global_block[static_cast<std::size_t>(b)] = sharding.global_block(layout, {rank, b});
-  std::vector<index_t> token_values(static_cast<std::size_t>(heads_q) * local_tokens);
-  for (index_t h = 0; h < heads_q; ++h)
-    for (index_t j = 0; j < local_tokens; ++j)
-      token_values[static_cast<std::size_t>(h) * local_tokens + j] = key_global_block[static_cast<std::size_t>(j / block_tokens)] * block_tokens + j % block_tokens;
-  const device_buffer<index_t> key_global_block_d{std::span<const index_t>(key_global_block)};
+  const device_buffer<index_t> key_global_block_d{std::span<const index_t>(key_global_block), stream};
 
   // 1. The window lies in the last block, so one rank owns all of it: it broadcasts the rows.
   const block_location owner = sharding.locate(layout, layout.num_blocks - 1);
@@ -61,8 +57,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
     for (std::size_t i = 0; i < raw.size(); ++i) window[i] = to_float(raw[i]);
   }
   comm.broadcast(window.data(), window.size(), owner.rank);
-  device_buffer<float> window_d(window.size());
-  window_d.upload(window, stream);
+  const device_buffer<float> window_d{std::span<const float>(window), stream};
 
   // 2. Pass 1: this rank's row max and sum of exp2.
   const float scale_log2 = float(softmax_scale * 1.4426950408889634);
@@ -70,28 +65,29 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   const dim3 grid(static_cast<unsigned>(local_blocks), static_cast<unsigned>(heads_q));
-  device_buffer<float> tile_max(static_cast<std::size_t>(heads_q) * local_blocks * rows), tile_sum(tile_max.size());
+  device_buffer<float> tile_max(static_cast<std::size_t>(heads_q) * local_blocks * rows, stream), tile_sum(tile_max.size(), stream);
   kernel::window_tile_partials<T><<<grid, kernel::window_threads, shared, stream>>>(
       window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, tile_max.data(),
       tile_sum.data());
   STRIA_CUDA_CHECK_LAUNCH("window_tile_partials");
-  device_buffer<float> row_max_d(static_cast<std::size_t>(heads_q) * rows), row_sum_d(row_max_d.size());
-  kernel::combine_row_partials<<<static_cast<unsigned>((heads_q * rows + 127) / 128), 128, 0, stream>>>(
+  device_buffer<float> row_max_d(static_cast<std::size_t>(heads_q) * rows, stream), row_sum_d(row_max_d.size(), stream);
+  kernel::combine_row_partials<<<static_cast<unsigned>(heads_q * rows), 256, 0, stream>>>(
       tile_max.data(), tile_sum.data(), heads_q, local_blocks, rows, row_max_d.data(), row_sum_d.data());
   STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
 
   // 3. Global softmax normaliser: max over ranks, then every rank's sum rescaled to that max.
-  std::vector<float> row_max = row_max_d.download(stream), row_sum = row_sum_d.download(stream);
+  std::vector<float> row_max = row_max_d.download(), row_sum = row_sum_d.download();
   std::vector<float> global_max = row_max;
   comm.all_reduce(global_max.data(), global_max.data(), global_max.size(), comm::reduce_op::max);
   for (std::size_t i = 0; i < row_sum.size(); ++i)
     row_sum[i] = row_max[i] == -INFINITY ? 0.0f : float(double(row_sum[i]) * std::exp2(double(row_max[i]) - double(global_max[i])));
   comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
-  row_max_d.upload(global_max, stream);
-  row_sum_d.upload(row_sum, stream);
+  row_max_d.upload(global_max);
+  row_sum_d.upload(row_sum);
 
   // 4. Pass 2: probabilities into per-token vertical mass and per-tile (block diagonal) mass.
-  device_buffer<float> vertical(static_cast<std::size_t>(heads_q) * local_tokens), tile_mass(static_cast<std::size_t>(heads_q) * local_blocks);
+  device_buffer<float> vertical(static_cast<std::size_t>(heads_q) * local_tokens, stream),
+      tile_mass(static_cast<std::size_t>(heads_q) * local_blocks, stream);
   kernel::window_tile_probabilities<T><<<grid, kernel::window_threads, shared, stream>>>(
       window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, row_max_d.data(),
       row_sum_d.data(), layout.num_blocks - request.local_blocks, vertical.data(), tile_mass.data());
@@ -102,15 +98,18 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   const index_t per_rank = std::min(request.vertical_candidates, local_tokens);
   std::vector<index_t> offsets(static_cast<std::size_t>(heads_q) + 1);
   for (index_t h = 0; h <= heads_q; ++h) offsets[static_cast<std::size_t>(h)] = h * local_tokens;
-  const device_buffer<index_t> offsets_d{std::span<const index_t>(offsets)};
-  device_buffer<index_t> tokens_in{std::span<const index_t>(token_values)}, tokens_out(token_values.size());
-  device_buffer<float> vertical_sorted(vertical.size());
+  const device_buffer<index_t> offsets_d{std::span<const index_t>(offsets), stream};
+  device_buffer<index_t> tokens_in(vertical.size(), stream), tokens_out(vertical.size(), stream);
+  kernel::key_token_values<<<static_cast<unsigned>((vertical.size() + 255) / 256), 256, 0, stream>>>(key_global_block_d.data(), heads_q,
+                                                                                                      local_tokens, tokens_in.data());
+  STRIA_CUDA_CHECK_LAUNCH("key_token_values");
+  device_buffer<float> vertical_sorted(vertical.size(), stream);
   std::size_t temp_bytes = 0;
   STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, vertical.data(), vertical_sorted.data(),
                                                                       tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
                                                                       static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
                                                                       32, stream));
-  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1));
+  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
   STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(temp.data(), temp_bytes, vertical.data(), vertical_sorted.data(),
                                                                       tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
                                                                       static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
@@ -121,7 +120,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
                                      per_rank * sizeof(float), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), tokens_out.data(), local_tokens * sizeof(index_t),
                                      per_rank * sizeof(index_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
-  const std::vector<float> tiles = tile_mass.download(stream);  // synchronises the stream
+  const std::vector<float> tiles = tile_mass.download();  // synchronises the stream
 
   // 5. The same collectives as the host path.
   vs_statistics st;

@@ -68,7 +68,6 @@ class device_selection {
       }
       tile_ptr.push_back(static_cast<index_t>(tile_query.size()));
     }
-    vertical_ptr_host_ = vertical_ptr;
     auto up = [](const std::vector<index_t>& x) { return device_buffer<index_t>(std::span<const index_t>(x)); };
     slash_ptr_ = up(slash_ptr);
     slash_ = up(slash);
@@ -84,8 +83,6 @@ class device_selection {
   [[nodiscard]] index_t num_heads() const { return heads_; }
   [[nodiscard]] bool causal() const { return causal_; }
   [[nodiscard]] index_t num_vertical() const { return static_cast<index_t>(vertical_.size()); }
-  /// Where each head's vertical tokens start in the flattened list (host copy) [heads + 1].
-  [[nodiscard]] const std::vector<index_t>& vertical_ptr_host() const { return vertical_ptr_host_; }
   /// The head of each flattened vertical token (device).
   [[nodiscard]] const index_t* vertical_head() const { return head_of_.data(); }
 
@@ -103,23 +100,18 @@ class device_selection {
  private:
   index_t seq_len_, heads_;
   bool causal_;
-  std::vector<index_t> vertical_ptr_host_;
   device_buffer<index_t> slash_ptr_, slash_, vertical_ptr_, vertical_, tile_ptr_, tile_query_, tile_key_, head_of_;
 };
 
 namespace detail {
 
-/// counts[0..n) -> exclusive prefix sums in ptr[0..n] (ptr[n] = total); returns the total.
-inline index_t exclusive_scan(device_buffer<index_t>& counts_with_tail, device_buffer<index_t>& ptr, cudaStream_t stream) {
-  const auto n = counts_with_tail.size();  // the last element is a 0 tail
+/// counts[0..n) (with a 0 tail) -> exclusive prefix sums in ptr[0..n]; ptr[n] is the total. Queued on `stream`.
+inline void exclusive_scan(const device_buffer<index_t>& counts_with_tail, device_buffer<index_t>& ptr, cudaStream_t stream) {
+  const auto n = static_cast<int>(counts_with_tail.size());
   std::size_t temp_bytes = 0;
-  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts_with_tail.data(), ptr.data(), static_cast<int>(n), stream));
-  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1));
-  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts_with_tail.data(), ptr.data(), static_cast<int>(n), stream));
-  index_t total = 0;
-  STRIA_CUDA_CHECK(cudaMemcpyAsync(&total, ptr.data() + n - 1, sizeof(index_t), cudaMemcpyDeviceToHost, stream));
-  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return total;
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts_with_tail.data(), ptr.data(), n, stream));
+  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts_with_tail.data(), ptr.data(), n, stream));
 }
 
 inline unsigned blocks_for(index_t n, unsigned threads) { return static_cast<unsigned>((n + static_cast<index_t>(threads) - 1) / static_cast<index_t>(threads)); }
@@ -127,7 +119,7 @@ inline unsigned blocks_for(index_t n, unsigned threads) { return static_cast<uns
 }  // namespace detail
 
 /// build_local_index on the GPU: the index of `query_rank`'s local query blocks against `kv_rank`'s
-/// KV shard, on `stream`. Returns when the index is complete.
+/// KV shard, built in order on `stream` (one host synchronisation, to size the entry arrays).
 template <sharding_policy Sharding>
 device_step_index build_local_index_device(const device_selection& sel, const Sharding& sharding, index_t world_size, index_t query_rank,
                                            index_t kv_rank, step_index_origin origin = {}, cudaStream_t stream = nullptr) {
@@ -158,9 +150,9 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   out.origin.world_size = world_size;
   out.origin.rank = query_rank;
   out.origin.kv_source_rank = kv_rank;
-  out.query_global_block = device_buffer<index_t>(std::span<const index_t>(query_global));
-  out.kv_global_block = device_buffer<index_t>(std::span<const index_t>(kv_global));
-  const device_buffer<index_t> owner_d{std::span<const index_t>(owner)}, local_of_d{std::span<const index_t>(local_of)};
+  out.query_global_block = device_buffer<index_t>(std::span<const index_t>(query_global), stream);
+  out.kv_global_block = device_buffer<index_t>(std::span<const index_t>(kv_global), stream);
+  const device_buffer<index_t> owner_d{std::span<const index_t>(owner), stream}, local_of_d{std::span<const index_t>(local_of), stream};
 
   kernel::index_build_params p{};
   p.heads = heads;
@@ -175,61 +167,70 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   p.local_of = local_of_d.data();
   sel.fill(p);
   constexpr unsigned threads = 128;
+  const index_t total = sel.num_vertical();
+  auto counts = [&](index_t n) {
+    device_buffer<index_t> c(static_cast<std::size_t>(n) + 1, stream);
+    c.fill_bytes(0);
+    return c;
+  };
 
-  // Forward form: per-row counts, pointers, entries.
-  device_buffer<index_t> tile_count(static_cast<std::size_t>(rows) + 1), token_count(static_cast<std::size_t>(rows) + 1);
-  tile_count.fill_bytes(0, stream);
-  token_count.fill_bytes(0, stream);
-  kernel::count_index_rows<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
+  // 1. Every count: per row (tiles, tokens), per column (queries), per vertical token (queries, used).
+  device_buffer<index_t> tile_count = counts(rows), token_count = counts(rows), column_count = counts(rows);
+  device_buffer<index_t> query_count = counts(total), used = counts(total);
+  const unsigned warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
+  kernel::count_index_rows<<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(p, tile_count.data(),
+                                                                                                            token_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
-  out.block_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
-  out.col_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
-  out.block_col = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(tile_count, out.block_ptr, stream)));
-  out.col_token = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(token_count, out.col_ptr, stream)));
-  kernel::fill_index_rows<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.block_ptr.data(), out.block_col.data(),
-                                                                                      out.col_ptr.data(), out.col_token.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_index_rows");
-
-  // Transposed tiles: per (head, KV block) the query blocks.
-  device_buffer<index_t> column_count(static_cast<std::size_t>(rows) + 1);
-  column_count.fill_bytes(0, stream);
   kernel::count_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
-  out.kv_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1);
-  out.kv_query = device_buffer<index_t>(static_cast<std::size_t>(detail::exclusive_scan(column_count, out.kv_query_ptr, stream)));
-  kernel::fill_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
-
-  // Transposed vertical tokens: the used tokens of this KV rank, compacted, each with its query blocks.
-  const index_t total = sel.num_vertical();
-  device_buffer<index_t> query_count(static_cast<std::size_t>(total) + 1), used(static_cast<std::size_t>(total) + 1);
-  query_count.fill_bytes(0, stream);
-  used.fill_bytes(0, stream);
   if (total > 0) {
-    kernel::count_vertical_tokens<<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total, query_count.data(),
-                                                                                              used.data());
+    kernel::count_vertical_tokens<<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+        p, sel.vertical_head(), total, query_count.data(), used.data());
     STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
   }
-  device_buffer<index_t> position(static_cast<std::size_t>(total) + 1), query_offset(static_cast<std::size_t>(total) + 1);
-  const index_t used_tokens = detail::exclusive_scan(used, position, stream);
-  const index_t used_queries = detail::exclusive_scan(query_count, query_offset, stream);
-  out.vtoken = device_buffer<index_t>(static_cast<std::size_t>(used_tokens));
-  out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries));
-  out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1);
+
+  // 2. Scans to pointers, and one read of the five totals (the only host synchronisation).
+  out.block_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
+  out.col_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
+  out.kv_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
+  device_buffer<index_t> position(static_cast<std::size_t>(total) + 1, stream), query_offset(static_cast<std::size_t>(total) + 1, stream);
+  detail::exclusive_scan(tile_count, out.block_ptr, stream);
+  detail::exclusive_scan(token_count, out.col_ptr, stream);
+  detail::exclusive_scan(column_count, out.kv_query_ptr, stream);
+  detail::exclusive_scan(used, position, stream);
+  detail::exclusive_scan(query_count, query_offset, stream);
+  const std::vector<const index_t*> last{out.block_ptr.data() + rows, out.col_ptr.data() + rows, out.kv_query_ptr.data() + rows,
+                                         position.data() + total, query_offset.data() + total};
+  const device_buffer<const index_t*> last_d{std::span<const index_t* const>(last), stream};
+  device_buffer<index_t> totals_d(last.size(), stream);
+  kernel::gather_totals<<<1, 32, 0, stream>>>(last_d.data(), static_cast<int>(last.size()), totals_d.data());
+  STRIA_CUDA_CHECK_LAUNCH("gather_totals");
+  const std::vector<index_t> totals = totals_d.download();
+  const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
+
+  // 3. Entries.
+  out.block_col = device_buffer<index_t>(static_cast<std::size_t>(tiles), stream);
+  out.col_token = device_buffer<index_t>(static_cast<std::size_t>(tokens), stream);
+  out.kv_query = device_buffer<index_t>(static_cast<std::size_t>(column_entries), stream);
+  out.vtoken = device_buffer<index_t>(static_cast<std::size_t>(used_tokens), stream);
+  out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries), stream);
+  out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1, stream);
+  out.vtoken_head_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) + 1, stream);
+  kernel::fill_index_rows<<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+      p, out.block_ptr.data(), out.block_col.data(), out.col_ptr.data(), out.col_token.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_index_rows");
+  kernel::fill_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
   if (total > 0) {
-    kernel::fill_vertical_tokens<<<detail::blocks_for(total, threads), threads, 0, stream>>>(
+    kernel::fill_vertical_tokens<<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
         p, sel.vertical_head(), total, position.data(), query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
         out.vtoken_query.data());
     STRIA_CUDA_CHECK_LAUNCH("fill_vertical_tokens");
   }
-  STRIA_CUDA_CHECK(cudaMemcpyAsync(out.vtoken_query_ptr.data() + used_tokens, &used_queries, sizeof(index_t), cudaMemcpyHostToDevice, stream));
-  // Per-head pointers into the compacted tokens: the scan of `used` at each head's first entry.
-  const std::vector<index_t> positions = position.download(stream);
-  std::vector<index_t> head_ptr(static_cast<std::size_t>(heads) + 1);
-  for (index_t h = 0; h <= heads; ++h) head_ptr[static_cast<std::size_t>(h)] = positions[static_cast<std::size_t>(sel.vertical_ptr_host()[static_cast<std::size_t>(h)])];
-  out.vtoken_head_ptr = device_buffer<index_t>(std::span<const index_t>(head_ptr));
-  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return out;
+  kernel::finish_vertical_pointers<<<detail::blocks_for(heads + 1, threads), threads, 0, stream>>>(
+      p.vertical_ptr, position.data(), heads, out.vtoken_head_ptr.data(), query_offset.data() + total, used_tokens, out.vtoken_query_ptr.data());
+  STRIA_CUDA_CHECK_LAUNCH("finish_vertical_pointers");
+  return out;  // complete in stream order; temporaries are freed in stream order
 }
 
 }  // namespace stria

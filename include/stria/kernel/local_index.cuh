@@ -57,11 +57,10 @@ __device__ inline bool tile_active(const index_build_params& p, index_t h, index
   return contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block) || explicit_tile(p, h, q_block, k_block);
 }
 
-/// Walks row (h, local query block i): its tiles in ascending local KV block (slash diagonals from
-/// the largest delta down, merged with the explicit tiles of this query block), then its vertical
-/// tokens in ascending order. Calls tile(local_kv_block) and token(local_kv_token).
-template <class Tile, class Token>
-__device__ void walk_row(const index_build_params& p, index_t h, index_t i, Tile tile, Token token) {
+/// Walks the tiles of row (h, local query block i) in ascending local KV block (slash diagonals from
+/// the largest delta down, merged with the explicit tiles of this query block): tile(local_kv_block).
+template <class Tile>
+__device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i, Tile tile) {
   const index_t q_block = p.query_global[i];
   index_t s = p.slash_ptr[h + 1] - 1;
   // The explicit tiles of this query block (a contiguous, key-sorted range).
@@ -99,34 +98,70 @@ __device__ void walk_row(const index_build_params& p, index_t h, index_t i, Tile
       ++e;
     }
   }
-  for (index_t v = p.vertical_ptr[h]; v < p.vertical_ptr[h + 1]; ++v) {
-    const index_t t = p.vertical[v], k_block = t / block_tokens;
-    if (p.owner[k_block] != p.kv_rank) continue;
-    if (p.causal && k_block >= q_block) continue;  // must precede the whole query block
-    if (tile_active(p, h, q_block, k_block)) continue;
-    token(p.local_of[k_block] * block_tokens + t % block_tokens);
+}
+
+/// Whether vertical entry v (global token) belongs to row (h, q_block) of this KV rank.
+__device__ inline bool row_keeps_token(const index_build_params& p, index_t h, index_t q_block, index_t t) {
+  const index_t k_block = t / block_tokens;
+  if (p.owner[k_block] != p.kv_rank) return false;
+  if (p.causal && k_block >= q_block) return false;  // must precede the whole query block
+  return !tile_active(p, h, q_block, k_block);
+}
+
+/// A warp's pass over a list of `n` candidates, 32 at a time: keep(k) decides candidate k;
+/// emit(k, position) receives the kept ones in order. Returns the number kept (on every lane).
+template <class Keep, class Emit>
+__device__ index_t warp_compact(index_t n, Keep keep, Emit emit) {
+  const unsigned lane = threadIdx.x % 32;
+  index_t kept = 0;
+  for (index_t base = 0; base < n; base += 32) {
+    const index_t k = base + static_cast<index_t>(lane);
+    const bool mine = k < n && keep(k);
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (mine) emit(k, kept + __popc(ballot & ((1u << lane) - 1u)));
+    kept += __popc(ballot);
   }
+  return kept;
 }
 
 }  // namespace detail
 
-/// counts[r] for row r = h * local_blocks + i: number of tiles, and of vertical tokens.
+inline constexpr unsigned index_warps_per_block = 4;  // the warp-per-item kernels run 128-thread blocks}  // namespace detail
+
+/// One warp per row r = h * local_blocks + i: the number of tiles and of vertical tokens.
 __global__ void count_index_rows(index_build_params p, index_t* tile_count, index_t* token_count) {
-  const index_t r = blockIdx.x * blockDim.x + threadIdx.x;
+  const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (r >= p.heads * p.local_blocks) return;
-  index_t tiles = 0, tokens = 0;
-  detail::walk_row(p, r / p.local_blocks, r % p.local_blocks, [&](index_t) { ++tiles; }, [&](index_t) { ++tokens; });
-  tile_count[r] = tiles;
-  token_count[r] = tokens;
+  const index_t h = r / p.local_blocks, i = r % p.local_blocks, q_block = p.query_global[i];
+  const index_t* tokens = p.vertical + p.vertical_ptr[h];
+  const index_t kept = detail::warp_compact(
+      p.vertical_ptr[h + 1] - p.vertical_ptr[h], [&](index_t k) { return detail::row_keeps_token(p, h, q_block, tokens[k]); },
+      [](index_t, index_t) {});
+  if (threadIdx.x % 32 == 0) {
+    index_t tiles = 0;
+    detail::walk_row_tiles(p, h, i, [&](index_t) { ++tiles; });
+    tile_count[r] = tiles;
+    token_count[r] = kept;
+  }
 }
 
 __global__ void fill_index_rows(index_build_params p, const index_t* block_ptr, index_t* block_col, const index_t* col_ptr,
                                 index_t* col_token) {
-  const index_t r = blockIdx.x * blockDim.x + threadIdx.x;
+  const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (r >= p.heads * p.local_blocks) return;
-  index_t* tiles = block_col + block_ptr[r];
-  index_t* tokens = col_token + col_ptr[r];
-  detail::walk_row(p, r / p.local_blocks, r % p.local_blocks, [&](index_t k) { *tiles++ = k; }, [&](index_t t) { *tokens++ = t; });
+  const index_t h = r / p.local_blocks, i = r % p.local_blocks, q_block = p.query_global[i];
+  const index_t* tokens = p.vertical + p.vertical_ptr[h];
+  index_t* out = col_token + col_ptr[r];
+  detail::warp_compact(
+      p.vertical_ptr[h + 1] - p.vertical_ptr[h], [&](index_t k) { return detail::row_keeps_token(p, h, q_block, tokens[k]); },
+      [&](index_t k, index_t position) {
+        const index_t t = tokens[k];
+        out[position] = p.local_of[t / block_tokens] * block_tokens + t % block_tokens;
+      });
+  if (threadIdx.x % 32 == 0) {
+    index_t* tiles = block_col + block_ptr[r];
+    detail::walk_row_tiles(p, h, i, [&](index_t k) { *tiles++ = k; });
+  }
 }
 
 /// Column c = h * local_blocks + k: the local query blocks whose tile with KV block k is active, ascending.
@@ -182,40 +217,49 @@ __global__ void fill_index_columns(index_build_params p, const index_t* ptr, ind
   walk_column(p, c / p.local_blocks, c % p.local_blocks, [&](index_t q) { *out++ = q; });
 }
 
-/// For entry v of the flattened vertical lists (head found by the caller's `head_of`): how many local
-/// query blocks use the token (0 when another rank owns it), and a 0/1 flag for "used at all".
-template <class Emit>
-__device__ void walk_vertical_token(const index_build_params& p, index_t h, index_t v, Emit emit) {
-  const index_t t = p.vertical[v], k_block = t / block_tokens;
-  if (p.owner[k_block] != p.kv_rank) return;
-  for (index_t i = 0; i < p.local_blocks; ++i) {
-    const index_t q_block = p.query_global[i];
-    if (p.causal && k_block >= q_block) continue;
-    if (detail::tile_active(p, h, q_block, k_block)) continue;
-    emit(i);
-  }
-}
-
+/// One warp per entry v of the flattened vertical lists: how many local query blocks use the token
+/// (0 when another rank owns it), and a 0/1 flag for "used at all".
 __global__ void count_vertical_tokens(index_build_params p, const index_t* head_of, index_t total, index_t* query_count, index_t* used) {
-  const index_t v = blockIdx.x * blockDim.x + threadIdx.x;
+  const index_t v = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (v >= total) return;
-  index_t n = 0;
-  walk_vertical_token(p, head_of[v], v, [&](index_t) { ++n; });
-  query_count[v] = n;
-  used[v] = n > 0 ? 1 : 0;
+  const index_t h = head_of[v], t = p.vertical[v];
+  const index_t n = detail::warp_compact(
+      p.local_blocks, [&](index_t i) { return detail::row_keeps_token(p, h, p.query_global[i], t); }, [](index_t, index_t) {});
+  if (threadIdx.x % 32 == 0) {
+    query_count[v] = n;
+    used[v] = n > 0 ? 1 : 0;
+  }
 }
 
 /// Writes the compacted token list, its query pointers and lists; position = scan of `used`.
 __global__ void fill_vertical_tokens(index_build_params p, const index_t* head_of, index_t total, const index_t* position,
                                      const index_t* query_offset, index_t* vtoken, index_t* vtoken_query_ptr, index_t* vtoken_query) {
-  const index_t v = blockIdx.x * blockDim.x + threadIdx.x;
+  const index_t v = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (v >= total) return;
-  if (position[v + 1] == position[v]) return;  // unused token
-  const index_t t = p.vertical[v], k_block = t / block_tokens;
-  vtoken[position[v]] = p.local_of[k_block] * block_tokens + t % block_tokens;
-  vtoken_query_ptr[position[v]] = query_offset[v];
+  if (position[v + 1] == position[v]) return;  // unused token (uniform across the warp)
+  const index_t h = head_of[v], t = p.vertical[v];
+  if (threadIdx.x % 32 == 0) {
+    vtoken[position[v]] = p.local_of[t / block_tokens] * block_tokens + t % block_tokens;
+    vtoken_query_ptr[position[v]] = query_offset[v];
+  }
   index_t* out = vtoken_query + query_offset[v];
-  walk_vertical_token(p, head_of[v], v, [&](index_t i) { *out++ = i; });
+  detail::warp_compact(
+      p.local_blocks, [&](index_t i) { return detail::row_keeps_token(p, h, p.query_global[i], t); },
+      [&](index_t i, index_t at) { out[at] = i; });
+}
+
+/// Gathers the totals of the builder's scans (each scan's last element) so one copy reads them all.
+__global__ void gather_totals(const index_t* const* last_elements, int count, index_t* totals) {
+  const int i = threadIdx.x;
+  if (i < count) totals[i] = *last_elements[i];
+}
+
+/// vtoken_head_ptr[h] = position[vertical_ptr[h]] for h in [0, heads]; and the last query pointer.
+__global__ void finish_vertical_pointers(const index_t* vertical_ptr, const index_t* position, index_t heads, index_t* vtoken_head_ptr,
+                                         const index_t* query_offset_total, index_t used_tokens, index_t* vtoken_query_ptr) {
+  const index_t h = blockIdx.x * blockDim.x + threadIdx.x;
+  if (h <= heads) vtoken_head_ptr[h] = position[vertical_ptr[h]];
+  if (h == 0) vtoken_query_ptr[used_tokens] = *query_offset_total;
 }
 
 }  // namespace stria::kernel

@@ -32,9 +32,9 @@ __device__ void window_tile_scores(const float* __restrict__ window_q, const T* 
                                    bool causal, index_t local_block, index_t h, float* qs, float* ks, float* s) {
   const index_t hk = h / (heads_q / heads_kv);
   const int stride = dim + 1;
-  for (int i = threadIdx.x; i < rows * dim; i += blockDim.x) {
-    const int r = i / dim, d = i % dim;
-    qs[r * stride + d] = window_q[(static_cast<std::int64_t>(r) * heads_q + h) * dim + d] * scale_log2;
+  for (int i = threadIdx.x; i < window_max_rows * dim; i += blockDim.x) {
+    const int r = i / dim, d = i % dim;  // rows past `rows` are zero (their scores are masked anyway)
+    qs[r * stride + d] = r < rows ? window_q[(static_cast<std::int64_t>(r) * heads_q + h) * dim + d] * scale_log2 : 0.0f;
   }
   for (int i = threadIdx.x; i < block_tokens * dim; i += blockDim.x) {
     const int j = i / dim, d = i % dim;
@@ -42,28 +42,34 @@ __device__ void window_tile_scores(const float* __restrict__ window_q, const T* 
     ks[j * stride + d] = to_float(k[(token * heads_kv + hk) * dim + d]);
   }
   __syncthreads();
-  // Thread (key, group): one key, rows group, group + 4, ... (warps share rows: q reads broadcast).
-  const int key = threadIdx.x % block_tokens;
-  const int group = threadIdx.x / block_tokens;
-  constexpr int groups = window_threads / block_tokens;
-  float acc[window_max_rows / groups];
+  // Warp w scores rows 8w .. 8w + 7; lane l keys l and l + 32. Per head-dim step a thread loads 8
+  // row values (the same for the whole warp: broadcast) and 2 keys (consecutive across the warp,
+  // distinct banks thanks to the padded stride) for 16 multiply-adds.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int rows_per_warp = window_max_rows / (window_threads / 32);
+  float acc[rows_per_warp][2];
 #pragma unroll
-  for (int i = 0; i < window_max_rows / groups; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < rows_per_warp; ++i) acc[i][0] = acc[i][1] = 0.0f;
+  const float* q_rows = qs + warp * rows_per_warp * stride;
   for (int d = 0; d < dim; ++d) {
-    const float kv = ks[key * stride + d];
+    const float k0 = ks[lane * stride + d], k1 = ks[(lane + 32) * stride + d];
 #pragma unroll
-    for (int i = 0; i < window_max_rows / groups; ++i) {
-      const int r = group + groups * i;
-      if (r < rows) acc[i] += qs[r * stride + d] * kv;
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const float q = q_rows[i * stride + d];
+      acc[i][0] += q * k0;
+      acc[i][1] += q * k1;
     }
   }
-  const index_t key_token = key_global_block[local_block] * block_tokens + key;
+  const index_t key_token = key_global_block[local_block] * block_tokens;
 #pragma unroll
-  for (int i = 0; i < window_max_rows / groups; ++i) {
-    const int r = group + groups * i;
-    if (r >= window_max_rows) continue;
-    const bool masked = r >= rows || (causal && key_token > first_row + r);
-    s[r * (block_tokens + 1) + key] = masked ? -INFINITY : acc[i];
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int r = warp * rows_per_warp + i;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int key = lane + 32 * j;
+      const bool masked = r >= rows || (causal && key_token + key > first_row + r);
+      s[r * (block_tokens + 1) + key] = masked ? -INFINITY : acc[i][j];
+    }
   }
   __syncthreads();
 }
@@ -106,15 +112,14 @@ __global__ void __launch_bounds__(window_threads)
   }
 }
 
-/// Combines the per-block partials of pass 1 into this rank's (max, sum) per (head, row).
-///   row_max, row_sum [Hq, rows]; one thread per (head, row).
-__global__ void combine_row_partials(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, index_t heads_q,
-                                     index_t local_blocks, index_t rows, float* __restrict__ row_max, float* __restrict__ row_sum) {
-  const index_t i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= heads_q * rows) return;
-  const index_t h = i / rows, r = i % rows;
+/// Combines the per-block partials of pass 1 into this rank's (max, sum) per (head, row): one CTA
+/// of 256 threads per (head, row), each thread folding a strided share of the blocks.
+__global__ void __launch_bounds__(256)
+    combine_row_partials(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, index_t heads_q, index_t local_blocks,
+                         index_t rows, float* __restrict__ row_max, float* __restrict__ row_sum) {
+  const index_t h = blockIdx.x / rows, r = blockIdx.x % rows;
   float m = -INFINITY, sum = 0.0f;
-  for (index_t b = 0; b < local_blocks; ++b) {
+  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) {
     const std::int64_t at = (static_cast<std::int64_t>(h) * local_blocks + b) * rows + r;
     const float tm = tile_max[at];
     if (tm == -INFINITY) continue;
@@ -125,8 +130,24 @@ __global__ void combine_row_partials(const float* __restrict__ tile_max, const f
       sum += tile_sum[at] * exp2f(tm - m);
     }
   }
-  row_max[i] = m;
-  row_sum[i] = sum;
+  // Block reduction of (max, sum) pairs: first the max, then sums rescaled to it.
+  __shared__ float shared_max[8], shared_sum[8];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const float warp_top = detail::warp_max(m);
+  if (lane == 0) shared_max[warp] = warp_top;
+  __syncthreads();
+  float top = shared_max[0];
+  for (int w = 1; w < 8; ++w) top = fmaxf(top, shared_max[w]);
+  const float mine = m == -INFINITY ? 0.0f : sum * exp2f(m - top);
+  const float warp_total = detail::warp_sum(mine);
+  if (lane == 0) shared_sum[warp] = warp_total;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < 8; ++w) total += shared_sum[w];
+    row_max[blockIdx.x] = top;
+    row_sum[blockIdx.x] = top == -INFINITY ? 0.0f : total;
+  }
 }
 
 /// Pass 2, with the global (max, sum) of every row: the window probabilities, summed per key token
@@ -165,6 +186,14 @@ __global__ void __launch_bounds__(window_threads)
   }
   __syncthreads();
   if (threadIdx.x == 0) tile_mass[static_cast<std::int64_t>(h) * local_blocks + local_block] = warp_total[0] + warp_total[1];
+}
+
+/// values[h * S_local + j] = global token of local key token j (the payload of the candidate sort).
+__global__ void key_token_values(const index_t* __restrict__ key_global_block, index_t heads, index_t local_tokens, index_t* __restrict__ values) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(heads) * local_tokens) return;
+  const index_t j = static_cast<index_t>(i % local_tokens);
+  values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
 }
 
 }  // namespace stria::kernel
