@@ -24,6 +24,7 @@
 #include "stria/index/local_index.cuh"
 #include "stria/index/workload.hpp"
 #include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/topology/flat_ring.hpp"
 
@@ -108,6 +109,35 @@ int main(int argc, char** argv) try {
   o.heads_kv = 2;
   o.head_dim = 128;
   o.density = 0.05;
+  // Where one 128K estimate's time goes (a separate, synchronising run).
+  {
+    o.seq_len = 131072;
+    const host::synthetic_vs data = host::make_synthetic_vs(o);
+    std::vector<__nv_bfloat16> q(data.q.size()), k(data.k.size());
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = from_float<__nv_bfloat16>(data.q[i]);
+    for (std::size_t i = 0; i < k.size(); ++i) k[i] = from_float<__nv_bfloat16>(data.k[i]);
+    const device_buffer<__nv_bfloat16> q_d{std::span<const __nv_bfloat16>(q)}, k_d{std::span<const __nv_bfloat16>(k)};
+    estimator::statistics_timing t;
+    comm::host_world one(1);
+    one.run([&](comm::host_threads& c) {
+      const estimator::vertical_slash_top_p e;
+      for (int i = 0; i < 3; ++i)
+        (void)estimator::gather_window_statistics_device(c, sharding::sequential{}, o.seq_len, true, q_d.data(), k_d.data(), 16, 2, 128,
+                                                         1.0 / std::sqrt(128.0), e.request(o.seq_len), nullptr, &t);
+      const auto t0 = clock_type::now();
+      const vs_statistics st = estimator::gather_window_statistics_device(c, sharding::sequential{}, o.seq_len, true, q_d.data(), k_d.data(), 16,
+                                                                          2, 128, 1.0 / std::sqrt(128.0), e.request(o.seq_len), nullptr);
+      const auto t1 = clock_type::now();
+      const global_selection g = e.select(st);
+      const auto t2 = clock_type::now();
+      std::printf("128K statistics phases (ms): setup %.2f, pass 1 %.2f, softmax %.2f, pass 2 %.2f, top-k %.2f, collectives %.2f;"
+                  " unprofiled statistics %.2f, host selection %.2f\n",
+                  t.setup_ms, t.pass1_ms, t.softmax_ms, t.pass2_ms, t.topk_ms, t.collectives_ms,
+                  std::chrono::duration<double, std::milli>(t1 - t0).count(), std::chrono::duration<double, std::milli>(t2 - t1).count());
+      (void)g;
+    });
+    if (once) return 0;
+  }
   std::printf("%-34s %12s %14s %10s\n", "case", "estimate ms", "index build ms", "density");
   for (const auto& [seq, world, name] : {std::tuple{131072, 1, "S=128K, 1 rank"}, std::tuple{524288, 8, "S=512K, 8 ranks on one GPU (all)"}}) {
     if (once && world > 1) break;

@@ -38,7 +38,8 @@ run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and tim
 run gpu_tests "$bin/stria_gpu_tests"
 if [ "$mode" != quick ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/stria_gpu_tests"
-  run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests"
+  # racecheck is slow (~2 min over everything); RACECHECK_CASES narrows it to doctest test cases.
+  run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests" ${RACECHECK_CASES:+-tc="$RACECHECK_CASES"}
 fi
 run estimator_bench "$bin/estimator_bench"
 

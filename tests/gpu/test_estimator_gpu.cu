@@ -175,3 +175,18 @@ TEST_CASE("device window statistics agree with the host's, for bf16, fp16 and fp
     compare_paths<float>(host::make_synthetic_vs(o64), o64, sharding::striped<64>{}, 3);
   }
 }
+
+TEST_CASE("device statistics reject null and misaligned pointers with the argument and the rule") {
+  const device_buffer<__nv_bfloat16> q(4096 * 2 * 64 + 8), k(4096 * 1 * 64 + 8);
+  estimator::vertical_slash_top_p e;
+  comm::host_world one(1);
+  one.run([&](comm::host_threads& c) {
+    CHECK_THROWS_WITH_AS(estimator::gather_window_statistics_device(c, sharding::sequential{}, 4096, true, q.data() + 1, k.data(), 2, 1, 64, 0.125,
+                                                                    e.request(4096), nullptr),
+                         doctest::Contains("must be 16-byte aligned"), stria::invalid_argument);
+    CHECK_THROWS_WITH_AS(estimator::gather_window_statistics_device(c, sharding::sequential{}, 4096, true, q.data(),
+                                                                    static_cast<const __nv_bfloat16*>(nullptr), 2, 1, 64, 0.125, e.request(4096),
+                                                                    nullptr),
+                         doctest::Contains("k_local = nullptr: must point to device memory"), stria::invalid_argument);
+  });
+}

@@ -48,9 +48,10 @@ inline index_t count_to_goal(const std::vector<float>& mass, double goal, index_
   return std::min(std::max(count, min), std::min(cap, static_cast<index_t>(mass.size())));
 }
 
-/// `mass` (one value per diagonal index) as (delta, mass) pairs in selection order: larger mass
-/// first, ties to the smaller delta; diagonals with delta in (-local, local) are left out.
-inline std::vector<index_t> diagonals_by_mass(const vs_statistics& s, const std::vector<double>& mass, index_t local,
+/// The first `count` diagonals in selection order (larger mass first, ties to the smaller delta),
+/// as deltas, with their masses; diagonals with delta in (-local, local) are left out. A partial
+/// sort under that total order picks exactly what a full stable sort would, for O(n log count).
+inline std::vector<index_t> diagonals_by_mass(const vs_statistics& s, const std::vector<double>& mass, index_t local, index_t count,
                                               std::vector<float>& mass_in_order) {
   std::vector<index_t> order;
   for (index_t i = 0; i < s.num_diagonals(); ++i) {
@@ -58,7 +59,12 @@ inline std::vector<index_t> diagonals_by_mass(const vs_statistics& s, const std:
     if (delta > -local && delta < local) continue;
     order.push_back(i);
   }
-  std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) { return mass[static_cast<std::size_t>(a)] > mass[static_cast<std::size_t>(b)]; });
+  const auto first = order.begin(), middle = order.begin() + std::min<std::ptrdiff_t>(count, static_cast<std::ptrdiff_t>(order.size()));
+  std::partial_sort(first, middle, order.end(), [&](index_t a, index_t b) {
+    const double ma = mass[static_cast<std::size_t>(a)], mb = mass[static_cast<std::size_t>(b)];
+    return ma != mb ? ma > mb : a < b;
+  });
+  order.erase(middle, order.end());
   mass_in_order.resize(order.size());
   for (std::size_t i = 0; i < order.size(); ++i) {
     mass_in_order[i] = float(mass[static_cast<std::size_t>(order[i])]);
@@ -100,7 +106,7 @@ inline head_selection select_head(const vs_statistics& s, index_t h, double p_ve
     covered += c.mass;
   }
   for (double& r : residual) r = std::max(r, 0.0);
-  const std::vector<index_t> diagonals = diagonals_by_mass(s, residual, local_diagonals, mass);
+  const std::vector<index_t> diagonals = diagonals_by_mass(s, residual, local_diagonals, slash_cap, mass);
   const index_t n_slash = count_to_goal(mass, p_slash * total - covered, slash.min, slash_cap);
   head.slash_deltas.assign(diagonals.begin(), diagonals.begin() + n_slash);
   return head;

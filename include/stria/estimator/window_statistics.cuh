@@ -8,6 +8,9 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <utility>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -24,12 +27,46 @@
 
 namespace stria::estimator {
 
+/// Where the time of one gather_window_statistics_device call goes (wall clock, ms). Measuring
+/// synchronises the stream at each phase end, so pass a pointer only when profiling.
+struct statistics_timing {
+  double setup_ms = 0;        // checks, window broadcast, uploads
+  double pass1_ms = 0;        // row max / sum kernels and their download
+  double softmax_ms = 0;      // the two collectives of the global softmax
+  double pass2_ms = 0;        // probability kernel
+  double topk_ms = 0;         // candidate sort and downloads
+  double collectives_ms = 0;  // slash/window all-reduces, candidate all-gather, union
+};
+
+namespace detail {
+
+/// Wall-clock laps that synchronise the stream first; disabled timers cost nothing.
+class phase_timer {
+ public:
+  explicit phase_timer(bool enabled) : enabled_(enabled), last_(std::chrono::steady_clock::now()) {}
+  void lap(cudaStream_t stream, double* into) {
+    if (!enabled_ || into == nullptr) return;
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const auto now = std::chrono::steady_clock::now();
+    *into = std::chrono::duration<double, std::milli>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool enabled_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+}  // namespace detail
+
 /// This rank's part of the window statistics, on `stream`. q_local [S_local, Hq, D] and
 /// k_local [S_local, Hkv, D] are contiguous device tensors of bf16, fp16 or float.
 template <class Comm, sharding_policy Sharding, class T>
 vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
-                                              statistics_request request, cudaStream_t stream) {
+                                              statistics_request request, cudaStream_t stream,
+                                              statistics_timing* timing = nullptr) {
+  detail::phase_timer timer(timing != nullptr);
   const index_t world = comm.world_size(), rank = comm.rank();
   const shard_layout layout{seq_len / block_tokens, world};
   sharding.validate(layout);
@@ -37,6 +74,9 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   attention_shape{local_tokens, local_tokens, heads_q, heads_kv, dim}.validate();
   if (q_local == nullptr) throw invalid_argument("q_local", "nullptr", "must point to device memory");
   if (k_local == nullptr) throw invalid_argument("k_local", "nullptr", "must point to device memory");
+  for (const auto& [name, pointer] : {std::pair{"q_local", static_cast<const void*>(q_local)}, std::pair{"k_local", static_cast<const void*>(k_local)}})
+    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0)
+      throw invalid_argument(name, pointer, "must be 16-byte aligned (the kernels load 16-byte vectors)");
   if (request.window_rows < 1 || request.window_rows > std::min(seq_len, block_tokens))
     throw invalid_argument("request.window_rows", request.window_rows, "must lie in [1, 64]: the window is the end of the last block");
   const index_t rows = request.window_rows, first_row = seq_len - rows;
@@ -46,29 +86,30 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   for (index_t b = 0; b < local_blocks; ++b) key_global_block[static_cast<std::size_t>(b)] = sharding.global_block(layout, {rank, b});
   const device_buffer<index_t> key_global_block_d{std::span<const index_t>(key_global_block), stream};
 
-  // 1. The window lies in the last block, so one rank owns all of it: it broadcasts the rows.
+  // 1. The window lies in the last block, so one rank owns all of it: it broadcasts the rows, in
+  // the input type (every rank then scores exactly the same values).
   const block_location owner = sharding.locate(layout, layout.num_blocks - 1);
-  std::vector<float> window(static_cast<std::size_t>(rows) * heads_q * dim);
+  std::vector<T> window(static_cast<std::size_t>(rows) * heads_q * dim);
   if (owner.rank == rank) {
-    std::vector<T> raw(window.size());
     const std::size_t first_local = static_cast<std::size_t>(owner.local_block) * block_tokens + static_cast<std::size_t>(first_row % block_tokens);
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(raw.data(), q_local + first_local * heads_q * dim, raw.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(window.data(), q_local + first_local * heads_q * dim, window.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
     STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-    for (std::size_t i = 0; i < raw.size(); ++i) window[i] = to_float(raw[i]);
   }
   comm.broadcast(window.data(), window.size(), owner.rank);
-  const device_buffer<float> window_d{std::span<const float>(window), stream};
+  const device_buffer<T> window_d{std::span<const T>(window), stream};
 
   // 2. Pass 1: this rank's row max and sum of exp2.
   const float scale_log2 = float(softmax_scale * 1.4426950408889634);
-  const std::size_t shared = kernel::window_shared_bytes(dim);
+  const std::size_t shared = kernel::window_shared_bytes<T>(dim);
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-  const dim3 grid(static_cast<unsigned>(local_blocks), static_cast<unsigned>(heads_q));
+  const dim3 grid(static_cast<unsigned>((local_blocks + kernel::window_blocks_per_cta - 1) / kernel::window_blocks_per_cta),
+                  static_cast<unsigned>(heads_q));
+  timer.lap(stream, timing ? &timing->setup_ms : nullptr);
   device_buffer<float> tile_max(static_cast<std::size_t>(heads_q) * local_blocks * rows, stream), tile_sum(tile_max.size(), stream);
   kernel::window_tile_partials<T><<<grid, kernel::window_threads, shared, stream>>>(
-      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, tile_max.data(),
-      tile_sum.data());
+      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, local_blocks,
+      tile_max.data(), tile_sum.data());
   STRIA_CUDA_CHECK_LAUNCH("window_tile_partials");
   device_buffer<float> row_max_d(static_cast<std::size_t>(heads_q) * rows, stream), row_sum_d(row_max_d.size(), stream);
   kernel::combine_row_partials<<<static_cast<unsigned>(heads_q * rows), 256, 0, stream>>>(
@@ -77,6 +118,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
 
   // 3. Global softmax normaliser: max over ranks, then every rank's sum rescaled to that max.
   std::vector<float> row_max = row_max_d.download(), row_sum = row_sum_d.download();
+  timer.lap(stream, timing ? &timing->pass1_ms : nullptr);
   std::vector<float> global_max = row_max;
   comm.all_reduce(global_max.data(), global_max.data(), global_max.size(), comm::reduce_op::max);
   for (std::size_t i = 0; i < row_sum.size(); ++i)
@@ -84,14 +126,16 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
   row_max_d.upload(global_max);
   row_sum_d.upload(row_sum);
+  timer.lap(stream, timing ? &timing->softmax_ms : nullptr);
 
   // 4. Pass 2: probabilities into per-token vertical mass and per-tile (block diagonal) mass.
   device_buffer<float> vertical(static_cast<std::size_t>(heads_q) * local_tokens, stream),
       tile_mass(static_cast<std::size_t>(heads_q) * local_blocks, stream);
   kernel::window_tile_probabilities<T><<<grid, kernel::window_threads, shared, stream>>>(
-      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, row_max_d.data(),
-      row_sum_d.data(), layout.num_blocks - request.local_blocks, vertical.data(), tile_mass.data());
+      window_d.data(), k_local, key_global_block_d.data(), rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, local_blocks,
+      row_max_d.data(), row_sum_d.data(), layout.num_blocks - request.local_blocks, vertical.data(), tile_mass.data());
   STRIA_CUDA_CHECK_LAUNCH("window_tile_probabilities");
+  timer.lap(stream, timing ? &timing->pass2_ms : nullptr);
 
   // Each head's candidates: a stable descending radix sort keeps ascending tokens among equal masses,
   // the order every rank and the host use (vertical_candidate's operator<).
@@ -121,6 +165,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), tokens_out.data(), local_tokens * sizeof(index_t),
                                      per_rank * sizeof(index_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
   const std::vector<float> tiles = tile_mass.download();  // synchronises the stream
+  timer.lap(stream, timing ? &timing->topk_ms : nullptr);
 
   // 5. The same collectives as the host path.
   vs_statistics st;
@@ -157,6 +202,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
     std::sort(union_h.begin(), union_h.end());
     union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
   }
+  timer.lap(stream, timing ? &timing->collectives_ms : nullptr);
   return st;
 }
 
