@@ -177,15 +177,8 @@ stria::global_selection estimate_on_ranks(const stria::host::synthetic_vs& data,
   const auto start = std::chrono::steady_clock::now();
   const stria::sharding::striped<64> sharding;
   const stria::index_t local = s.seq_len / world;
-  auto split = [&](const std::vector<float>& global, stria::index_t heads) {
-    std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
-    std::vector<stria::tensor_view<float, 3>> views;
-    for (auto& x : shards) views.emplace_back(x.data(), std::array<stria::index_t, 3>{local, heads, s.head_dim});
-    stria::sharding::dispatch(sharding, stria::tensor_view<const float, 3>(global.data(), {s.seq_len, heads, s.head_dim}),
-                              std::span<const stria::tensor_view<float, 3>>(views));
-    return shards;
-  };
-  const auto q = split(data.q, s.heads_q), k = split(data.k, s.heads_kv);
+  const auto q = stria::sharding::split(sharding, std::span<const float>(data.q), std::array<stria::index_t, 3>{s.seq_len, s.heads_q, s.head_dim}, world);
+  const auto k = stria::sharding::split(sharding, std::span<const float>(data.k), std::array<stria::index_t, 3>{s.seq_len, s.heads_kv, s.head_dim}, world);
   std::vector<stria::global_selection> found(static_cast<std::size_t>(world));
   stria::comm::host_world ranks(world);
   ranks.run([&](stria::comm::host_threads& c) {

@@ -68,33 +68,6 @@ double relative_error(const std::vector<float>& got, const std::vector<double>& 
   return std::sqrt(num / den);
 }
 
-/// Global [S, H, D] tensor <-> per-rank shards under the sharding (token_dim 1 for [H, S]).
-template <class Sharding, std::size_t Rank>
-std::vector<std::vector<float>> split(const Sharding& sharding, const std::vector<float>& global,
-                                      std::array<stria::index_t, Rank> extents, stria::index_t world, std::size_t token_dim = 0) {
-  std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
-  auto local = extents;
-  local[token_dim] /= world;
-  std::vector<stria::tensor_view<float, Rank>> views;
-  for (auto& s : shards) views.emplace_back(s.data(), local);
-  stria::sharding::dispatch(sharding, stria::tensor_view<const float, Rank>(global.data(), extents),
-                            std::span<const stria::tensor_view<float, Rank>>(views), token_dim);
-  return shards;
-}
-
-template <class Sharding, std::size_t Rank>
-std::vector<float> join(const Sharding& sharding, const std::vector<std::vector<float>>& shards, std::array<stria::index_t, Rank> extents,
-                        std::size_t token_dim = 0) {
-  std::vector<float> global(shards[0].size() * shards.size());
-  auto local = extents;
-  local[token_dim] /= static_cast<stria::index_t>(shards.size());
-  std::vector<stria::tensor_view<const float, Rank>> views;
-  for (const auto& s : shards) views.emplace_back(s.data(), local);
-  stria::sharding::undispatch(sharding, std::span<const stria::tensor_view<const float, Rank>>(views),
-                              stria::tensor_view<float, Rank>(global.data(), extents), token_dim);
-  return global;
-}
-
 template <class Topology>
 int run(const options& o, const Topology& topology, const std::string& topology_name) {
   using namespace stria;
@@ -133,8 +106,11 @@ int run(const options& o, const Topology& topology, const std::string& topology_
 
   const std::array<index_t, 3> q_ext{s, hq, d}, kv_ext{s, hkv, d};
   const std::array<index_t, 2> lse_ext{hq, s};
-  const auto q_s = split(sharding, data.q, q_ext, w), k_s = split(sharding, data.k, kv_ext, w), v_s = split(sharding, data.v, kv_ext, w);
-  const auto d_out_s = split(sharding, d_out, q_ext, w);
+  using stria::sharding::join;
+  using stria::sharding::split;
+  const auto q_s = split(sharding, std::span<const float>(data.q), q_ext, w), k_s = split(sharding, std::span<const float>(data.k), kv_ext, w),
+             v_s = split(sharding, std::span<const float>(data.v), kv_ext, w);
+  const auto d_out_s = split(sharding, std::span<const float>(d_out), q_ext, w);
   std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(w), std::vector<float>(static_cast<std::size_t>(hq) * local));
   std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
   std::vector<double> index_s(static_cast<std::size_t>(w)), forward_s(static_cast<std::size_t>(w)), backward_s(static_cast<std::size_t>(w));

@@ -75,14 +75,8 @@ template <class Sharding, class Estimator>
 std::pair<std::vector<vs_statistics>, std::vector<global_selection>> run_distributed(const problem& p, const Sharding& sharding, index_t world,
                                                                                      const Estimator& estimator, bool causal) {
   const index_t s = p.options.seq_len, hq = p.options.heads_q, hkv = p.options.heads_kv, d = p.options.head_dim, local = s / world;
-  auto split = [&](const std::vector<float>& global, index_t heads) {
-    std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
-    std::vector<tensor_view<float, 3>> views;
-    for (auto& x : shards) views.emplace_back(x.data(), std::array<index_t, 3>{local, heads, d});
-    sharding::dispatch(sharding, tensor_view<const float, 3>(global.data(), {s, heads, d}), std::span<const tensor_view<float, 3>>(views));
-    return shards;
-  };
-  const auto q = split(p.data.q, hq), k = split(p.data.k, hkv);
+  const auto q = stria::sharding::split(sharding, std::span<const float>(p.data.q), std::array<index_t, 3>{s, hq, d}, world);
+  const auto k = stria::sharding::split(sharding, std::span<const float>(p.data.k), std::array<index_t, 3>{s, hkv, d}, world);
   std::vector<vs_statistics> stats(static_cast<std::size_t>(world));
   std::vector<global_selection> selections(static_cast<std::size_t>(world));
   comm::host_world host(world, std::chrono::seconds(60));

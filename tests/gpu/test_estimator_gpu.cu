@@ -79,14 +79,8 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
   const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
   const double scale = 1.0 / std::sqrt(double(d));
   const rounded<T> q(data.q), k(data.k);
-  auto split = [&](const std::vector<float>& global, index_t heads) {
-    std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
-    std::vector<tensor_view<float, 3>> views;
-    for (auto& x : shards) views.emplace_back(x.data(), std::array<index_t, 3>{local, heads, d});
-    sharding::dispatch(sharding, tensor_view<const float, 3>(global.data(), {s, heads, d}), std::span<const tensor_view<float, 3>>(views));
-    return shards;
-  };
-  const auto q_s = split(q.as_float, hq), k_s = split(k.as_float, hkv);
+  const auto q_s = stria::sharding::split(sharding, std::span<const float>(q.as_float), std::array<index_t, 3>{s, hq, d}, world);
+  const auto k_s = stria::sharding::split(sharding, std::span<const float>(k.as_float), std::array<index_t, 3>{s, hkv, d}, world);
   estimator::vertical_slash_top_p e;
   e.vertical = {1, 512};
   std::vector<vs_statistics> host_stats(static_cast<std::size_t>(world)), device_stats(host_stats.size());

@@ -30,32 +30,6 @@ struct ring_errors {
   [[nodiscard]] double max() const { return std::max({out, lse, dq, dk, dv}); }
 };
 
-/// Splits a global [S, H, D] (or [H, S] with token_dim 1) tensor into per-rank shards and back.
-template <class Sharding, std::size_t Rank>
-std::vector<std::vector<float>> split(const Sharding& sharding, const std::vector<float>& global, std::array<index_t, Rank> extents,
-                                      index_t world, std::size_t token_dim = 0) {
-  std::vector<std::vector<float>> shards(static_cast<std::size_t>(world), std::vector<float>(global.size() / static_cast<std::size_t>(world)));
-  std::array<index_t, Rank> local = extents;
-  local[token_dim] /= world;
-  std::vector<tensor_view<float, Rank>> views;
-  for (auto& s : shards) views.emplace_back(s.data(), local);
-  sharding::dispatch(sharding, tensor_view<const float, Rank>(global.data(), extents), std::span<const tensor_view<float, Rank>>(views), token_dim);
-  return shards;
-}
-
-template <class Sharding, std::size_t Rank>
-std::vector<float> join(const Sharding& sharding, const std::vector<std::vector<float>>& shards, std::array<index_t, Rank> extents,
-                        std::size_t token_dim = 0) {
-  const auto world = static_cast<index_t>(shards.size());
-  std::vector<float> global(shards[0].size() * shards.size());
-  std::array<index_t, Rank> local = extents;
-  local[token_dim] /= world;
-  std::vector<tensor_view<const float, Rank>> views;
-  for (const auto& s : shards) views.emplace_back(s.data(), local);
-  sharding::undispatch(sharding, std::span<const tensor_view<const float, Rank>>(views), tensor_view<float, Rank>(global.data(), extents), token_dim);
-  return global;
-}
-
 /// Runs the ring on `world` threads and compares with single-rank attention in double on the same selection.
 template <class Sharding, class Topology>
 ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const Topology& topology, const global_selection& selection,
@@ -80,8 +54,9 @@ ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const 
                                    view2(std::as_const(lse64), heads_q, seq), whole.view(), scale, view3(dq64, seq, heads_q, dim),
                                    view3(dk64, seq, heads_kv, dim), view3(dv64, seq, heads_kv, dim));
 
-  const auto q_s = split(sharding, q, q_ext, world), k_s = split(sharding, k, kv_ext, world), v_s = split(sharding, v, kv_ext, world);
-  const auto d_out_s = split(sharding, d_out, q_ext, world);
+  const auto q_s = stria::sharding::split(sharding, std::span<const float>(q), q_ext, world), k_s = stria::sharding::split(sharding, std::span<const float>(k), kv_ext, world),
+             v_s = stria::sharding::split(sharding, std::span<const float>(v), kv_ext, world);
+  const auto d_out_s = stria::sharding::split(sharding, std::span<const float>(d_out), q_ext, world);
   std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(world), std::vector<float>(lse64.size() / static_cast<std::size_t>(world)));
   std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
   const index_t sq = seq / world;
@@ -96,6 +71,7 @@ ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const 
                         view2(std::as_const(lse_s[r]), heads_q, sq), std::span<const step_index>(indices), scale,
                         view3(dq_s[r], sq, heads_q, dim), view3(dk_s[r], sq, heads_kv, dim), view3(dv_s[r], sq, heads_kv, dim));
   });
+  using stria::sharding::join;
   return {test::relative_error(join(sharding, out_s, q_ext), out64), test::relative_error(join(sharding, lse_s, lse_ext, 1), lse64),
           test::relative_error(join(sharding, dq_s, q_ext), dq64), test::relative_error(join(sharding, dk_s, kv_ext), dk64),
           test::relative_error(join(sharding, dv_s, kv_ext), dv64)};

@@ -105,6 +105,12 @@ TEST_CASE("dispatch then undispatch returns the global tensor, and shards hold t
     sharding::undispatch(policy, std::span<const tensor_view<const float, 3>>(const_views), tensor_view<float, 3>(back.data(), {seq, heads, dim}));
     CHECK(back == global);
   };
+  // The owning split / join round trip, also along the LSE's token dimension.
+  const auto shards = sharding::split(sharding::zigzag{}, std::span<const float>(global), std::array<index_t, 3>{seq, heads, dim}, world);
+  CHECK(shards.size() == static_cast<std::size_t>(world));
+  CHECK(sharding::join(sharding::zigzag{}, shards, std::array<index_t, 3>{seq, heads, dim}) == global);
+  const auto lse_shards = sharding::split(sharding::striped<64>{}, std::span<const float>(global_lse), std::array<index_t, 2>{heads, seq}, world, 1);
+  CHECK(sharding::join(sharding::striped<64>{}, lse_shards, std::array<index_t, 2>{heads, seq}, 1) == global_lse);
   run(sharding::sequential{});
   run(sharding::zigzag{});
   run(sharding::striped<64>{});

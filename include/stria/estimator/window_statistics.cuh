@@ -22,6 +22,7 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
 #include "stria/estimator/statistics.hpp"
+#include "stria/estimator/window_statistics.hpp"
 #include "stria/index/global_selection.hpp"
 #include "stria/kernel/window_statistics.cuh"
 
@@ -186,22 +187,9 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
     }
     st.window_mass[static_cast<std::size_t>(h)] = float(total);
   }
-  comm.all_reduce(st.slash_mass.data(), st.slash_mass.data(), st.slash_mass.size(), comm::reduce_op::sum);
-  comm.all_reduce(st.window_mass.data(), st.window_mass.data(), st.window_mass.size(), comm::reduce_op::sum);
   std::vector<vertical_candidate> mine(top_mass.size());
   for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = {top_mass[i], top_token[i]};
-  std::vector<vertical_candidate> all(mine.size() * static_cast<std::size_t>(world));
-  comm.all_gather(mine.data(), all.data(), mine.size());
-  st.vertical.resize(static_cast<std::size_t>(heads_q));
-  for (index_t h = 0; h < heads_q; ++h) {
-    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
-    for (index_t r = 0; r < world; ++r) {
-      const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads_q + h) * per_rank;
-      union_h.insert(union_h.end(), begin, begin + per_rank);
-    }
-    std::sort(union_h.begin(), union_h.end());
-    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
-  }
+  detail::finish_statistics(comm, st, mine, per_rank);
   timer.lap(stream, timing ? &timing->collectives_ms : nullptr);
   return st;
 }
@@ -213,13 +201,7 @@ global_selection estimate_device(const Estimator& estimator, Comm& comm, const S
                                  cudaStream_t stream) {
   estimator.validate(seq_len, heads_q);
   const statistics_request request = estimator.request(seq_len);
-  if (request.window_rows == 0) {
-    vs_statistics shape;
-    shape.seq_len = seq_len;
-    shape.num_heads = heads_q;
-    shape.causal = causal;
-    return estimator.select(shape);
-  }
+  if (request.window_rows == 0) return detail::select_without_statistics(estimator, seq_len, heads_q, causal);
   return estimator.select(gather_window_statistics_device(comm, sharding, seq_len, causal, q_local, k_local, heads_q, heads_kv, dim,
                                                           softmax_scale, request, stream));
 }

@@ -19,6 +19,43 @@
 
 namespace stria::estimator {
 
+namespace detail {
+
+/// The collectives that finish every rank's statistics, shared by the host and device paths: slash
+/// and window mass summed over ranks (in rank order), and each rank's `per_rank` top candidates per
+/// head ([heads, per_rank] in `mine`) gathered into every head's union, in selection order, without
+/// the local-block sentinels (mass -1).
+template <class Comm>
+void finish_statistics(Comm& comm, vs_statistics& st, const std::vector<vertical_candidate>& mine, index_t per_rank) {
+  comm.all_reduce(st.slash_mass.data(), st.slash_mass.data(), st.slash_mass.size(), comm::reduce_op::sum);
+  comm.all_reduce(st.window_mass.data(), st.window_mass.data(), st.window_mass.size(), comm::reduce_op::sum);
+  const index_t world = comm.world_size(), heads = st.num_heads;
+  std::vector<vertical_candidate> all(mine.size() * static_cast<std::size_t>(world));
+  comm.all_gather(mine.data(), all.data(), mine.size());
+  st.vertical.assign(static_cast<std::size_t>(heads), {});
+  for (index_t h = 0; h < heads; ++h) {
+    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
+    for (index_t r = 0; r < world; ++r) {
+      const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads + h) * per_rank;
+      union_h.insert(union_h.end(), begin, begin + per_rank);
+    }
+    std::sort(union_h.begin(), union_h.end());
+    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
+  }
+}
+
+/// The selection when an estimator asks for no statistics: select() on the shape alone.
+template <index_estimator Estimator>
+global_selection select_without_statistics(const Estimator& estimator, index_t seq_len, index_t num_heads, bool causal) {
+  vs_statistics shape;
+  shape.seq_len = seq_len;
+  shape.num_heads = num_heads;
+  shape.causal = causal;
+  return estimator.select(shape);
+}
+
+}  // namespace detail
+
 /// Gathers the window statistics of `request` on every rank, identically:
 /// 1. the window (the last window_rows global query tokens) reaches every rank: each owner writes its
 ///    rows into a zeroed buffer and an all-reduce sums them (exact: every element has one writer);
@@ -146,20 +183,7 @@ vs_statistics gather_window_statistics(Comm& comm, const Sharding& sharding, ind
     std::partial_sort(column.begin(), column.begin() + per_rank, column.end());
     std::copy(column.begin(), column.begin() + per_rank, mine.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
   }
-  comm.all_reduce(st.slash_mass.data(), st.slash_mass.data(), st.slash_mass.size(), comm::reduce_op::sum);
-  comm.all_reduce(st.window_mass.data(), st.window_mass.data(), st.window_mass.size(), comm::reduce_op::sum);
-  std::vector<vertical_candidate> all(mine.size() * static_cast<std::size_t>(world));
-  comm.all_gather(mine.data(), all.data(), mine.size());
-  st.vertical.resize(static_cast<std::size_t>(heads));
-  for (index_t h = 0; h < heads; ++h) {
-    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
-    for (index_t r = 0; r < world; ++r) {
-      const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads + h) * per_rank;
-      union_h.insert(union_h.end(), begin, begin + per_rank);
-    }
-    std::sort(union_h.begin(), union_h.end());
-    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
-  }
+  detail::finish_statistics(comm, st, mine, per_rank);
   return st;
 }
 
@@ -170,13 +194,7 @@ global_selection estimate(const Estimator& estimator, Comm& comm, const Sharding
                           tensor_view<const T, 3> q_local, tensor_view<const T, 3> k_local, double softmax_scale) {
   estimator.validate(seq_len, q_local.extent(1));
   const statistics_request request = estimator.request(seq_len);
-  if (request.window_rows == 0) {
-    vs_statistics shape;
-    shape.seq_len = seq_len;
-    shape.num_heads = q_local.extent(1);
-    shape.causal = causal;
-    return estimator.select(shape);
-  }
+  if (request.window_rows == 0) return detail::select_without_statistics(estimator, seq_len, q_local.extent(1), causal);
   return estimator.select(gather_window_statistics(comm, sharding, seq_len, causal, q_local, k_local, softmax_scale, request));
 }
 

@@ -46,6 +46,18 @@ void check_inputs(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_v
   check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, causal});
 }
 
+/// The extents every backward call checks: out, d_out, dq like q; lse [Hq, Sq]; dk, dv like k.
+template <class Out, class Lse, class Grad, class GradKV>
+void check_backward_tensors(const attention_shape& shape, const Out& out, const Out& d_out, const Lse& lse, const Grad& dq, const GradKV& dk,
+                            const GradKV& dv) {
+  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
+  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
+  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
+  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
+  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+}
+
 }  // namespace detail
 
 /// Forward attention of local queries against one KV chunk, on the entries `index` selects.
@@ -109,12 +121,7 @@ void reference_backward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, te
                         tensor_view<Grad, 3> dk, tensor_view<Grad, 3> dv) {
   detail::check_inputs(q, k, v, index, index.shape.causal);
   const attention_shape shape = detail::shape_of(q, k);
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
-  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
-  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
-  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
-  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
-  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+  detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
 
   const index_t dim = shape.head_dim;
   const Accum scale = Accum(softmax_scale);

@@ -180,12 +180,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
   detail::check_ring_indices(topology, rank, indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
-  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
-  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
-  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
-  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
-  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+  detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
 
   auto to_float = [](tensor_view<const T, 3> x) {
     std::vector<float> y(static_cast<std::size_t>(x.size()));

@@ -12,6 +12,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/index/global_selection.hpp"
+#include "stria/index/local_index.hpp"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/local_index.cuh"
 
@@ -126,10 +127,7 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   const index_t nb = sel.seq_len() / block_tokens;
   const shard_layout layout{nb, world_size};
   sharding.validate(layout);
-  if (query_rank < 0 || query_rank >= world_size)
-    throw invalid_argument("query_rank", query_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
-  if (kv_rank < 0 || kv_rank >= world_size)
-    throw invalid_argument("kv_rank", kv_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+  detail::check_index_ranks(world_size, query_rank, kv_rank);
   const index_t local = sharding.local_blocks(layout), heads = sel.num_heads(), rows = heads * local;
 
   std::vector<index_t> query_global(static_cast<std::size_t>(local)), kv_global(query_global.size()), owner(static_cast<std::size_t>(nb)),

@@ -15,6 +15,18 @@
 
 namespace stria {
 
+namespace detail {
+
+/// Throws unless both ranks lie in [0, world_size).
+inline void check_index_ranks(index_t world_size, index_t query_rank, index_t kv_rank) {
+  if (query_rank < 0 || query_rank >= world_size)
+    throw invalid_argument("query_rank", query_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+  if (kv_rank < 0 || kv_rank >= world_size)
+    throw invalid_argument("kv_rank", kv_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+}
+
+}  // namespace detail
+
 /// The index of `query_rank`'s local query blocks against the KV shard of `kv_rank`. `origin`
 /// records the ring step it is for. Entries: tiles on selected block diagonals and explicit tiles
 /// (causal ones only when causal); vertical tokens that precede the whole query block (any, when
@@ -25,10 +37,7 @@ step_index build_local_index(const global_selection& selection, const Sharding& 
   const index_t nb = selection.num_blocks();
   const shard_layout layout{nb, world_size};
   sharding.validate(layout);
-  if (query_rank < 0 || query_rank >= world_size)
-    throw invalid_argument("query_rank", query_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
-  if (kv_rank < 0 || kv_rank >= world_size)
-    throw invalid_argument("kv_rank", kv_rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+  detail::check_index_ranks(world_size, query_rank, kv_rank);
 
   const index_t local = sharding.local_blocks(layout);
   const index_t heads = selection.num_heads();

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
@@ -96,6 +97,34 @@ template <sharding_policy P, class T, std::size_t Rank>
 void undispatch(const P& policy, std::span<const tensor_view<const T, Rank>> shards, tensor_view<T, Rank> global,
                 std::size_t token_dim = 0) {
   detail::copy_blocks<false>(policy, global, shards, token_dim);
+}
+
+/// Owning convenience over dispatch: a contiguous global tensor (row-major `extents`) as one
+/// contiguous shard per rank, rank r at index r.
+template <sharding_policy P, class T, std::size_t Rank>
+std::vector<std::vector<T>> split(const P& policy, std::span<const T> global, std::array<index_t, Rank> extents, index_t world_size,
+                                  std::size_t token_dim = 0) {
+  if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
+  std::array<index_t, Rank> local = extents;
+  local[token_dim] /= world_size;
+  std::vector<std::vector<T>> shards(static_cast<std::size_t>(world_size), std::vector<T>(global.size() / static_cast<std::size_t>(world_size)));
+  std::vector<tensor_view<T, Rank>> views;
+  for (auto& shard : shards) views.emplace_back(shard.data(), local);
+  dispatch(policy, tensor_view<const T, Rank>(global.data(), extents), std::span<const tensor_view<T, Rank>>(views), token_dim);
+  return shards;
+}
+
+/// The inverse of split: the per-rank shards gathered into one contiguous global tensor.
+template <sharding_policy P, class T, std::size_t Rank>
+std::vector<T> join(const P& policy, const std::vector<std::vector<T>>& shards, std::array<index_t, Rank> extents, std::size_t token_dim = 0) {
+  if (shards.empty()) throw invalid_argument("shards.size()", 0, "must be at least 1 (one shard per rank)");
+  std::array<index_t, Rank> local = extents;
+  local[token_dim] /= static_cast<index_t>(shards.size());
+  std::vector<T> global(shards[0].size() * shards.size());
+  std::vector<tensor_view<const T, Rank>> views;
+  for (const auto& shard : shards) views.emplace_back(shard.data(), local);
+  undispatch(policy, std::span<const tensor_view<const T, Rank>>(views), tensor_view<T, Rank>(global.data(), extents), token_dim);
+  return global;
 }
 
 }  // namespace stria::sharding
