@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -121,17 +123,24 @@ inline void check_statistics(const vs_statistics& s, const char* estimator) {
                            std::string(estimator) + " needs the window statistics of every head (see request())");
 }
 
-/// Adds the safeguards (sink tokens; the local diagonals, which include 0) and sorts both lists.
-inline void finish_head(head_selection& head, index_t sink_tokens, index_t local_diagonals, bool causal) {
-  for (index_t t = 0; t < sink_tokens; ++t) head.vertical_tokens.push_back(t);
+/// Adds the safeguards (sink tokens; the local diagonals, which include 0) and puts both lists in
+/// ascending order without duplicates. Tokens go through a bitmap over the sequence (a scan of
+/// seq_len / 64 words instead of a sort of thousands of tokens); the few diagonals are sorted.
+inline void finish_head(head_selection& head, index_t seq_len, index_t sink_tokens, index_t local_diagonals, bool causal,
+                        std::vector<std::uint64_t>& bitmap) {
+  bitmap.assign(static_cast<std::size_t>((seq_len + 63) / 64), 0);
+  for (index_t t = 0; t < sink_tokens; ++t) bitmap[static_cast<std::size_t>(t / 64)] |= std::uint64_t{1} << (t % 64);
+  for (const index_t t : head.vertical_tokens) bitmap[static_cast<std::size_t>(t / 64)] |= std::uint64_t{1} << (t % 64);
+  head.vertical_tokens.clear();
+  for (std::size_t w = 0; w < bitmap.size(); ++w)
+    for (std::uint64_t bits = bitmap[w]; bits != 0; bits &= bits - 1)
+      head.vertical_tokens.push_back(static_cast<index_t>(w * 64) + std::countr_zero(bits));
   for (index_t d = 0; d < local_diagonals; ++d) {
     head.slash_deltas.push_back(d);
     if (!causal && d > 0) head.slash_deltas.push_back(-d);
   }
-  for (auto* list : {&head.vertical_tokens, &head.slash_deltas}) {
-    std::sort(list->begin(), list->end());
-    list->erase(std::unique(list->begin(), list->end()), list->end());
-  }
+  std::sort(head.slash_deltas.begin(), head.slash_deltas.end());
+  head.slash_deltas.erase(std::unique(head.slash_deltas.begin(), head.slash_deltas.end()), head.slash_deltas.end());
 }
 
 }  // namespace detail

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 #include <string>
 #include <string_view>
 
@@ -67,9 +69,10 @@ struct vertical_slash_top_p {
     global_selection g{s.seq_len, s.causal, {}};
     const index_t vertical_cap = detail::cap_of(vertical, default_vertical_cap(s.seq_len), s.seq_len);
     const index_t slash_cap = detail::cap_of(slash, default_slash_cap(s.seq_len), s.num_blocks());
+    std::vector<std::uint64_t> bitmap;
     for (index_t h = 0; h < s.num_heads; ++h) {
       head_selection head = detail::select_head(s, h, p_vertical, p_slash, vertical, vertical_cap, slash, slash_cap, local_diagonals);
-      detail::finish_head(head, sink_tokens, local_diagonals, s.causal);
+      detail::finish_head(head, s.seq_len, sink_tokens, local_diagonals, s.causal, bitmap);
       g.heads.push_back(std::move(head));
     }
     return g;

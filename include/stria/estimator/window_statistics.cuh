@@ -5,9 +5,10 @@
 // host arrays (rows x heads, diagonals x heads, candidates), so any host-surface communicator works.
 #pragma once
 
-#include <cub/device/device_segmented_radix_sort.cuh>
+#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <utility>
@@ -113,7 +114,7 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
       tile_max.data(), tile_sum.data());
   STRIA_CUDA_CHECK_LAUNCH("window_tile_partials");
   device_buffer<float> row_max_d(static_cast<std::size_t>(heads_q) * rows, stream), row_sum_d(row_max_d.size(), stream);
-  kernel::combine_row_partials<<<static_cast<unsigned>(heads_q * rows), 256, 0, stream>>>(
+  kernel::combine_row_partials<><<<static_cast<unsigned>(heads_q * rows), 256, 0, stream>>>(
       tile_max.data(), tile_sum.data(), heads_q, local_blocks, rows, row_max_d.data(), row_sum_d.data());
   STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
 
@@ -138,31 +139,27 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   STRIA_CUDA_CHECK_LAUNCH("window_tile_probabilities");
   timer.lap(stream, timing ? &timing->pass2_ms : nullptr);
 
-  // Each head's candidates: a stable descending radix sort keeps ascending tokens among equal masses,
-  // the order every rank and the host use (vertical_candidate's operator<).
+  // Each head's candidates: one device-wide stable radix sort on (head, mass descending) keeps
+  // ascending tokens among equal masses, the order every rank and the host use (vertical_candidate's
+  // operator<); each head's run is then contiguous and in selection order.
   const index_t per_rank = std::min(request.vertical_candidates, local_tokens);
-  std::vector<index_t> offsets(static_cast<std::size_t>(heads_q) + 1);
-  for (index_t h = 0; h <= heads_q; ++h) offsets[static_cast<std::size_t>(h)] = h * local_tokens;
-  const device_buffer<index_t> offsets_d{std::span<const index_t>(offsets), stream};
-  device_buffer<index_t> tokens_in(vertical.size(), stream), tokens_out(vertical.size(), stream);
-  kernel::key_token_values<<<static_cast<unsigned>((vertical.size() + 255) / 256), 256, 0, stream>>>(key_global_block_d.data(), heads_q,
-                                                                                                      local_tokens, tokens_in.data());
-  STRIA_CUDA_CHECK_LAUNCH("key_token_values");
-  device_buffer<float> vertical_sorted(vertical.size(), stream);
+  const std::size_t items = vertical.size();
+  device_buffer<std::uint64_t> keys_in(items, stream), keys_out(items, stream);
+  device_buffer<index_t> tokens_in(items, stream), tokens_out(items, stream);
+  kernel::candidate_keys<><<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(vertical.data(), key_global_block_d.data(), heads_q,
+                                                                                       local_tokens, keys_in.data(), tokens_in.data());
+  STRIA_CUDA_CHECK_LAUNCH("candidate_keys");
+  const int end_bit = 32 + std::bit_width(static_cast<unsigned>(heads_q));  // head bits above the 32 mass bits
   std::size_t temp_bytes = 0;
-  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, vertical.data(), vertical_sorted.data(),
-                                                                      tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
-                                                                      static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
-                                                                      32, stream));
+  STRIA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in.data(), keys_out.data(), tokens_in.data(), tokens_out.data(),
+                                                   static_cast<int>(items), 0, end_bit, stream));
   device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
-  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(temp.data(), temp_bytes, vertical.data(), vertical_sorted.data(),
-                                                                      tokens_in.data(), tokens_out.data(), static_cast<int>(vertical.size()),
-                                                                      static_cast<int>(heads_q), offsets_d.data(), offsets_d.data() + 1, 0,
-                                                                      32, stream));
-  std::vector<float> top_mass(static_cast<std::size_t>(heads_q) * per_rank);
-  std::vector<index_t> top_token(top_mass.size());
-  STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_mass.data(), per_rank * sizeof(float), vertical_sorted.data(), local_tokens * sizeof(float),
-                                     per_rank * sizeof(float), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
+  STRIA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in.data(), keys_out.data(), tokens_in.data(),
+                                                   tokens_out.data(), static_cast<int>(items), 0, end_bit, stream));
+  std::vector<std::uint64_t> top_key(static_cast<std::size_t>(heads_q) * per_rank);
+  std::vector<index_t> top_token(top_key.size());
+  STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_key.data(), per_rank * sizeof(std::uint64_t), keys_out.data(), local_tokens * sizeof(std::uint64_t),
+                                     per_rank * sizeof(std::uint64_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), tokens_out.data(), local_tokens * sizeof(index_t),
                                      per_rank * sizeof(index_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
   const std::vector<float> tiles = tile_mass.download();  // synchronises the stream
@@ -187,8 +184,8 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
     }
     st.window_mass[static_cast<std::size_t>(h)] = float(total);
   }
-  std::vector<vertical_candidate> mine(top_mass.size());
-  for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = {top_mass[i], top_token[i]};
+  std::vector<vertical_candidate> mine(top_key.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = {kernel::mass_of_descending_bits(static_cast<std::uint32_t>(top_key[i])), top_token[i]};
   detail::finish_statistics(comm, st, mine, per_rank);
   timer.lap(stream, timing ? &timing->collectives_ms : nullptr);
   return st;

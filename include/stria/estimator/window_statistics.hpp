@@ -34,12 +34,17 @@ void finish_statistics(Comm& comm, vs_statistics& st, const std::vector<vertical
   comm.all_gather(mine.data(), all.data(), mine.size());
   st.vertical.assign(static_cast<std::size_t>(heads), {});
   for (index_t h = 0; h < heads; ++h) {
+    // Each rank's run is already in selection order: merge the runs pairwise instead of sorting.
     auto& union_h = st.vertical[static_cast<std::size_t>(h)];
+    union_h.reserve(static_cast<std::size_t>(world) * static_cast<std::size_t>(per_rank));
     for (index_t r = 0; r < world; ++r) {
       const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads + h) * per_rank;
       union_h.insert(union_h.end(), begin, begin + per_rank);
     }
-    std::sort(union_h.begin(), union_h.end());
+    for (index_t width = per_rank; width < static_cast<index_t>(union_h.size()); width *= 2)
+      for (index_t first = 0; first + width < static_cast<index_t>(union_h.size()); first += 2 * width)
+        std::inplace_merge(union_h.begin() + first, union_h.begin() + first + width,
+                           union_h.begin() + std::min<index_t>(first + 2 * width, static_cast<index_t>(union_h.size())));
     union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
   }
 }

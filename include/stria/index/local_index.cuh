@@ -176,13 +176,13 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   device_buffer<index_t> tile_count = counts(rows), token_count = counts(rows), column_count = counts(rows);
   device_buffer<index_t> query_count = counts(total), used = counts(total);
   const unsigned warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
-  kernel::count_index_rows<<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(p, tile_count.data(),
+  kernel::count_index_rows<><<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(p, tile_count.data(),
                                                                                                             token_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
-  kernel::count_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
+  kernel::count_index_columns<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
   if (total > 0) {
-    kernel::count_vertical_tokens<<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+    kernel::count_vertical_tokens<><<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
         p, sel.vertical_head(), total, query_count.data(), used.data());
     STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
   }
@@ -201,7 +201,7 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
                                          position.data() + total, query_offset.data() + total};
   const device_buffer<const index_t*> last_d{std::span<const index_t* const>(last), stream};
   device_buffer<index_t> totals_d(last.size(), stream);
-  kernel::gather_totals<<<1, 32, 0, stream>>>(last_d.data(), static_cast<int>(last.size()), totals_d.data());
+  kernel::gather_totals<><<<1, 32, 0, stream>>>(last_d.data(), static_cast<int>(last.size()), totals_d.data());
   STRIA_CUDA_CHECK_LAUNCH("gather_totals");
   const std::vector<index_t> totals = totals_d.download();
   const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
@@ -214,18 +214,18 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries), stream);
   out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1, stream);
   out.vtoken_head_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) + 1, stream);
-  kernel::fill_index_rows<<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+  kernel::fill_index_rows<><<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
       p, out.block_ptr.data(), out.block_col.data(), out.col_ptr.data(), out.col_token.data());
   STRIA_CUDA_CHECK_LAUNCH("fill_index_rows");
-  kernel::fill_index_columns<<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
+  kernel::fill_index_columns<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
   STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
   if (total > 0) {
-    kernel::fill_vertical_tokens<<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+    kernel::fill_vertical_tokens<><<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
         p, sel.vertical_head(), total, position.data(), query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
         out.vtoken_query.data());
     STRIA_CUDA_CHECK_LAUNCH("fill_vertical_tokens");
   }
-  kernel::finish_vertical_pointers<<<detail::blocks_for(heads + 1, threads), threads, 0, stream>>>(
+  kernel::finish_vertical_pointers<><<<detail::blocks_for(heads + 1, threads), threads, 0, stream>>>(
       p.vertical_ptr, position.data(), heads, out.vtoken_head_ptr.data(), query_offset.data() + total, used_tokens, out.vtoken_query_ptr.data());
   STRIA_CUDA_CHECK_LAUNCH("finish_vertical_pointers");
   return out;  // complete in stream order; temporaries are freed in stream order

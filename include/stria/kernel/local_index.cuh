@@ -2,6 +2,9 @@
 // Kernels that turn a global selection into one (query rank, KV rank) step index on the GPU, the
 // same arrays build_local_index makes on the host. Count passes size each list, a scan (CUB) turns
 // counts into CSR pointers, fill passes write the entries already in ascending order.
+// Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a template's
+// definition may appear in every translation unit that includes the header, a plain __global__
+// function's may not (and `inline` is ignored on kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -129,6 +132,7 @@ __device__ index_t warp_compact(index_t n, Keep keep, Emit emit) {
 inline constexpr unsigned index_warps_per_block = 4;  // the warp-per-item kernels run 128-thread blocks}  // namespace detail
 
 /// One warp per row r = h * local_blocks + i: the number of tiles and of vertical tokens.
+template <int Unused = 0>
 __global__ void count_index_rows(index_build_params p, index_t* tile_count, index_t* token_count) {
   const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (r >= p.heads * p.local_blocks) return;
@@ -145,6 +149,7 @@ __global__ void count_index_rows(index_build_params p, index_t* tile_count, inde
   }
 }
 
+template <int Unused = 0>
 __global__ void fill_index_rows(index_build_params p, const index_t* block_ptr, index_t* block_col, const index_t* col_ptr,
                                 index_t* col_token) {
   const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
@@ -202,6 +207,7 @@ __device__ void walk_column(const index_build_params& p, index_t h, index_t k, E
   }
 }
 
+template <int Unused = 0>
 __global__ void count_index_columns(index_build_params p, index_t* counts) {
   const index_t c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.heads * p.local_blocks) return;
@@ -210,6 +216,7 @@ __global__ void count_index_columns(index_build_params p, index_t* counts) {
   counts[c] = n;
 }
 
+template <int Unused = 0>
 __global__ void fill_index_columns(index_build_params p, const index_t* ptr, index_t* queries) {
   const index_t c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= p.heads * p.local_blocks) return;
@@ -219,6 +226,7 @@ __global__ void fill_index_columns(index_build_params p, const index_t* ptr, ind
 
 /// One warp per entry v of the flattened vertical lists: how many local query blocks use the token
 /// (0 when another rank owns it), and a 0/1 flag for "used at all".
+template <int Unused = 0>
 __global__ void count_vertical_tokens(index_build_params p, const index_t* head_of, index_t total, index_t* query_count, index_t* used) {
   const index_t v = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (v >= total) return;
@@ -232,6 +240,7 @@ __global__ void count_vertical_tokens(index_build_params p, const index_t* head_
 }
 
 /// Writes the compacted token list, its query pointers and lists; position = scan of `used`.
+template <int Unused = 0>
 __global__ void fill_vertical_tokens(index_build_params p, const index_t* head_of, index_t total, const index_t* position,
                                      const index_t* query_offset, index_t* vtoken, index_t* vtoken_query_ptr, index_t* vtoken_query) {
   const index_t v = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
@@ -249,12 +258,14 @@ __global__ void fill_vertical_tokens(index_build_params p, const index_t* head_o
 }
 
 /// Gathers the totals of the builder's scans (each scan's last element) so one copy reads them all.
+template <int Unused = 0>
 __global__ void gather_totals(const index_t* const* last_elements, int count, index_t* totals) {
   const int i = threadIdx.x;
   if (i < count) totals[i] = *last_elements[i];
 }
 
 /// vtoken_head_ptr[h] = position[vertical_ptr[h]] for h in [0, heads]; and the last query pointer.
+template <int Unused = 0>
 __global__ void finish_vertical_pointers(const index_t* vertical_ptr, const index_t* position, index_t heads, index_t* vtoken_head_ptr,
                                          const index_t* query_offset_total, index_t used_tokens, index_t* vtoken_query_ptr) {
   const index_t h = blockIdx.x * blockDim.x + threadIdx.x;

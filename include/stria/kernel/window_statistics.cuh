@@ -2,9 +2,14 @@
 // Kernels of the estimator's window statistics (DESIGN 7): the observation window (<= 64 query rows
 // at the end of the sequence) against one rank's keys, one CTA per (local key block, query head).
 // Scores are kept in the log2 domain (scale * log2(e) folded into the queries) so exp2 serves.
+// Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a template's
+// definition may appear in every translation unit that includes the header, a plain __global__
+// function's may not (and `inline` is ignored on kernels).
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <cuda/std/bit>
 
 #include <cstdint>
 #include <type_traits>
@@ -208,6 +213,7 @@ __global__ void __launch_bounds__(window_threads)
 
 /// Combines the per-block partials of pass 1 into this rank's (max, sum) per (head, row): one CTA
 /// of 256 threads per (head, row), each thread folding a strided share of the blocks.
+template <int Unused = 0>
 __global__ void __launch_bounds__(256)
     combine_row_partials(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, index_t heads_q, index_t local_blocks,
                          index_t rows, float* __restrict__ row_max, float* __restrict__ row_sum) {
@@ -286,11 +292,29 @@ __global__ void __launch_bounds__(window_threads)
   }
 }
 
-/// values[h * S_local + j] = global token of local key token j (the payload of the candidate sort).
-__global__ void key_token_values(const index_t* __restrict__ key_global_block, index_t heads, index_t local_tokens, index_t* __restrict__ values) {
+/// Radix-sortable key of a candidate: ascending order of (head, mass descending). Masses are >= 0
+/// except the -1 sentinel of local-block tokens; the usual float-to-ordered-bits map, inverted.
+STRIA_HOST_DEVICE constexpr std::uint32_t descending_bits(float mass) {
+  const std::uint32_t bits = cuda::std::bit_cast<std::uint32_t>(mass);
+  const std::uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);  // ascending in mass
+  return ~ordered;
+}
+STRIA_HOST_DEVICE constexpr float mass_of_descending_bits(std::uint32_t key) {
+  const std::uint32_t ordered = ~key;
+  const std::uint32_t bits = (ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered;
+  return cuda::std::bit_cast<float>(bits);
+}
+
+/// keys[i] = (head << 32) | descending_bits(vertical[i]), values[i] = global token of local key token
+/// j (i = h * S_local + j): one device-wide sort then orders every head's candidates.
+template <int Unused = 0>
+__global__ void candidate_keys(const float* __restrict__ vertical, const index_t* __restrict__ key_global_block, index_t heads,
+                               index_t local_tokens, std::uint64_t* __restrict__ keys, index_t* __restrict__ values) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= static_cast<std::int64_t>(heads) * local_tokens) return;
+  const auto h = static_cast<std::uint64_t>(i / local_tokens);
   const index_t j = static_cast<index_t>(i % local_tokens);
+  keys[i] = (h << 32) | descending_bits(vertical[i]);
   values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
 }
 
