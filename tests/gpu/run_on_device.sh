@@ -4,6 +4,8 @@
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
+#   BENCHES="attention_bench estimator_bench" (default) picks the benchmarks; ATTENTION_ARGS are
+#   passed to attention_bench; COMPARE=1 also runs tests/bench/compare_flex.py on the same patterns.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/stria-device-out}
@@ -15,12 +17,13 @@ note() { summary+=("$1"); echo "== $1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 bin=.device/bin
+benches=${BENCHES-attention_bench estimator_bench}
 if [ ! -x "$bin/stria_gpu_tests" ]; then
   bin=build-device/bin
   start=$(date +%s)
   cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
         -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
-    cmake --build build-device -j16 --target stria_gpu_tests estimator_bench > "$OUT/build.log" 2>&1
+    cmake --build build-device -j16 --target stria_gpu_tests attention_bench estimator_bench > "$OUT/build.log" 2>&1
   note "build on device: rc=$? in $(( $(date +%s) - start )) s"
 fi
 
@@ -41,10 +44,21 @@ if [ "$mode" != quick ]; then
   # racecheck is slow (~2 min over everything); RACECHECK_CASES narrows it to doctest test cases.
   run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests" ${RACECHECK_CASES:+-tc="$RACECHECK_CASES"}
 fi
-run estimator_bench "$bin/estimator_bench"
+for bench in $benches; do
+  if [ "$bench" = attention_bench ]; then
+    mkdir -p "$OUT/patterns"
+    run attention_bench "$bin/attention_bench" --pattern-dir "$OUT/patterns" ${ATTENTION_ARGS:-}
+  else
+    run "$bench" "$bin/$bench"
+  fi
+done
+if [ "${COMPARE:-0}" = 1 ]; then
+  run compare_flex python3 tests/bench/compare_flex.py "$OUT/patterns"
+fi
 
 echo
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
-echo "---- estimator_bench ----"
-cat "$OUT/estimator_bench.log"
+for bench in $benches ${COMPARE:+compare_flex}; do
+  [ -f "$OUT/$bench.log" ] && { echo "---- $bench ----"; cat "$OUT/$bench.log"; }
+done

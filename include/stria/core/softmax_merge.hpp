@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cmath>
-#include <limits>
 
 #include "stria/core/config.hpp"
 
@@ -22,7 +21,7 @@ struct lse_merge {
 
 template <class Real>
 STRIA_HOST_DEVICE lse_merge<Real> merge_lse(Real lse_a, Real lse_b) {
-  const Real neg_inf = -std::numeric_limits<Real>::infinity();
+  const Real neg_inf = -static_cast<Real>(INFINITY);  // numeric_limits is host-only under nvcc
   if (lse_a == neg_inf && lse_b == neg_inf) return {neg_inf, Real(0), Real(0)};
   using std::exp;
   using std::log;

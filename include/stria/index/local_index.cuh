@@ -6,6 +6,7 @@
 
 #include <cub/device/device_scan.cuh>
 
+#include <span>
 #include <vector>
 
 #include "stria/core/concepts.hpp"
@@ -49,6 +50,25 @@ struct device_step_index {
             vtoken_query.download()};
   }
 };
+
+/// A host step index copied to the device, ordered on `stream` (for indices built on the host, and tests).
+inline device_step_index upload_step_index(const step_index& host, cudaStream_t stream) {
+  auto copy = [stream](const std::vector<index_t>& values) { return device_buffer<index_t>(std::span<const index_t>(values), stream); };
+  return {host.shape,
+          host.origin,
+          copy(host.query_global_block),
+          copy(host.kv_global_block),
+          copy(host.block_ptr),
+          copy(host.block_col),
+          copy(host.col_ptr),
+          copy(host.col_token),
+          copy(host.kv_query_ptr),
+          copy(host.kv_query),
+          copy(host.vtoken_head_ptr),
+          copy(host.vtoken),
+          copy(host.vtoken_query_ptr),
+          copy(host.vtoken_query)};
+}
 
 /// A global selection flattened into per-head CSR lists on the device.
 class device_selection {
@@ -166,6 +186,27 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   sel.fill(p);
   constexpr unsigned threads = 128;
   const index_t total = sel.num_vertical();
+
+  // 0. The vertical tokens this KV rank owns, per head in order, and each local block's offset.
+  device_buffer<index_t> owned_flag(static_cast<std::size_t>(total) + 1, stream), owned_position(static_cast<std::size_t>(total) + 1, stream);
+  device_buffer<index_t> owned_token(static_cast<std::size_t>(std::max<index_t>(total, 1)), stream);
+  device_buffer<index_t> owned_block_ptr(static_cast<std::size_t>(heads) * (static_cast<std::size_t>(local) + 1), stream);
+  owned_flag.fill_bytes(0);
+  if (total > 0) {
+    kernel::owned_vertical_flags<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_flag.data());
+    STRIA_CUDA_CHECK_LAUNCH("owned_vertical_flags");
+  }
+  detail::exclusive_scan(owned_flag, owned_position, stream);
+  if (total > 0) {
+    kernel::scatter_owned_vertical<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_position.data(),
+                                                                                                 owned_token.data());
+    STRIA_CUDA_CHECK_LAUNCH("scatter_owned_vertical");
+  }
+  p.owned_token = owned_token.data();
+  kernel::owned_block_offsets<><<<detail::blocks_for(heads * (local + 1), threads), threads, 0, stream>>>(p, owned_position.data(),
+                                                                                                           owned_block_ptr.data());
+  STRIA_CUDA_CHECK_LAUNCH("owned_block_offsets");
+  p.owned_block_ptr = owned_block_ptr.data();
   auto counts = [&](index_t n) {
     device_buffer<index_t> c(static_cast<std::size_t>(n) + 1, stream);
     c.fill_bytes(0);
@@ -176,14 +217,13 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   device_buffer<index_t> tile_count = counts(rows), token_count = counts(rows), column_count = counts(rows);
   device_buffer<index_t> query_count = counts(total), used = counts(total);
   const unsigned warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
-  kernel::count_index_rows<><<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(p, tile_count.data(),
-                                                                                                            token_count.data());
+  kernel::count_index_rows<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
   kernel::count_index_columns<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
   if (total > 0) {
-    kernel::count_vertical_tokens<><<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
-        p, sel.vertical_head(), total, query_count.data(), used.data());
+    kernel::count_vertical_tokens<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total,
+                                                                                                query_count.data(), used.data());
     STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
   }
 

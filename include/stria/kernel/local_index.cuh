@@ -31,6 +31,10 @@ struct index_build_params {
   const index_t* tile_ptr;      // [heads + 1]
   const index_t* tile_query;    // explicit tiles' query blocks
   const index_t* tile_key;      // and key blocks
+  // The vertical tokens this KV rank owns, per head, as local tokens in ascending order (built by
+  // filter_vertical_tokens), and where each local block's tokens start in that list.
+  const index_t* owned_token;      // [<= total vertical entries]
+  const index_t* owned_block_ptr;  // [heads, local_blocks + 1], absolute positions in owned_token
 };
 
 namespace detail {
@@ -103,14 +107,6 @@ __device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i
   }
 }
 
-/// Whether vertical entry v (global token) belongs to row (h, q_block) of this KV rank.
-__device__ inline bool row_keeps_token(const index_build_params& p, index_t h, index_t q_block, index_t t) {
-  const index_t k_block = t / block_tokens;
-  if (p.owner[k_block] != p.kv_rank) return false;
-  if (p.causal && k_block >= q_block) return false;  // must precede the whole query block
-  return !tile_active(p, h, q_block, k_block);
-}
-
 /// A warp's pass over a list of `n` candidates, 32 at a time: keep(k) decides candidate k;
 /// emit(k, position) receives the kept ones in order. Returns the number kept (on every lane).
 template <class Keep, class Emit>
@@ -131,42 +127,59 @@ __device__ index_t warp_compact(index_t n, Keep keep, Emit emit) {
 
 inline constexpr unsigned index_warps_per_block = 4;  // the warp-per-item kernels run 128-thread blocks}  // namespace detail
 
-/// One warp per row r = h * local_blocks + i: the number of tiles and of vertical tokens.
-template <int Unused = 0>
-__global__ void count_index_rows(index_build_params p, index_t* tile_count, index_t* token_count) {
-  const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
-  if (r >= p.heads * p.local_blocks) return;
-  const index_t h = r / p.local_blocks, i = r % p.local_blocks, q_block = p.query_global[i];
-  const index_t* tokens = p.vertical + p.vertical_ptr[h];
-  const index_t kept = detail::warp_compact(
-      p.vertical_ptr[h + 1] - p.vertical_ptr[h], [&](index_t k) { return detail::row_keeps_token(p, h, q_block, tokens[k]); },
-      [](index_t, index_t) {});
-  if (threadIdx.x % 32 == 0) {
-    index_t tiles = 0;
-    detail::walk_row_tiles(p, h, i, [&](index_t) { ++tiles; });
-    tile_count[r] = tiles;
-    token_count[r] = kept;
+/// Number of local KV blocks whose global block precedes `q_block` (all of them for full
+/// attention): the row's vertical tokens come from those blocks only.
+__device__ inline index_t preceding_blocks(const index_build_params& p, index_t q_block) {
+  if (!p.causal) return p.local_blocks;
+  index_t lo = 0, hi = p.local_blocks;  // kv_global ascends (local order keeps global order)
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (p.kv_global[mid] < q_block) lo = mid + 1;
+    else hi = mid;
   }
+  return lo;
 }
 
+/// One thread per row r = h * local_blocks + i: its tiles, and its vertical tokens = the owned tokens
+/// of the preceding blocks minus those inside the row's own tiles (O(tiles), no token walk).
+template <int Unused = 0>
+__global__ void count_index_rows(index_build_params p, index_t* tile_count, index_t* token_count) {
+  const index_t r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= p.heads * p.local_blocks) return;
+  const index_t h = r / p.local_blocks, i = r % p.local_blocks;
+  const index_t* block_ptr = p.owned_block_ptr + static_cast<std::int64_t>(h) * (p.local_blocks + 1);
+  const index_t preceding = preceding_blocks(p, p.query_global[i]);
+  index_t tiles = 0, tokens = block_ptr[preceding] - block_ptr[0];
+  detail::walk_row_tiles(p, h, i, [&](index_t k) {
+    ++tiles;
+    if (k < preceding) tokens -= block_ptr[k + 1] - block_ptr[k];
+  });
+  tile_count[r] = tiles;
+  token_count[r] = tokens;
+}
+
+/// One warp per row: lane 0 writes the tiles, then the warp copies the owned tokens of the
+/// preceding blocks that no tile of the row covers (32 at a time, order kept by the ballot).
 template <int Unused = 0>
 __global__ void fill_index_rows(index_build_params p, const index_t* block_ptr, index_t* block_col, const index_t* col_ptr,
                                 index_t* col_token) {
   const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
   if (r >= p.heads * p.local_blocks) return;
-  const index_t h = r / p.local_blocks, i = r % p.local_blocks, q_block = p.query_global[i];
-  const index_t* tokens = p.vertical + p.vertical_ptr[h];
+  const index_t h = r / p.local_blocks, i = r % p.local_blocks;
+  index_t* tiles = block_col + block_ptr[r];
+  if (threadIdx.x % 32 == 0) {
+    index_t* out = tiles;
+    detail::walk_row_tiles(p, h, i, [&](index_t k) { *out++ = k; });
+  }
+  __syncwarp();  // the tiles are visible to the whole warp
+  const index_t tile_count = block_ptr[r + 1] - block_ptr[r];
+  const index_t* owned = p.owned_token + p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1)];
+  const index_t prefix = p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1) + preceding_blocks(p, p.query_global[i])] -
+                         p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1)];
   index_t* out = col_token + col_ptr[r];
   detail::warp_compact(
-      p.vertical_ptr[h + 1] - p.vertical_ptr[h], [&](index_t k) { return detail::row_keeps_token(p, h, q_block, tokens[k]); },
-      [&](index_t k, index_t position) {
-        const index_t t = tokens[k];
-        out[position] = p.local_of[t / block_tokens] * block_tokens + t % block_tokens;
-      });
-  if (threadIdx.x % 32 == 0) {
-    index_t* tiles = block_col + block_ptr[r];
-    detail::walk_row_tiles(p, h, i, [&](index_t k) { *tiles++ = k; });
-  }
+      prefix, [&](index_t k) { return !detail::contains(tiles, tiles + tile_count, owned[k] / block_tokens); },
+      [&](index_t k, index_t position) { out[position] = owned[k]; });
 }
 
 /// Column c = h * local_blocks + k: the local query blocks whose tile with KV block k is active, ascending.
@@ -224,19 +237,43 @@ __global__ void fill_index_columns(index_build_params p, const index_t* ptr, ind
   walk_column(p, c / p.local_blocks, c % p.local_blocks, [&](index_t q) { *out++ = q; });
 }
 
-/// One warp per entry v of the flattened vertical lists: how many local query blocks use the token
-/// (0 when another rank owns it), and a 0/1 flag for "used at all".
+/// First local query block whose global block follows `k_block` (0 for full attention): a vertical
+/// token is used by query blocks from there on, except where its tile is active.
+__device__ inline index_t first_following_query(const index_build_params& p, index_t k_block) {
+  if (!p.causal) return 0;
+  index_t lo = 0, hi = p.local_blocks;
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (p.query_global[mid] <= k_block) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// One thread per entry v of the flattened vertical lists: how many local query blocks use the token
+/// (0 when another rank owns it) = the following query blocks minus those whose tile with the token's
+/// block is active (one per selected diagonal or explicit tile that lands on this query rank).
 template <int Unused = 0>
 __global__ void count_vertical_tokens(index_build_params p, const index_t* head_of, index_t total, index_t* query_count, index_t* used) {
-  const index_t v = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+  const index_t v = blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= total) return;
-  const index_t h = head_of[v], t = p.vertical[v];
-  const index_t n = detail::warp_compact(
-      p.local_blocks, [&](index_t i) { return detail::row_keeps_token(p, h, p.query_global[i], t); }, [](index_t, index_t) {});
-  if (threadIdx.x % 32 == 0) {
-    query_count[v] = n;
-    used[v] = n > 0 ? 1 : 0;
+  const index_t h = head_of[v], t = p.vertical[v], k_block = t / block_tokens;
+  index_t n = 0;
+  if (p.owner[k_block] == p.kv_rank) {
+    n = p.local_blocks - first_following_query(p, k_block);
+    for (index_t s = p.slash_ptr[h]; s < p.slash_ptr[h + 1]; ++s) {
+      const index_t q_block = k_block + p.slash[s];
+      if (q_block < 0 || q_block >= p.num_blocks || (p.causal && q_block <= k_block)) continue;
+      if (p.owner[q_block] == p.query_rank) --n;
+    }
+    for (index_t e = p.tile_ptr[h]; e < p.tile_ptr[h + 1]; ++e) {
+      const index_t q_block = p.tile_query[e];
+      if (p.tile_key[e] != k_block || p.owner[q_block] != p.query_rank || (p.causal && q_block <= k_block)) continue;
+      if (!detail::contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block)) --n;
+    }
   }
+  query_count[v] = n;
+  used[v] = n > 0 ? 1 : 0;
 }
 
 /// Writes the compacted token list, its query pointers and lists; position = scan of `used`.
@@ -252,9 +289,42 @@ __global__ void fill_vertical_tokens(index_build_params p, const index_t* head_o
     vtoken_query_ptr[position[v]] = query_offset[v];
   }
   index_t* out = vtoken_query + query_offset[v];
+  const index_t first = first_following_query(p, t / block_tokens);
   detail::warp_compact(
-      p.local_blocks, [&](index_t i) { return detail::row_keeps_token(p, h, p.query_global[i], t); },
-      [&](index_t i, index_t at) { out[at] = i; });
+      p.local_blocks - first, [&](index_t i) { return !detail::tile_active(p, h, p.query_global[first + i], t / block_tokens); },
+      [&](index_t i, index_t at) { out[at] = first + i; });
+}
+
+/// flag[v] = 1 when this KV rank owns vertical entry v's token.
+template <int Unused = 0>
+__global__ void owned_vertical_flags(index_build_params p, index_t total, index_t* flag) {
+  const index_t v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v < total) flag[v] = p.owner[p.vertical[v] / block_tokens] == p.kv_rank ? 1 : 0;
+}
+
+/// Compacts the owned entries (position = scan of the flags) into local tokens, per head in order.
+template <int Unused = 0>
+__global__ void scatter_owned_vertical(index_build_params p, index_t total, const index_t* position, index_t* owned_token) {
+  const index_t v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= total || position[v + 1] == position[v]) return;
+  const index_t t = p.vertical[v];
+  owned_token[position[v]] = p.local_of[t / block_tokens] * block_tokens + t % block_tokens;
+}
+
+/// owned_block_ptr[h, b]: where local block b's tokens start in head h's owned list (one thread per
+/// (head, b) with b in [0, local_blocks]; a binary search in the head's ascending owned tokens).
+template <int Unused = 0>
+__global__ void owned_block_offsets(index_build_params p, const index_t* position, index_t* owned_block_ptr) {
+  const index_t x = blockIdx.x * blockDim.x + threadIdx.x;
+  if (x >= p.heads * (p.local_blocks + 1)) return;
+  const index_t h = x / (p.local_blocks + 1), b = x % (p.local_blocks + 1);
+  index_t lo = position[p.vertical_ptr[h]], hi = position[p.vertical_ptr[h + 1]];
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (p.owned_token[mid] < b * block_tokens) lo = mid + 1;
+    else hi = mid;
+  }
+  owned_block_ptr[x] = lo;
 }
 
 /// Gathers the totals of the builder's scans (each scan's last element) so one copy reads them all.

@@ -17,6 +17,7 @@
 #include "stria/core/config.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/core/tile.hpp"
+#include "stria/kernel/mma.cuh"
 
 namespace stria::kernel {
 
@@ -33,24 +34,6 @@ STRIA_HOST_DEVICE constexpr std::size_t window_shared_bytes(index_t dim) {
 }
 
 namespace detail {
-
-/// d += a * b on the tensor cores: one m16n8k16 product of 16-bit inputs with fp32 accumulation
-/// (fragment layouts of the PTX ISA, "mma.m16n8k16").
-template <class T>
-__device__ inline void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-  __trap();  // stria's targets are sm_80 and newer
-#endif
-}
 
 /// Copies `count` elements of T from global to shared memory in 16-byte vectors when both sides
 /// allow it (rows of `dim` elements; `stride` elements between shared rows), else element by element.

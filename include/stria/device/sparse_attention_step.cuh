@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sparse attention of one ring step on the device (DESIGN 8): checks the tensors and the step index,
+// then launches the forward (merged into the fp32 running O/LSE) or the three backward passes on the
+// caller's stream. The device counterpart of host/reference_attention.hpp, on the same formats.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "stria/core/attention_shape.hpp"
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/tensor_view.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/index/step_index.hpp"
+#include "stria/kernel/sparse_backward.cuh"
+#include "stria/kernel/sparse_forward.cuh"
+
+namespace stria::device {
+
+/// What the forward does with the running state: overwrite it (the first ring step) or merge into it.
+enum class running_state { overwrite, merge };
+
+/// Backward accumulation of the vertical tokens' dK/dV: fp32 atomics (fast), or per-entry scratch
+/// folded in a fixed order, so that repeated runs give bit-identical gradients.
+enum class determinism { atomic, deterministic };
+
+namespace detail {
+
+template <class T, std::size_t Rank>
+void check_device_tensor(tensor_view<T, Rank> view, const char* name, std::size_t alignment) {
+  if (!view.is_contiguous()) throw invalid_argument(std::string(name) + ".stride(0)", view.stride(0), "the tensor must be contiguous");
+  const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+  if (address % alignment != 0)
+    throw invalid_argument(std::string(name) + ".data()", address, "must be aligned to " + std::to_string(alignment) + " bytes");
+  cudaPointerAttributes attributes{};
+  STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, view.data()));
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
+    throw invalid_argument(std::string(name) + ".data()", address, "must point to device (or managed) memory");
+}
+
+template <class T>
+attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                              const device_step_index& index, double softmax_scale) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "the sparse attention kernels take bf16 (__nv_bfloat16) or fp16 (__half) inputs");
+  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
+  shape.validate();
+  check_extents(q, {shape.query_tokens, shape.heads_q, shape.head_dim}, "q");
+  check_extents(k, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "k");
+  check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
+  for (auto [view, name] : {std::pair{q, "q"}, std::pair{k, "k"}, std::pair{v, "v"}}) check_device_tensor(view, name, 16);
+  check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, index.shape.causal});
+  if (!(softmax_scale > 0.0) || !std::isfinite(softmax_scale))
+    throw invalid_argument("softmax_scale", softmax_scale, "must be positive and finite");
+  return shape;
+}
+
+/// Runs `launch.template operator()<D>()` with the head dim as a template argument.
+template <class Launch>
+void with_head_dim(index_t head_dim, Launch&& launch) {
+  if (head_dim == 64) launch.template operator()<64>();
+  else launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
+}
+
+template <class Kernel>
+void allow_shared_bytes(Kernel kernel, std::size_t bytes) {
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+inline unsigned blocks_for(std::int64_t items, unsigned per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
+
+}  // namespace detail
+
+/// Forward of local queries against the KV chunk of one ring step, on the entries `index` selects:
+///   q [Sq, Hq, D]  k, v [Sk, Hkv, D]  (bf16 or fp16, device)
+///   out [Sq, Hq, D] fp32 and lse [Hq, Sq] fp32 (natural log): the running state, overwritten on the
+///   first step and merged into afterwards. A row no step reaches keeps out = 0, lse = -inf.
+template <class T>
+void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                    double softmax_scale, tensor_view<float, 3> out, tensor_view<float, 2> lse, running_state state,
+                    cudaStream_t stream) {
+  const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
+  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
+  detail::check_device_tensor(out, "out", 8);
+  detail::check_device_tensor(lse, "lse", 4);
+  const kernel::forward_params<T> params{index.view(),
+                                         q.data(),
+                                         k.data(),
+                                         v.data(),
+                                         out.data(),
+                                         lse.data(),
+                                         shape.heads_q,
+                                         shape.heads_kv,
+                                         shape.query_tokens,
+                                         static_cast<float>(softmax_scale * kernel::detail::log2e),
+                                         state == running_state::merge};
+  detail::with_head_dim(shape.head_dim, [&]<int D>() {
+    constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
+    detail::allow_shared_bytes(kernel::sparse_forward<T, D>, bytes);
+    const dim3 grid(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
+    kernel::sparse_forward<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+    STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
+  });
+}
+
+/// The final output: the fp32 running output rounded to T (after the last step).
+template <class T>
+void write_output(tensor_view<const float, 3> running, tensor_view<T, 3> out, cudaStream_t stream) {
+  check_extents(out, {running.extent(0), running.extent(1), running.extent(2)}, "out");
+  detail::check_device_tensor(running, "running", 4);
+  detail::check_device_tensor(out, "out", sizeof(T));
+  const std::int64_t count = out.size();
+  kernel::write_output<T><<<std::min(detail::blocks_for(count, 256), 65535u), 256, 0, stream>>>(running.data(), out.data(), count);
+  STRIA_CUDA_CHECK_LAUNCH("write_output");
+}
+
+/// delta [Hq, Sq] = rowsum(dO * O), from the final output; computed once per layer before the
+/// backward steps.
+template <class T>
+void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, tensor_view<float, 2> delta, cudaStream_t stream) {
+  check_extents(d_out, {out.extent(0), out.extent(1), out.extent(2)}, "d_out");
+  check_extents(delta, {out.extent(1), out.extent(0)}, "delta");
+  detail::check_device_tensor(out, "out", sizeof(T));
+  detail::check_device_tensor(d_out, "d_out", sizeof(T));
+  detail::check_device_tensor(delta, "delta", 4);
+  const std::int64_t rows = static_cast<std::int64_t>(out.extent(0)) * out.extent(1);
+  kernel::backward_delta<T><<<detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1),
+                                                                                     out.extent(2), delta.data());
+  STRIA_CUDA_CHECK_LAUNCH("backward_delta");
+}
+
+/// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
+/// dk, dv (fp32, the step's KV chunk, travelling with it). `lse` is the final forward LSE, `delta`
+/// comes from backward_delta.
+///   d_out [Sq, Hq, D] (T)   lse, delta [Hq, Sq]   dq [Sq, Hq, D]   dk, dv [Sk, Hkv, D]
+template <class T>
+void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                     tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
+                     double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
+                     determinism mode, cudaStream_t stream) {
+  const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
+  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
+  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
+  check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
+  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
+  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
+  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+  detail::check_device_tensor(d_out, "d_out", 16);
+  detail::check_device_tensor(lse, "lse", 4);
+  detail::check_device_tensor(delta, "delta", 4);
+  detail::check_device_tensor(dq, "dq", 8);
+  detail::check_device_tensor(dk, "dk", 8);
+  detail::check_device_tensor(dv, "dv", 8);
+
+  const auto entries = static_cast<index_t>(index.vtoken.size());
+  const bool deterministic = mode == determinism::deterministic && entries > 0;
+  device_buffer<float> vertical_dk(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
+  device_buffer<float> vertical_dv(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
+  const kernel::backward_params<T> params{index.view(),
+                                          q.data(),
+                                          k.data(),
+                                          v.data(),
+                                          d_out.data(),
+                                          lse.data(),
+                                          delta.data(),
+                                          dq.data(),
+                                          dk.data(),
+                                          dv.data(),
+                                          deterministic ? vertical_dk.data() : nullptr,
+                                          deterministic ? vertical_dv.data() : nullptr,
+                                          shape.heads_q,
+                                          shape.heads_kv,
+                                          shape.query_tokens,
+                                          static_cast<float>(softmax_scale),
+                                          static_cast<float>(softmax_scale * kernel::detail::log2e)};
+  detail::with_head_dim(shape.head_dim, [&]<int D>() {
+    constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
+    detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
+    kernel::sparse_backward_dq<T, D><<<dim3(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q)),
+                                       kernel::attention_threads, dq_bytes, stream>>>(params);
+    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
+
+    constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T>();
+    detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D>, dkdv_bytes);
+    kernel::sparse_backward_dkdv<T, D><<<dim3(static_cast<unsigned>(index.shape.num_kv_blocks), static_cast<unsigned>(shape.heads_kv)),
+                                         kernel::attention_threads, dkdv_bytes, stream>>>(params);
+    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
+
+    if (entries == 0) return;
+    // One CTA per 64 entries of a head's token list: at most entries / 64 + heads of them.
+    constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T>();
+    detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D>, vertical_bytes);
+    const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
+    kernel::sparse_backward_vertical<T, D><<<groups, kernel::attention_threads, vertical_bytes, stream>>>(params);
+    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
+    if (!deterministic) return;
+    const unsigned blocks = detail::blocks_for(static_cast<std::int64_t>(entries) * D, 256);
+    for (index_t offset = 0; offset < shape.group_size(); ++offset) {
+      kernel::add_vertical_gradients<D><<<blocks, 256, 0, stream>>>(index.view(), vertical_dk.data(), vertical_dv.data(), entries,
+                                                                    shape.heads_kv, shape.group_size(), offset, dk.data(), dv.data());
+      STRIA_CUDA_CHECK_LAUNCH("add_vertical_gradients");
+    }
+  });
+}
+
+}  // namespace stria::device

@@ -1,0 +1,405 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sparse attention backward on 64x64 tiles with mma.sync (sm80+), DESIGN 8. Three passes over one
+// step index, each the sole writer of what it accumulates, so the block passes need no atomics:
+//   dq:       one CTA per (local query block, query head) over the forward form (blocks, verticals);
+//   dkdv:     one CTA per (local KV block, KV head) over the transposed form, all query heads of its group;
+//   vertical: one CTA per 64 of a head's vertical tokens over the queries that use them; its dK/dV go
+//             by fp32 atomics, or (deterministic) to per-entry scratch that add_vertical_gradients
+//             folds in a fixed order.
+// P is recomputed from the final LSE: P = exp(scale q.k - lse), dS = P (dP - delta), delta = rowsum(dO O).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "stria/core/config.hpp"
+#include "stria/core/numeric.cuh"
+#include "stria/index/step_index.hpp"
+#include "stria/kernel/attention_tile.cuh"
+
+namespace stria::kernel {
+
+template <class T>
+struct backward_params {
+  step_index_view index;  // device pointers
+  const T* q;             // [Sq, Hq, D]
+  const T* k;             // [Sk, Hkv, D]
+  const T* v;             // [Sk, Hkv, D]
+  const T* d_out;         // [Sq, Hq, D]
+  const float* lse;       // [Hq, Sq]  final LSE over all steps (natural log)
+  const float* delta;     // [Hq, Sq]  rowsum(dO * O)
+  float* dq;              // [Sq, Hq, D]   accumulated (+=)
+  float* dk;              // [Sk, Hkv, D]  accumulated (+=)
+  float* dv;              // [Sk, Hkv, D]  accumulated (+=)
+  float* vertical_dk;     // [vertical entries, D] deterministic scratch, else null (atomics)
+  float* vertical_dv;
+  index_t heads_q;
+  index_t heads_kv;
+  index_t query_tokens;
+  float scale;       // softmax scale
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+/// Dynamic shared memory of each pass.
+template <int D, class T>
+constexpr std::size_t backward_dq_shared_bytes() {
+  return 6 * sizeof(T) * shared_tile<D>::elements;  // Q, dO, 2 x K, 2 x V
+}
+template <int D, class T>
+constexpr std::size_t backward_dkdv_shared_bytes() {
+  return 6 * sizeof(T) * shared_tile<D>::elements + 4 * sizeof(float) * block_tokens;  // K, V, 2 x Q, 2 x dO, 2 x (lse, delta)
+}
+template <int D, class T>
+constexpr std::size_t backward_vertical_shared_bytes() {
+  return 4 * sizeof(T) * shared_tile<D>::elements + 2 * sizeof(float) * block_tokens;  // K, V, Q, dO, lse, delta
+}
+
+namespace detail {
+
+inline constexpr float log2e = 1.4426950408889634f;
+
+/// A row's LSE in the log2 domain; +inf for a row that saw no keys anywhere, so its P is 0.
+__device__ inline float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * log2e; }
+
+/// Query and dO rows of one (local query block, head), queued as cp.async copies.
+template <class T, int D>
+__device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, index_t h, T* qs, T* dos) {
+  auto rows = [&](const T* base) {
+    return [=, &p](int j) { return base + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D; };
+  };
+  load_tile_async<T, D>(qs, p.q, rows(p.q));
+  load_tile_async<T, D>(dos, p.d_out, rows(p.d_out));
+}
+
+/// The 64 rows' lse (log2 domain) and delta of one (local query block, head), plain stores.
+template <class T>
+__device__ void load_row_statistics(const backward_params<T>& p, index_t q_block, index_t h, float* lse, float* delta) {
+  const int j = static_cast<int>(threadIdx.x);
+  if (j < block_tokens) {
+    const std::int64_t at = static_cast<std::int64_t>(h) * p.query_tokens + static_cast<std::int64_t>(q_block) * block_tokens + j;
+    lse[j] = lse_log2(p.lse[at]);
+    delta[j] = p.delta[at];
+  }
+}
+
+/// dV += P^T dO and dK += dS^T Q for one tile, the warp's 16 keys against 64 queries; `masked(key,
+/// query)` (positions within the tile) drops entries.
+template <class T, int D, class Masked>
+__device__ void accumulate_dkdv(const backward_params<T>& p, float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* ks, const T* vs,
+                                const T* qs, const T* dos, const float* lse, const float* delta, Masked masked) {
+  float s[8][4] = {}, dp[8][4] = {};
+  product_abt<T, D>(s, ks, qs);   // S^T = K Q^T
+  product_abt<T, D>(dp, vs, dos);  // dP^T = V dO^T
+  const int key0 = 16 * static_cast<int>(threadIdx.x / 32);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + fragment_row(e), query = fragment_col(j, e);
+      const float prob = masked(key, query) ? 0.0f : exp2f(s[j][e] * p.scale_log2 - lse[query]);
+      s[j][e] = prob;
+      dp[j][e] = prob * (dp[j][e] - delta[query]);
+    }
+  product_pb<T, D>(dv, s, dos);
+  product_pb<T, D>(dk, dp, qs);
+}
+
+/// Adds `scale * acc` (this warp's 16 rows x D) to rows of an fp32 tensor: row_pointer(r) for the
+/// tile row r, null to skip. One writer per row, plain read-modify-write.
+template <int D, class RowPointer>
+__device__ void add_rows(const float (&acc)[D / 8][4], float scale, RowPointer row_pointer) {
+  const int row0 = 16 * static_cast<int>(threadIdx.x / 32);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* row = row_pointer(row0 + fragment_row(2 * half));
+    if (!row) continue;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      float2* at = reinterpret_cast<float2*>(row + fragment_col(j, 0));
+      float2 value = *at;
+      value.x += scale * acc[j][2 * half];
+      value.y += scale * acc[j][2 * half + 1];
+      *at = value;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d], one warp per (token, head).
+template <class T>
+__global__ void backward_delta(const T* __restrict__ out, const T* __restrict__ d_out, index_t tokens, index_t heads, index_t dim,
+                               float* __restrict__ delta) {
+  const std::int64_t row = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
+  if (row >= static_cast<std::int64_t>(tokens) * heads) return;
+  const int lane = threadIdx.x % 32;
+  const T* o = out + row * dim;
+  const T* g = d_out + row * dim;
+  float sum = 0.0f;
+  for (int d = lane; d < dim; d += 32) sum += to_float(o[d]) * to_float(g[d]);
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) delta[(row % heads) * tokens + row / heads] = sum;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int tile = shared_tile<D>::elements;
+  T* qs = reinterpret_cast<T*>(shared);
+  T* dos = qs + tile;
+  T* ks = dos + tile;     // 2 tiles
+  T* vs = ks + 2 * tile;  // 2 tiles
+
+  const index_t q_block = blockIdx.x, h = blockIdx.y;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
+  const index_t tiles = row.count();
+  const int warp = threadIdx.x / 32;
+  if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
+
+  auto load_kv = [&](index_t t, int buffer) {
+    auto key_row = [&](const T* base) {
+      return [&row, t, base, hk, &p](int j) -> const T* {
+        const index_t token = row.token(t, j);
+        return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
+      };
+    };
+    detail::load_tile_async<T, D>(ks + buffer * tile, p.k, key_row(p.k));
+    detail::load_tile_async<T, D>(vs + buffer * tile, p.v, key_row(p.v));
+  };
+  detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
+  load_kv(0, 0);
+  detail::cp_async_commit();
+
+  float lse[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t at = static_cast<std::int64_t>(h) * p.query_tokens + q_block * block_tokens + 16 * warp + detail::fragment_row(2 * half);
+    lse[half] = detail::lse_log2(p.lse[at]);
+    delta[half] = p.delta[at];
+  }
+
+  float dq[D / 8][4] = {};
+  for (index_t t = 0; t < tiles; ++t) {
+    const int buffer = static_cast<int>(t % 2);
+    if (t + 1 < tiles) {
+      load_kv(t + 1, buffer ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    float s[8][4] = {}, dp[8][4] = {};
+    detail::product_abt<T, D>(s, qs, ks + buffer * tile);   // S = Q K^T
+    detail::product_abt<T, D>(dp, dos, vs + buffer * tile);  // dP = dO V^T
+    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
+    const int valid = row.valid_columns(t);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * warp + detail::fragment_row(e), c = detail::fragment_col(j, e);
+        const bool masked = c >= valid || (diagonal && c > r);
+        const float prob = masked ? 0.0f : exp2f(s[j][e] * p.scale_log2 - lse[e / 2]);
+        s[j][e] = prob * (dp[j][e] - delta[e / 2]);  // dS
+      }
+    detail::product_pb<T, D>(dq, s, ks + buffer * tile);  // dQ += dS K
+    __syncthreads();
+  }
+  detail::add_rows<D>(dq, p.scale, [&](int r) {
+    return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+  });
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int tile = shared_tile<D>::elements;
+  T* ks = reinterpret_cast<T*>(shared);
+  T* vs = ks + tile;
+  T* qs = vs + tile;       // 2 tiles
+  T* dos = qs + 2 * tile;  // 2 tiles
+  float* lse = reinterpret_cast<float*>(dos + 2 * tile);  // 2 x 64
+  float* delta = lse + 2 * block_tokens;                 // 2 x 64
+
+  const index_t kv_block = blockIdx.x, hk = blockIdx.y;
+  const index_t group = p.heads_q / p.heads_kv, kv_blocks = p.index.shape.num_kv_blocks;
+  // The work: for each query head of the group, the query blocks whose tile with this block is active.
+  auto column = [&](index_t j) { return (hk * group + j) * kv_blocks + kv_block; };
+  index_t tiles = 0;
+  for (index_t j = 0; j < group; ++j) tiles += p.index.kv_query_ptr[column(j) + 1] - p.index.kv_query_ptr[column(j)];
+  if (tiles == 0) return;
+
+  struct cursor {
+    index_t j, e;
+  };
+  auto settle = [&](cursor c) {  // skip empty heads
+    while (c.j < group && c.e == p.index.kv_query_ptr[column(c.j) + 1]) {
+      ++c.j;
+      if (c.j < group) c.e = p.index.kv_query_ptr[column(c.j)];
+    }
+    return c;
+  };
+  auto load = [&](cursor c, int buffer) {
+    const index_t h = hk * group + c.j, q_block = p.index.kv_query[c.e];
+    detail::load_query_tiles<T, D>(p, q_block, h, qs + buffer * tile, dos + buffer * tile);
+    detail::load_row_statistics(p, q_block, h, lse + buffer * block_tokens, delta + buffer * block_tokens);
+  };
+
+  detail::load_tile_async<T, D>(ks, p.k, [&](int j) {
+    return p.k + ((static_cast<std::int64_t>(kv_block) * block_tokens + j) * p.heads_kv + hk) * D;
+  });
+  detail::load_tile_async<T, D>(vs, p.v, [&](int j) {
+    return p.v + ((static_cast<std::int64_t>(kv_block) * block_tokens + j) * p.heads_kv + hk) * D;
+  });
+  cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
+  load(current, 0);
+  detail::cp_async_commit();
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (index_t t = 0; t < tiles; ++t) {
+    const int buffer = static_cast<int>(t % 2);
+    const cursor next = settle({current.j, current.e + 1});
+    if (t + 1 < tiles) {
+      load(next, buffer ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bool diagonal = p.index.needs_causal_mask(p.index.kv_query[current.e], kv_block);
+    detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs + buffer * tile, dos + buffer * tile, lse + buffer * block_tokens,
+                                  delta + buffer * block_tokens,
+                                  [diagonal](int key, int query) { return diagonal && query < key; });
+    __syncthreads();
+    current = next;
+  }
+  auto rows = [&](float* base) {
+    return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
+  };
+  detail::add_rows<D>(dk, p.scale, rows(p.dk));
+  detail::add_rows<D>(dv, 1.0f, rows(p.dv));
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int tile = shared_tile<D>::elements;
+  T* ks = reinterpret_cast<T*>(shared);
+  T* vs = ks + tile;
+  T* qs = vs + tile;
+  T* dos = qs + tile;
+  float* lse = reinterpret_cast<float*>(dos + tile);
+  float* delta = lse + block_tokens;
+  __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
+  __shared__ index_t warp_min[2];
+
+  // This CTA's head and group of 64 consecutive entries of the head's vertical token list.
+  index_t group = blockIdx.x, h = 0;
+  const step_index_view& index = p.index;
+  for (; h < index.shape.num_heads; ++h) {
+    const index_t groups = (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens;
+    if (group < groups) break;
+    group -= groups;
+  }
+  if (h == index.shape.num_heads) return;
+  const index_t first = index.vtoken_head_ptr[h] + group * block_tokens;
+  const index_t last = index.vtoken_head_ptr[h + 1] < first + block_tokens ? index.vtoken_head_ptr[h + 1] : first + block_tokens;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const int tid = threadIdx.x, warp = tid / 32;
+
+  auto key_row = [&](const T* base) {
+    return [=, &p, &index](int j) -> const T* {
+      return first + j < last ? base + (static_cast<std::int64_t>(index.vtoken[first + j]) * p.heads_kv + hk) * D : nullptr;
+    };
+  };
+  detail::load_tile_async<T, D>(ks, p.k, key_row(p.k));
+  detail::load_tile_async<T, D>(vs, p.v, key_row(p.v));
+  detail::cp_async_commit();
+
+  // Thread c < 64 walks column c's ascending query list; each round takes the smallest query block
+  // still ahead of any column, and the columns whose cursor is on it.
+  index_t position = 0, end = 0;
+  if (tid < block_tokens && first + tid < last) {
+    position = index.vtoken_query_ptr[first + tid];
+    end = index.vtoken_query_ptr[first + tid + 1];
+  }
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (;;) {
+    index_t candidate = INT_MAX;
+    if (tid < block_tokens) {
+      candidate = position < end ? index.vtoken_query[position] : INT_MAX;
+      index_t m = candidate;
+      for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      if (tid % 32 == 0) warp_min[warp] = m;
+    }
+    __syncthreads();
+    const index_t q_block = min(warp_min[0], warp_min[1]);
+    if (q_block == INT_MAX) break;
+    if (tid < block_tokens) {
+      used[tid] = candidate == q_block ? 1 : 0;
+      if (candidate == q_block) ++position;
+    }
+    detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
+    detail::cp_async_commit();
+    detail::load_row_statistics(p, q_block, h, lse, delta);
+    detail::cp_async_wait<0>();
+    __syncthreads();
+    detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs, dos, lse, delta, [&](int key, int) { return used[key] == 0; });
+    __syncthreads();
+  }
+
+  const int row0 = 16 * warp;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const index_t entry = first + row0 + detail::fragment_row(2 * half);
+    if (entry >= last) continue;
+    const std::int64_t token = index.vtoken[entry];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int d = detail::fragment_col(j, 0);
+      const float2 k_part = make_float2(p.scale * dk[j][2 * half], p.scale * dk[j][2 * half + 1]);
+      const float2 v_part = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
+      if (p.vertical_dk) {
+        *reinterpret_cast<float2*>(p.vertical_dk + static_cast<std::int64_t>(entry) * D + d) = k_part;
+        *reinterpret_cast<float2*>(p.vertical_dv + static_cast<std::int64_t>(entry) * D + d) = v_part;
+      } else {
+        float* k_at = p.dk + (token * p.heads_kv + hk) * D + d;
+        float* v_at = p.dv + (token * p.heads_kv + hk) * D + d;
+        atomicAdd(k_at, k_part.x);
+        atomicAdd(k_at + 1, k_part.y);
+        atomicAdd(v_at, v_part.x);
+        atomicAdd(v_at + 1, v_part.y);
+      }
+    }
+  }
+}
+
+/// Deterministic mode: adds the scratch dK/dV of the vertical entries of query heads h with
+/// h % group == offset to their tokens. Within one launch no two entries share a (token, KV head);
+/// launching offsets 0, 1, ... in order fixes the summation order.
+template <int D>
+__global__ void add_vertical_gradients(step_index_view index, const float* __restrict__ vertical_dk, const float* __restrict__ vertical_dv,
+                                       index_t entries, index_t heads_kv, index_t group, index_t offset, float* dk, float* dv) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<std::int64_t>(entries) * D) return;
+  const index_t entry = static_cast<index_t>(i / D);
+  const int d = static_cast<int>(i % D);
+  index_t lo = 0, hi = index.shape.num_heads;  // the head: the last h with vtoken_head_ptr[h] <= entry
+  while (hi - lo > 1) {
+    const index_t mid = (lo + hi) / 2;
+    if (index.vtoken_head_ptr[mid] <= entry) lo = mid;
+    else hi = mid;
+  }
+  if (lo % group != offset) return;
+  const std::int64_t at = (static_cast<std::int64_t>(index.vtoken[entry]) * heads_kv + lo / group) * D + d;
+  dk[at] += vertical_dk[i];
+  dv[at] += vertical_dv[i];
+}
+
+}  // namespace stria::kernel

@@ -1,0 +1,213 @@
+// SPDX-License-Identifier: Apache-2.0
+// Benchmark (a program, not a test): the sparse attention kernels on one GPU, one step covering the
+// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128), bf16, causal; patterns: dense causal and
+// the generator's Vertical-Slash selection at 90% and 95% sparsity. Forward and backward (atomic and
+// deterministic) medians of CUDA-event timings after warm-up, random non-zero inputs, outputs
+// poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry
+// forward, 2.5x that backward, ANCHORS.md).
+//   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95]
+//                   [--pattern-dir DIR]   (writes each pattern as JSON for tests/bench/compare_flex.py)
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
+#include "stria/device/sparse_attention_step.cuh"
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/sharding/sequential.hpp"
+
+using namespace stria;
+using T = __nv_bfloat16;
+
+namespace {
+
+/// Uniform values in [-magnitude, magnitude] from a counter hash; never exactly zero.
+__global__ void fill_random(T* x, std::int64_t n, std::uint64_t seed, float magnitude) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint64_t h = (static_cast<std::uint64_t>(i) + 1) * 0x9e3779b97f4a7c15ULL ^ seed;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 29;
+    const float u = static_cast<float>(h >> 40) / static_cast<float>(1 << 24);  // [0, 1)
+    float value = (2.0f * u - 1.0f) * magnitude;
+    if (__bfloat162float(__float2bfloat16(value)) == 0.0f) value = 0.5f * magnitude;
+    x[i] = __float2bfloat16(value);
+  }
+}
+
+/// Counts entries that are NaN, or infinite where `allow_neg_inf` is false (-inf marks an empty LSE row).
+__global__ void count_bad(const float* x, std::int64_t n, bool allow_neg_inf, unsigned long long* bad) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    const float v = x[i];
+    if (isnan(v) || (isinf(v) && !(allow_neg_inf && v < 0))) atomicAdd(bad, 1ULL);
+  }
+}
+
+std::uint64_t non_finite(const device_buffer<float>& x, bool allow_neg_inf) {
+  device_buffer<unsigned long long> bad(1);
+  bad.fill_bytes(0);
+  count_bad<<<1024, 256>>>(x.data(), static_cast<std::int64_t>(x.size()), allow_neg_inf, bad.data());
+  STRIA_CUDA_CHECK_LAUNCH("count_bad");
+  return bad.download()[0];
+}
+
+device_buffer<T> random_buffer(std::size_t n, std::uint64_t seed, float magnitude) {
+  device_buffer<T> x(n);
+  fill_random<<<2048, 256>>>(x.data(), static_cast<std::int64_t>(n), seed, magnitude);
+  STRIA_CUDA_CHECK_LAUNCH("fill_random");
+  return x;
+}
+
+template <class Run>
+double median_ms(int repeats, Run run) {
+  cudaEvent_t start, stop;
+  STRIA_CUDA_CHECK(cudaEventCreate(&start));
+  STRIA_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) run();  // warm-up
+  std::vector<float> times;
+  for (int i = 0; i < repeats; ++i) {
+    STRIA_CUDA_CHECK(cudaEventRecord(start));
+    run();
+    STRIA_CUDA_CHECK(cudaEventRecord(stop));
+    STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  STRIA_CUDA_CHECK(cudaEventDestroy(start));
+  STRIA_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+global_selection make_pattern(const std::string& name, index_t seq_len, index_t heads_q, index_t heads_kv, index_t dim) {
+  if (name == "dense") {
+    global_selection g{seq_len, true, {}};
+    head_selection all;
+    for (index_t delta = 0; delta < seq_len / block_tokens; ++delta) all.slash_deltas.push_back(delta);
+    g.heads.assign(static_cast<std::size_t>(heads_q), all);
+    return g;
+  }
+  host::synthetic_vs_options o;
+  o.seq_len = seq_len;
+  o.heads_q = heads_q;
+  o.heads_kv = heads_kv;
+  o.head_dim = dim;
+  o.density = name == "vs90" ? 0.10 : 0.05;
+  return host::plant_vs_selection(o);
+}
+
+void write_pattern(const std::string& path, const global_selection& g, std::int64_t active_entries) {
+  std::ofstream out(path);
+  out << "{\"seq_len\": " << g.seq_len << ", \"active_entries\": " << active_entries << ", \"heads\": [";
+  for (std::size_t h = 0; h < g.heads.size(); ++h) {
+    auto list = [&](const std::vector<index_t>& v) {
+      std::ostringstream s;
+      for (std::size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
+      return s.str();
+    };
+    out << (h ? ", " : "") << "{\"slash\": [" << list(g.heads[h].slash_deltas) << "], \"vertical\": [" << list(g.heads[h].vertical_tokens)
+        << "]}";
+  }
+  out << "]}\n";
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> parts;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, ',');) parts.push_back(part);
+  return parts;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95");
+  std::string pattern_dir;
+  int repeats = 10;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--seq-len") lengths = split(value);
+    else if (flag == "--patterns") patterns = split(value);
+    else if (flag == "--repeats") repeats = std::stoi(value);
+    else if (flag == "--pattern-dir") pattern_dir = value;
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  const index_t hq = 16, hkv = 2, dim = 128;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  cudaDeviceProp prop{};
+  STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("attention_bench on %s: Hq %d, Hkv %d, D %d, bf16, causal, one step over the whole sequence, median of %d\n", prop.name, hq, hkv,
+              dim, repeats);
+  std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms", "bwd TF",
+              "det ms", "det TF", "index ms", "check");
+  for (const std::string& length : lengths) {
+    const index_t s = std::stoi(length);
+    const std::int64_t q_elements = std::int64_t{s} * hq * dim, kv_elements = std::int64_t{s} * hkv * dim;
+    device_buffer<T> q = random_buffer(static_cast<std::size_t>(q_elements), 1, 2.0f);
+    device_buffer<T> k = random_buffer(static_cast<std::size_t>(kv_elements), 2, 2.0f);
+    device_buffer<T> v = random_buffer(static_cast<std::size_t>(kv_elements), 3, 1.0f);
+    device_buffer<T> d_out = random_buffer(static_cast<std::size_t>(q_elements), 4, 1.0f);
+    device_buffer<float> out(static_cast<std::size_t>(q_elements)), lse(static_cast<std::size_t>(hq) * s), delta(static_cast<std::size_t>(hq) * s);
+    device_buffer<float> dq(static_cast<std::size_t>(q_elements)), dk(static_cast<std::size_t>(kv_elements)), dv(static_cast<std::size_t>(kv_elements));
+    device_buffer<T> out_t(static_cast<std::size_t>(q_elements));
+    const tensor_view<const T, 3> qv(q.data(), {s, hq, dim}), kv(k.data(), {s, hkv, dim}), vv(v.data(), {s, hkv, dim}),
+        dov(d_out.data(), {s, hq, dim});
+    const tensor_view<float, 3> out_view(out.data(), {s, hq, dim}), dq_view(dq.data(), {s, hq, dim}), dk_view(dk.data(), {s, hkv, dim}),
+        dv_view(dv.data(), {s, hkv, dim});
+    const tensor_view<float, 2> lse_view(lse.data(), {hq, s}), delta_view(delta.data(), {hq, s});
+
+    for (const std::string& name : patterns) {
+      const global_selection g = make_pattern(name, s, hq, hkv, dim);
+      const device_selection selection(g);
+      const auto build_start = std::chrono::steady_clock::now();
+      const device_step_index index = build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {});
+      STRIA_CUDA_CHECK(cudaDeviceSynchronize());
+      const double index_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - build_start).count();
+      const std::int64_t entries = index.to_host().active_entries();
+      const double causal_entries = double(s) * (double(s) + 1) / 2 * hq;
+      if (!pattern_dir.empty()) write_pattern(pattern_dir + "/" + name + "_" + length + ".json", g, entries);
+
+      auto forward = [&] { device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr); };
+      out.fill_bytes(0xff);
+      lse.fill_bytes(0xff);
+      forward();
+      std::uint64_t bad = non_finite(out, false) + non_finite(lse, true);
+      const double fwd_ms = median_ms(repeats, forward);
+
+      device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
+      device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);
+      auto backward = [&](device::determinism mode) {
+        return [&, mode] {
+          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr);
+        };
+      };
+      dq.fill_bytes(0);
+      dk.fill_bytes(0);
+      dv.fill_bytes(0);
+      backward(device::determinism::atomic)();
+      bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+      const double bwd_ms = median_ms(repeats, backward(device::determinism::atomic));
+      const double det_ms = median_ms(repeats, backward(device::determinism::deterministic));
+
+      const double fwd_flops = 4.0 * double(entries) * dim, bwd_flops = 2.5 * fwd_flops;
+      std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.2f %s\n", s, name.c_str(), 100.0 * double(entries) / causal_entries,
+                  fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms, bwd_flops / det_ms * 1e-9, index_ms,
+                  bad == 0 ? "ok" : "NON-FINITE");
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,295 @@
+// SPDX-License-Identifier: Apache-2.0
+// The sparse attention kernels against the host reference in double: forward (overwrite and merge
+// into the fp32 running state) and backward (dQ, dK, dV), bf16 and fp16, head dim 64 and 128, GQA
+// 1/2/8, causal and full, on random, dense and Vertical-Slash step indices; outputs poisoned first.
+// Deterministic backward is bit-identical on repeated runs; bad calls are rejected.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
+#include "stria/device/sparse_attention_step.cuh"
+#include "stria/host/reference_attention.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/index/local_index.hpp"
+#include "stria/sharding/striped.hpp"
+#include "support/oracle.hpp"
+#include "support/selection.hpp"
+
+using namespace stria;
+using test::view2;
+using test::view3;
+
+namespace {
+
+/// Random values rounded to T: the device copy and the exact values as float for the reference.
+template <class T>
+struct rounded_tensor {
+  std::vector<float> host;
+  device_buffer<T> device;
+};
+
+template <class T>
+rounded_tensor<T> random_tensor(test::seeded_rng& rng, std::size_t count, float magnitude) {
+  std::vector<T> values(count);
+  std::vector<float> host(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    do values[i] = from_float<T>(rng.uniform(-magnitude, magnitude));
+    while (to_float(values[i]) == 0.0f);  // never zero
+    host[i] = to_float(values[i]);
+  }
+  return {std::move(host), device_buffer<T>(std::span<const T>(values))};
+}
+
+template <class T>
+device_buffer<T> upload(const std::vector<T>& values) {
+  return device_buffer<T>(std::span<const T>(values));
+}
+
+/// A step index over local query blocks `query_global` and KV blocks `kv_global`.
+step_index random_index(test::seeded_rng& rng, index_t heads, bool causal, std::vector<index_t> query_global, std::vector<index_t> kv_global,
+                        double block_density, double token_density) {
+  const step_index_shape shape{heads, static_cast<index_t>(query_global.size()), static_cast<index_t>(kv_global.size()), causal};
+  return test::random_row_sets(rng, shape, std::move(query_global), std::move(kv_global), block_density, token_density).build();
+}
+
+struct problem {
+  index_t heads_q, heads_kv, dim;
+  const char* name;
+};
+
+double max_abs(const std::vector<double>& x) {
+  double m = 0;
+  for (double v : x)
+    if (std::isfinite(v)) m = std::max(m, std::abs(v));
+  return m;
+}
+
+/// Max |a - b| over max |b| (both over finite entries; matching infinities pass, others fail).
+template <class A>
+double max_relative_error(const std::vector<A>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(b[i]) && double(a[i]) == b[i]) continue;
+    if (!std::isfinite(double(a[i]))) return INFINITY;
+    worst = std::max(worst, std::abs(double(a[i]) - b[i]));
+  }
+  const double scale = max_abs(b);
+  return worst / (scale > 0 ? scale : 1.0);
+}
+
+template <class T>
+constexpr double tolerance() {
+  return std::is_same_v<T, __nv_bfloat16> ? 2e-2 : 4e-3;  // 8 vs 11 mantissa bits in P and dS
+}
+
+template <class T>
+const char* type_name() {
+  return std::is_same_v<T, __nv_bfloat16> ? "bf16" : "fp16";
+}
+
+/// Forward then backward of one step against the host reference; returns nothing, checks inside.
+template <class T>
+void check_step(test::seeded_rng& rng, const step_index& index, const problem& shape) {
+  const index_t sq = index.shape.num_query_blocks * block_tokens, sk = index.shape.num_kv_blocks * block_tokens;
+  const index_t hq = shape.heads_q, hkv = shape.heads_kv, dim = shape.dim;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  CAPTURE(type_name<T>());
+  CAPTURE(shape.name);
+  CAPTURE(index.shape.causal);
+  auto q = random_tensor<T>(rng, std::size_t(sq) * hq * dim, 2.0f);
+  auto k = random_tensor<T>(rng, std::size_t(sk) * hkv * dim, 2.0f);
+  auto v = random_tensor<T>(rng, std::size_t(sk) * hkv * dim, 1.0f);
+  auto d_out = random_tensor<T>(rng, std::size_t(sq) * hq * dim, 1.0f);
+  const device_step_index on_device = upload_step_index(index, nullptr);
+
+  // Forward.
+  std::vector<double> out_ref(std::size_t(sq) * hq * dim), lse_ref(std::size_t(hq) * sq);
+  host::reference_forward<double>(view3(std::as_const(q.host), sq, hq, dim), view3(std::as_const(k.host), sk, hkv, dim), view3(std::as_const(v.host), sk, hkv, dim), index.view(), scale,
+                                  view3(out_ref, sq, hq, dim), view2(lse_ref, hq, sq));
+  device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
+  out.fill_bytes(0xff);  // NaN: every element must be written
+  lse.fill_bytes(0xff);
+  const auto dq_view = [&](device_buffer<float>& b) { return tensor_view<float, 3>(b.data(), {sq, hq, dim}); };
+  const auto dk_view = [&](device_buffer<float>& b) { return tensor_view<float, 3>(b.data(), {sk, hkv, dim}); };
+  const tensor_view<const T, 3> q_view(q.device.data(), {sq, hq, dim}), k_view(k.device.data(), {sk, hkv, dim}),
+      v_view(v.device.data(), {sk, hkv, dim}), d_out_view(d_out.device.data(), {sq, hq, dim});
+  device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, dq_view(out), tensor_view<float, 2>(lse.data(), {hq, sq}),
+                            device::running_state::overwrite, nullptr);
+  const double out_error = max_relative_error(out.download(), out_ref);
+  const double lse_error = max_relative_error(lse.download(), lse_ref);
+  MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, ": max relative error O ", out_error, ", LSE ", lse_error);
+  CHECK(out_error < tolerance<T>());
+  CHECK(lse_error < tolerance<T>());
+
+  // Backward on the reference's output rounded to T, as a training step would hand it over.
+  std::vector<T> out_rounded(out_ref.size());
+  std::vector<float> out_host(out_ref.size()), lse_host(lse_ref.begin(), lse_ref.end());
+  for (std::size_t i = 0; i < out_ref.size(); ++i) {
+    out_rounded[i] = from_float<T>(static_cast<float>(out_ref[i]));
+    out_host[i] = to_float(out_rounded[i]);
+  }
+  std::vector<double> dq_ref(out_ref.size(), 0.0), dk_ref(k.host.size(), 0.0), dv_ref(v.host.size(), 0.0);
+  host::reference_backward<double>(view3(std::as_const(q.host), sq, hq, dim), view3(std::as_const(k.host), sk, hkv, dim), view3(std::as_const(v.host), sk, hkv, dim),
+                                   view3(std::as_const(out_host), sq, hq, dim), view3(std::as_const(d_out.host), sq, hq, dim), view2(std::as_const(lse_host), hq, sq), index.view(), scale,
+                                   view3(dq_ref, sq, hq, dim), view3(dk_ref, sk, hkv, dim), view3(dv_ref, sk, hkv, dim));
+  device_buffer<T> out_device = upload(out_rounded);
+  device_buffer<float> lse_device = upload(lse_host), delta(lse_host.size());
+  delta.fill_bytes(0xff);
+  device::backward_delta<T>(tensor_view<const T, 3>(out_device.data(), {sq, hq, dim}), d_out_view, tensor_view<float, 2>(delta.data(), {hq, sq}),
+                            nullptr);
+  auto run_backward = [&](device::determinism mode) {
+    struct gradients {
+      std::vector<float> dq, dk, dv;
+    };
+    device_buffer<float> dq(dq_ref.size()), dk(dk_ref.size()), dv(dv_ref.size());
+    dq.fill_bytes(0);
+    dk.fill_bytes(0);
+    dv.fill_bytes(0);
+    device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
+                               tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, dq_view(dq), dk_view(dk), dk_view(dv), mode,
+                               nullptr);
+    return gradients{dq.download(), dk.download(), dv.download()};
+  };
+  const auto exact = run_backward(device::determinism::deterministic);
+  const double dq_error = max_relative_error(exact.dq, dq_ref), dk_error = max_relative_error(exact.dk, dk_ref),
+               dv_error = max_relative_error(exact.dv, dv_ref);
+  MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, ": max relative error dQ ", dq_error, ", dK ", dk_error, ", dV ",
+          dv_error);
+  CHECK(dq_error < 2 * tolerance<T>());
+  CHECK(dk_error < 2 * tolerance<T>());
+  CHECK(dv_error < 2 * tolerance<T>());
+
+  // Deterministic mode repeats bit for bit; the atomic mode agrees to rounding.
+  const auto again = run_backward(device::determinism::deterministic);
+  CHECK(std::memcmp(again.dq.data(), exact.dq.data(), exact.dq.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(again.dk.data(), exact.dk.data(), exact.dk.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(again.dv.data(), exact.dv.data(), exact.dv.size() * sizeof(float)) == 0);
+  const auto atomic = run_backward(device::determinism::atomic);
+  CHECK(max_relative_error(atomic.dk, dk_ref) < 2 * tolerance<T>());
+  CHECK(max_relative_error(atomic.dv, dv_ref) < 2 * tolerance<T>());
+  CHECK(atomic.dq == exact.dq);  // dQ never uses atomics
+}
+
+const problem problems[] = {{2, 2, 64, "Hq2 Hkv2 D64"}, {4, 2, 128, "Hq4 Hkv2 D128"}, {8, 1, 64, "Hq8 Hkv1 D64"}, {8, 1, 128, "Hq8 Hkv1 D128"}};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("sparse attention kernels match the reference on random step indices", T, __nv_bfloat16, __half) {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  for (const problem& shape : problems)
+    for (bool causal : {true, false}) {
+      // Striped-like maps: query rank 1 of 3 against KV rank 1 (diagonal tiles) and rank 0.
+      const std::vector<index_t> queries{1, 4, 7, 10, 13};
+      check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {1, 4, 7, 10}, 0.4, 0.05), shape);
+      check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {0, 3, 6, 9, 12, 15}, 0.3, 0.08), shape);
+    }
+}
+
+TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  const index_t world = 3, seq_len = 64 * world * 6;
+  const sharding::striped<64> striped;
+  for (const problem& shape : problems) {
+    const global_selection dense = test::random_selection(rng, seq_len, shape.heads_q, true, 1.0, 0.0);
+    const global_selection vs = test::random_selection(rng, seq_len, shape.heads_q, true, 0.2, 0.06);
+    for (index_t source : {index_t{1}, index_t{0}, index_t{2}}) {
+      CAPTURE(source);
+      check_step<T>(rng, build_local_index(dense, striped, world, 1, source, {}), shape);
+      check_step<T>(rng, build_local_index(vs, striped, world, 1, source, {}), shape);
+    }
+  }
+}
+
+TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
+  using T = __nv_bfloat16;
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  const index_t world = 3, seq_len = 64 * world * 5, hq = 4, hkv = 2, dim = 128, sq = seq_len / world;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const global_selection g = test::random_selection(rng, seq_len, hq, true, 0.3, 0.05);
+  auto q = random_tensor<T>(rng, std::size_t(sq) * hq * dim, 2.0f);
+  const tensor_view<const T, 3> q_view(q.device.data(), {sq, hq, dim});
+  std::vector<double> out_ref(std::size_t(sq) * hq * dim), lse_ref(std::size_t(hq) * sq);
+  device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
+  out.fill_bytes(0xff);
+  lse.fill_bytes(0xff);
+  for (index_t step = 0; step < world; ++step) {
+    const step_index index = build_local_index(g, sharding::striped<64>{}, world, 1, (1 - step + world) % world, {});
+    auto k = random_tensor<T>(rng, std::size_t(sq) * hkv * dim, 2.0f);
+    auto v = random_tensor<T>(rng, std::size_t(sq) * hkv * dim, 1.0f);
+    std::vector<double> part_out(out_ref.size()), part_lse(lse_ref.size());
+    host::reference_forward<double>(view3(std::as_const(q.host), sq, hq, dim), view3(std::as_const(k.host), sq, hkv, dim), view3(std::as_const(v.host), sq, hkv, dim), index.view(), scale,
+                                    view3(part_out, sq, hq, dim), view2(part_lse, hq, sq));
+    if (step == 0) {
+      out_ref = part_out;
+      lse_ref = part_lse;
+    } else {
+      host::merge_partial<double>(view3(out_ref, sq, hq, dim), view2(lse_ref, hq, sq), view3(std::as_const(part_out), sq, hq, dim),
+                                  view2(std::as_const(part_lse), hq, sq));
+    }
+    device::sparse_forward<T>(upload_step_index(index, nullptr), q_view, tensor_view<const T, 3>(k.device.data(), {sq, hkv, dim}),
+                              tensor_view<const T, 3>(v.device.data(), {sq, hkv, dim}), scale, tensor_view<float, 3>(out.data(), {sq, hq, dim}),
+                              tensor_view<float, 2>(lse.data(), {hq, sq}),
+                              step == 0 ? device::running_state::overwrite : device::running_state::merge, nullptr);
+  }
+  const double out_error = max_relative_error(out.download(), out_ref), lse_error = max_relative_error(lse.download(), lse_ref);
+  MESSAGE("3 merged steps, bf16: max relative error O ", out_error, ", LSE ", lse_error);
+  CHECK(out_error < tolerance<T>());
+  CHECK(lse_error < tolerance<T>());
+
+  // The final cast to the input type.
+  device_buffer<T> final_out(out_ref.size());
+  device::write_output<T>(tensor_view<const float, 3>(out.data(), {sq, hq, dim}), tensor_view<T, 3>(final_out.data(), {sq, hq, dim}), nullptr);
+  const std::vector<float> running = out.download();
+  const std::vector<T> cast = final_out.download();
+  bool exact = true;
+  for (std::size_t i = 0; i < cast.size(); ++i) exact = exact && to_float(cast[i]) == to_float(from_float<T>(running[i]));
+  CHECK(exact);
+}
+
+TEST_CASE("sparse attention calls reject bad input with the argument named") {
+  using T = __half;
+  test::seeded_rng rng;
+  const index_t sq = 128, hq = 2, dim = 64;
+  const step_index index = random_index(rng, hq, true, {0, 1}, {0, 1}, 0.5, 0.0);
+  const device_step_index on_device = upload_step_index(index, nullptr);
+  device_buffer<T> q(std::size_t(sq) * hq * dim + 8);
+  device_buffer<float> out(std::size_t(sq) * hq * dim), lse(std::size_t(hq) * sq);
+  const tensor_view<const T, 3> good(q.data(), {sq, hq, dim});
+  const tensor_view<float, 3> out_view(out.data(), {sq, hq, dim});
+  const tensor_view<float, 2> lse_view(lse.data(), {hq, sq});
+  auto forward = [&](tensor_view<const T, 3> a, tensor_view<const T, 3> b, double scale) {
+    device::sparse_forward<T>(on_device, a, b, b, scale, out_view, lse_view, device::running_state::overwrite, nullptr);
+  };
+  auto message = [&](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  CHECK(message([&] { forward(good, good, 0.125); }) == "no error");
+  CHECK(message([&] { forward(tensor_view<const T, 3>(q.data() + 1, {sq, hq, dim}), good, 0.125); }).find("q.data()") != std::string::npos);
+  CHECK(message([&] { forward(good, good, 0.0); }).find("softmax_scale") != std::string::npos);
+  CHECK(message([&] { forward(good, good, NAN); }).find("softmax_scale") != std::string::npos);
+  const tensor_view<const T, 3> three_heads(q.data(), {sq / 2, 3, dim});
+  CHECK(message([&] { forward(good, three_heads, 0.125); }).find("query heads") != std::string::npos);
+  const tensor_view<const T, 3> odd_dim(q.data(), {sq / 2, hq, 96});
+  CHECK(message([&] { forward(odd_dim, odd_dim, 0.125); }).find("head dim") != std::string::npos);
+  const tensor_view<const T, 3> short_kv(q.data(), {sq / 2, hq, dim});
+  CHECK(message([&] { forward(good, short_kv, 0.125); }).find("index.shape.num_kv_blocks") != std::string::npos);
+  std::vector<T> host_q(std::size_t(sq) * hq * dim, from_float<T>(1.0f));
+  CHECK(message([&] { forward(tensor_view<const T, 3>(host_q.data(), {sq, hq, dim}), good, 0.125); }).find("device") != std::string::npos);
+}
