@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Benchmark (a program, not a test): the sparse attention kernels on one GPU, one step covering the
-// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128), bf16, causal; patterns: dense causal and
-// the generator's Vertical-Slash selection at 90% and 95% sparsity. Forward and backward (atomic and
+// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128), bf16, causal; patterns: dense causal, the
+// generator's Vertical-Slash selection at 90% and 95% sparsity, and its slash-only block patterns. Forward and backward (atomic and
 // deterministic) medians of CUDA-event timings after warm-up, random non-zero inputs, outputs
 // poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry
 // forward, 2.5x that backward, ANCHORS.md).
-//   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95]
-//                   [--pattern-dir DIR]   (writes each pattern as JSON for tests/bench/compare_flex.py)
+//   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
+//                   [--forward-only] [--pattern-dir DIR]   (writes each pattern as JSON for tests/bench/compare_flex.py)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -97,12 +97,17 @@ global_selection make_pattern(const std::string& name, index_t seq_len, index_t 
     g.heads.assign(static_cast<std::size_t>(heads_q), all);
     return g;
   }
+  // vs90/vs95: the generator's Vertical-Slash selection (60% of the entries on slash diagonals, the
+  // rest on vertical tokens); slash90/slash95: all on slash diagonals plus the 4 sink tokens, a
+  // block pattern that block-sparse kernels (FlexAttention) can run without wasted work.
   host::synthetic_vs_options o;
   o.seq_len = seq_len;
   o.heads_q = heads_q;
   o.heads_kv = heads_kv;
   o.head_dim = dim;
-  o.density = name == "vs90" ? 0.10 : 0.05;
+  o.density = name.ends_with("90") ? 0.10 : 0.05;
+  if (name.starts_with("slash")) o.slash_share = 1.0;
+  else if (!name.starts_with("vs")) throw invalid_argument("--patterns", name, "must be dense, vs90, vs95, slash90 or slash95");
   return host::plant_vs_selection(o);
 }
 
@@ -131,11 +136,22 @@ std::vector<std::string> split(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95");
+  std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
   std::string pattern_dir;
   int repeats = 10;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
+  bool with_backward = true;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--forward-only") {
+      with_backward = false;
+      --i;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s needs a value\n", flag.c_str());
+      return 2;
+    }
+    const std::string value = argv[i + 1];
     if (flag == "--seq-len") lengths = split(value);
     else if (flag == "--patterns") patterns = split(value);
     else if (flag == "--repeats") repeats = std::stoi(value);
@@ -151,8 +167,10 @@ int main(int argc, char** argv) {
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("attention_bench on %s: Hq %d, Hkv %d, D %d, bf16, causal, one step over the whole sequence, median of %d\n", prop.name, hq, hkv,
               dim, repeats);
-  std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms", "bwd TF",
-              "det ms", "det TF", "index ms", "check");
+  std::printf("forward: %s kernel (mma.sync column: the sm80 kernel on the same input)\n",
+              device::hopper_kernels_available() ? "wgmma" : "mma.sync");
+  std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %9s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms", "bwd TF",
+              "det ms", "det TF", "mma ms", "mma TF", "index ms", "check");
   for (const std::string& length : lengths) {
     const index_t s = std::stoi(length);
     const std::int64_t q_elements = std::int64_t{s} * hq * dim, kv_elements = std::int64_t{s} * hkv * dim;
@@ -180,12 +198,20 @@ int main(int argc, char** argv) {
       const double causal_entries = double(s) * (double(s) + 1) / 2 * hq;
       if (!pattern_dir.empty()) write_pattern(pattern_dir + "/" + name + "_" + length + ".json", g, entries);
 
-      auto forward = [&] { device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr); };
-      out.fill_bytes(0xff);
-      lse.fill_bytes(0xff);
-      forward();
-      std::uint64_t bad = non_finite(out, false) + non_finite(lse, true);
-      const double fwd_ms = median_ms(repeats, forward);
+      auto forward = [&](device::forward_kernel which) {
+        return [&, which] {
+          device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr, which);
+        };
+      };
+      std::uint64_t bad = 0;
+      for (auto which : {device::forward_kernel::mma_sync, device::forward_kernel::automatic}) {
+        out.fill_bytes(0xff);
+        lse.fill_bytes(0xff);
+        forward(which)();
+        bad += non_finite(out, false) + non_finite(lse, true);
+      }
+      const double mma_ms = median_ms(repeats, forward(device::forward_kernel::mma_sync));
+      const double fwd_ms = median_ms(repeats, forward(device::forward_kernel::automatic));
 
       device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
       device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);
@@ -194,18 +220,21 @@ int main(int argc, char** argv) {
           device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr);
         };
       };
-      dq.fill_bytes(0);
-      dk.fill_bytes(0);
-      dv.fill_bytes(0);
-      backward(device::determinism::atomic)();
-      bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
-      const double bwd_ms = median_ms(repeats, backward(device::determinism::atomic));
-      const double det_ms = median_ms(repeats, backward(device::determinism::deterministic));
+      double bwd_ms = NAN, det_ms = NAN;
+      if (with_backward) {
+        dq.fill_bytes(0);
+        dk.fill_bytes(0);
+        dv.fill_bytes(0);
+        backward(device::determinism::atomic)();
+        bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+        bwd_ms = median_ms(repeats, backward(device::determinism::atomic));
+        det_ms = median_ms(repeats, backward(device::determinism::deterministic));
+      }
 
       const double fwd_flops = 4.0 * double(entries) * dim, bwd_flops = 2.5 * fwd_flops;
-      std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.2f %s\n", s, name.c_str(), 100.0 * double(entries) / causal_entries,
-                  fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms, bwd_flops / det_ms * 1e-9, index_ms,
-                  bad == 0 ? "ok" : "NON-FINITE");
+      std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.3f %9.1f %9.2f %s\n", s, name.c_str(),
+                  100.0 * double(entries) / causal_entries, fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms,
+                  bwd_flops / det_ms * 1e-9, mma_ms, fwd_flops / mma_ms * 1e-9, index_ms, bad == 0 ? "ok" : "NON-FINITE");
       std::fflush(stdout);
     }
   }

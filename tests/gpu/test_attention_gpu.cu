@@ -63,7 +63,7 @@ step_index random_index(test::seeded_rng& rng, index_t heads, bool causal, std::
 
 struct problem {
   index_t heads_q, heads_kv, dim;
-  const char* name;
+  std::string name;
 };
 
 double max_abs(const std::vector<double>& x) {
@@ -92,7 +92,7 @@ constexpr double tolerance() {
 }
 
 template <class T>
-const char* type_name() {
+std::string type_name() {
   return std::is_same_v<T, __nv_bfloat16> ? "bf16" : "fp16";
 }
 
@@ -115,20 +115,27 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   std::vector<double> out_ref(std::size_t(sq) * hq * dim), lse_ref(std::size_t(hq) * sq);
   host::reference_forward<double>(view3(std::as_const(q.host), sq, hq, dim), view3(std::as_const(k.host), sk, hkv, dim), view3(std::as_const(v.host), sk, hkv, dim), index.view(), scale,
                                   view3(out_ref, sq, hq, dim), view2(lse_ref, hq, sq));
-  device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
-  out.fill_bytes(0xff);  // NaN: every element must be written
-  lse.fill_bytes(0xff);
   const auto dq_view = [&](device_buffer<float>& b) { return tensor_view<float, 3>(b.data(), {sq, hq, dim}); };
   const auto dk_view = [&](device_buffer<float>& b) { return tensor_view<float, 3>(b.data(), {sk, hkv, dim}); };
   const tensor_view<const T, 3> q_view(q.device.data(), {sq, hq, dim}), k_view(k.device.data(), {sk, hkv, dim}),
       v_view(v.device.data(), {sk, hkv, dim}), d_out_view(d_out.device.data(), {sq, hq, dim});
-  device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, dq_view(out), tensor_view<float, 2>(lse.data(), {hq, sq}),
-                            device::running_state::overwrite, nullptr);
-  const double out_error = max_relative_error(out.download(), out_ref);
-  const double lse_error = max_relative_error(lse.download(), lse_ref);
-  MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, ": max relative error O ", out_error, ", LSE ", lse_error);
-  CHECK(out_error < tolerance<T>());
-  CHECK(lse_error < tolerance<T>());
+  std::vector<device::forward_kernel> kernels{device::forward_kernel::mma_sync};
+  if (device::hopper_kernels_available()) kernels.push_back(device::forward_kernel::wgmma);
+  for (const device::forward_kernel which : kernels) {
+    const std::string kernel_name = which == device::forward_kernel::wgmma ? "wgmma" : "mma.sync";
+    CAPTURE(kernel_name);
+    device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
+    out.fill_bytes(0xff);  // NaN: every element must be written
+    lse.fill_bytes(0xff);
+    device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, dq_view(out), tensor_view<float, 2>(lse.data(), {hq, sq}),
+                              device::running_state::overwrite, nullptr, which);
+    const double out_error = max_relative_error(out.download(), out_ref);
+    const double lse_error = max_relative_error(lse.download(), lse_ref);
+    MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, ": max relative error O ", out_error, ", LSE ",
+            lse_error);
+    CHECK(out_error < tolerance<T>());
+    CHECK(lse_error < tolerance<T>());
+  }
 
   // Backward on the reference's output rounded to T, as a training step would hand it over.
   std::vector<T> out_rounded(out_ref.size());

@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -28,6 +30,33 @@ enum class running_state { overwrite, merge };
 /// Backward accumulation of the vertical tokens' dK/dV: fp32 atomics (fast), or per-entry scratch
 /// folded in a fixed order, so that repeated runs give bit-identical gradients.
 enum class determinism { atomic, deterministic };
+
+/// Which forward kernel runs: the Hopper one (wgmma) where the device and this build support it,
+/// else the mma.sync one (sm80+); or one of them by name (tests compare both).
+enum class forward_kernel { automatic, mma_sync, wgmma };
+
+/// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
+/// sm_90a (probed once per device with a one-thread kernel).
+inline bool hopper_kernels_available() {
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  int device = 0;
+  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard lock(mutex);
+  if (auto it = known.find(device); it != known.end()) return it->second;
+  int major = 0;
+  STRIA_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  bool available = false;
+  if (major == 9) {
+    device_buffer<int> flag(1);
+    flag.fill_bytes(0);
+    kernel::probe_wgmma<><<<1, 1, 0, flag.stream()>>>(flag.data());
+    STRIA_CUDA_CHECK_LAUNCH("probe_wgmma");
+    available = flag.download()[0] == 1;
+  }
+  known.emplace(device, available);
+  return available;
+}
 
 namespace detail {
 
@@ -83,7 +112,7 @@ inline unsigned blocks_for(std::int64_t items, unsigned per_block) { return stat
 template <class T>
 void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                     double softmax_scale, tensor_view<float, 3> out, tensor_view<float, 2> lse, running_state state,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, forward_kernel which = forward_kernel::automatic) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
@@ -100,12 +129,22 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
                                          shape.query_tokens,
                                          static_cast<float>(softmax_scale * kernel::detail::log2e),
                                          state == running_state::merge};
+  const bool hopper = which == forward_kernel::wgmma || (which == forward_kernel::automatic && hopper_kernels_available());
+  if (which == forward_kernel::wgmma && !hopper_kernels_available())
+    throw invalid_argument("which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
+  const dim3 grid(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
   detail::with_head_dim(shape.head_dim, [&]<int D>() {
-    constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
-    detail::allow_shared_bytes(kernel::sparse_forward<T, D>, bytes);
-    const dim3 grid(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
-    kernel::sparse_forward<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
-    STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
+    if (hopper) {
+      constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
+      detail::allow_shared_bytes(kernel::sparse_forward_wgmma<T, D>, bytes);
+      kernel::sparse_forward_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+      STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
+    } else {
+      constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
+      detail::allow_shared_bytes(kernel::sparse_forward<T, D>, bytes);
+      kernel::sparse_forward<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+      STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
+    }
   });
 }
 

@@ -2,7 +2,8 @@
 // Warp-level tensor-core and copy primitives (sm80+) shared by the kernels: mma.sync m16n8k16,
 // ldmatrix, cp.async, and packing fp32 pairs into 16-bit operands. Fragment layouts follow the
 // PTX ISA ("Matrix fragments for mma.m16n8k16"): lane l holds rows l/4 and l/4 + 8, columns
-// 2(l%4) and 2(l%4) + 1 of each 8-column slice.
+// 2(l%4) and 2(l%4) + 1 of each 8-column slice. Every shared-memory asm has a "memory" clobber, so
+// the compiler keeps it on its side of __syncthreads (an asm without one may be moved across).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,7 +42,8 @@ __device__ inline void ldmatrix_x4(unsigned (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
+               : "r"(shared_address(row))
+               : "memory");
 #else
   __trap();
 #endif
@@ -52,7 +54,8 @@ __device__ inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
+               : "r"(shared_address(row))
+               : "memory");
 #else
   __trap();
 #endif
@@ -62,7 +65,8 @@ __device__ inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
 /// nothing is read (the source must still be a valid address).
 __device__ inline void cp_async_16(void* shared, const void* global, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
 #else
   __trap();
 #endif
@@ -70,7 +74,7 @@ __device__ inline void cp_async_16(void* shared, const void* global, bool valid)
 
 __device__ inline void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
@@ -78,7 +82,7 @@ __device__ inline void cp_async_commit() {
 template <int Pending>
 __device__ inline void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 

@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
   T* ks = dos + tile;     // 2 tiles
   T* vs = ks + 2 * tile;  // 2 tiles
 
-  const index_t q_block = blockIdx.x, h = blockIdx.y;
+  // Later query blocks have longer lists under causal attention: launch them first (less tail).
+  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();

@@ -14,6 +14,7 @@
 #include "stria/core/softmax_merge.hpp"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/attention_tile.cuh"
+#include "stria/kernel/wgmma.cuh"
 
 namespace stria::kernel {
 
@@ -32,106 +33,71 @@ struct forward_params {
   bool merge;        // merge into the running state (false: overwrite it, the first step)
 };
 
-/// Dynamic shared memory of the forward: the query tile and two K and two V tiles (double buffer).
-template <int D, class T>
-constexpr std::size_t forward_shared_bytes() {
-  return 5 * sizeof(T) * shared_tile<D>::elements;
-}
+namespace detail {
 
-template <class T, int D>
-__global__ void __launch_bounds__(attention_threads) sparse_forward(forward_params<T> p) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  constexpr int tile = shared_tile<D>::elements;
-  T* qs = reinterpret_cast<T*>(shared);
-  T* ks = qs + tile;      // 2 tiles
-  T* vs = ks + 2 * tile;  // 2 tiles
-
-  const index_t q_block = blockIdx.x, h = blockIdx.y;
-  const index_t hk = h / (p.heads_q / p.heads_kv);
-  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
-  const index_t tiles = row.count();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
-  auto load_kv = [&](index_t t, int buffer) {
-    auto key_row = [&](const T* base) {
-      return [&row, t, base, hk, &p](int j) -> const T* {
-        const index_t token = row.token(t, j);
-        return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
-      };
-    };
-    detail::load_tile_async<T, D>(ks + buffer * tile, p.k, key_row(p.k));
-    detail::load_tile_async<T, D>(vs + buffer * tile, p.v, key_row(p.v));
-  };
-
-  detail::load_tile_async<T, D>(qs, p.q, [&](int j) {
-    return p.q + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D;
-  });
-  if (tiles > 0) load_kv(0, 0);
-  detail::cp_async_commit();
-
-  float o[D / 8][4] = {};
-  float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, rows g and g + 8 of the warp
-  float row_sum[2] = {0.0f, 0.0f};            // this lane's share; summed over the quad at the end
-  unsigned qf[D / 16][4];
-
-  for (index_t t = 0; t < tiles; ++t) {
-    const int buffer = static_cast<int>(t % 2);
-    if (t + 1 < tiles) {
-      load_kv(t + 1, buffer ^ 1);
-      detail::cp_async_commit();
-      detail::cp_async_wait<1>();
-    } else {
-      detail::cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (t == 0) detail::load_row_fragments<T, D>(qf, qs);
-
-    float s[8][4] = {};
-    detail::product_abt<T, D>(s, qf, ks + buffer * tile);
-
-    // Scale into the log2 domain and mask: inside the causal triangle of a diagonal tile, and past
-    // the end of the last vertical gather. Other tiles need no mask.
-    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
-    const int valid = row.valid_columns(t);
-    float tile_max[2] = {-INFINITY, -INFINITY};
+/// One tile of the online softmax (FlashAttention-2): scales this warp's scores `s` into the log2
+/// domain, masks them (the causal triangle of a diagonal tile; columns past `valid` of the last
+/// vertical gather), updates the running row statistics and leaves P in `s`. The output must then
+/// be multiplied by `correction` (rescale_rows), which the Hopper kernel defers until its previous
+/// P V product has landed.
+__device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2], float scale_log2,
+                                    bool diagonal, int valid) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+  if (diagonal || valid < block_tokens) {  // warp-uniform: most tiles skip the mask arithmetic
+    const int warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = 16 * warp + detail::fragment_row(e), c = detail::fragment_col(j, e);
+        const int r = warp_row0 + fragment_row(e), c = fragment_col(j, e);
         const bool masked = c >= valid || (diagonal && c > r);
-        s[j][e] = masked ? -INFINITY : s[j][e] * p.scale_log2;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
+        s[j][e] = masked ? -INFINITY : s[j][e] * scale_log2;
       }
+  } else {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float new_max = fmaxf(row_max[half], detail::quad_max(tile_max[half]));
-      const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row masked so far stays at 0
-      const float correction = exp2f(row_max[half] - base);
-      row_max[half] = new_max;
-      row_sum[half] *= correction;
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[j][2 * half] *= correction;
-        o[j][2 * half + 1] *= correction;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[j][2 * half] = exp2f(s[j][2 * half] - base);
-        s[j][2 * half + 1] = exp2f(s[j][2 * half + 1] - base);
-        row_sum[half] += s[j][2 * half] + s[j][2 * half + 1];
-      }
-    }
-    detail::product_pb<T, D>(o, s, vs + buffer * tile);
-    __syncthreads();  // the buffer is refilled two tiles later
+      for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
   }
-
-  // Epilogue: normalise, then overwrite or merge the running state (each CTA owns its rows).
-  constexpr float ln2 = 0.693147180559945309f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const index_t token = q_block * block_tokens + 16 * warp + lane / 4 + 8 * half;
-    const float sum = detail::quad_sum(row_sum[half]);
+    const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
+    const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row masked so far stays at 0
+    correction[half] = exp2f(row_max[half] - base);
+    row_max[half] = new_max;
+    row_sum[half] *= correction[half];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j][2 * half] = exp2f(s[j][2 * half] - base);
+      s[j][2 * half + 1] = exp2f(s[j][2 * half + 1] - base);
+      row_sum[half] += s[j][2 * half] + s[j][2 * half + 1];
+    }
+  }
+}
+
+template <int D>
+__device__ void rescale_rows(float (&o)[D / 8][4], const float (&correction)[2]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[j][e] *= correction[e / 2];
+}
+
+/// Epilogue: normalises this warp's rows and overwrites or merges the running state (each CTA
+/// owns its rows, so plain read-modify-write).
+template <class T, int D>
+__device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, index_t h, const float (&o)[D / 8][4],
+                                   const float (&row_max)[2], const float (&row_sum)[2]) {
+  constexpr float ln2 = 0.693147180559945309f;
+  const int lane = threadIdx.x % 32, warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const index_t token = q_block * block_tokens + warp_row0 + fragment_row(2 * half);
+    const float sum = quad_sum(row_sum[half]);
     const float step_lse = sum > 0.0f ? (row_max[half] + log2f(sum)) * ln2 : -INFINITY;
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
     float* out_row = p.out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D;
@@ -146,7 +112,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_forward(forward_para
     __syncwarp();  // every lane of the quad has read the old LSE before lane 0 replaces it
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
-      float2* at = reinterpret_cast<float2*>(out_row + detail::fragment_col(j, 0));
+      float2* at = reinterpret_cast<float2*>(out_row + fragment_col(j, 0));
       float2 value = make_float2(o[j][2 * half] * inverse * weight_new, o[j][2 * half + 1] * inverse * weight_new);
       if (weight_old != 0.0f) {  // a zero weight drops the old side, so an empty row cannot give 0 * inf
         const float2 old = *at;
@@ -157,6 +123,190 @@ __global__ void __launch_bounds__(attention_threads) sparse_forward(forward_para
     }
     if (lane % 4 == 0) *lse_at = lse;
   }
+}
+
+}  // namespace detail
+
+/// Dynamic shared memory of the forward: two K and two V tiles (double buffer). The query tile is
+/// staged through the second V tile: its fragments live in registers before that tile is refilled.
+template <int D, class T>
+constexpr std::size_t forward_shared_bytes() {
+  return 4 * sizeof(T) * shared_tile<D>::elements;
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads) sparse_forward(forward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  constexpr int tile = shared_tile<D>::elements;
+  T* ks = reinterpret_cast<T*>(shared);  // 2 tiles
+  T* vs = ks + 2 * tile;                 // 2 tiles
+
+  // Later query blocks have longer lists under causal attention: launch them first (less tail).
+  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
+  const index_t tiles = row.count();
+
+  auto load_tile = [&](const T* base, index_t t, T* to) {
+    detail::load_tile_async<T, D>(to, base, [&row, t, base, hk, &p](int j) -> const T* {
+      const index_t token = row.token(t, j);
+      return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
+    });
+  };
+
+  // Prologue: the query tile (into V buffer 1) and tile 0, one copy group each for K and V.
+  detail::load_tile_async<T, D>(vs + tile, p.q, [&](int j) {
+    return p.q + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D;
+  });
+  if (tiles > 0) {
+    load_tile(p.k, 0, ks);
+    detail::cp_async_commit();
+    load_tile(p.v, 0, vs);
+  }
+  detail::cp_async_commit();
+  unsigned qf[D / 16][4];
+  detail::cp_async_wait<0>();
+  __syncthreads();
+  detail::load_row_fragments<T, D>(qf, vs + tile);
+
+  float o[D / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 domain, rows g and g + 8 of the warp
+  float row_sum[2] = {0.0f, 0.0f};            // this lane's share; summed over the quad at the end
+
+  for (index_t t = 0; t < tiles; ++t) {
+    const int buffer = static_cast<int>(t % 2);
+    // Copy groups in flight here: K(t), V(t) (complete for t = 0). The barrier also ends every
+    // warp's use of the other buffer (tile t - 1, or the query tile), so tile t + 1 may go there.
+    detail::cp_async_wait<1>();
+    __syncthreads();
+    if (t + 1 < tiles) load_tile(p.k, t + 1, ks + (buffer ^ 1) * tile);
+    detail::cp_async_commit();
+    if (t + 1 < tiles) load_tile(p.v, t + 1, vs + (buffer ^ 1) * tile);
+    detail::cp_async_commit();
+
+    float s[8][4] = {};
+    detail::product_abt<T, D>(s, qf, ks + buffer * tile);
+
+    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
+    float correction[2];
+    detail::softmax_tile(s, row_max, row_sum, correction, p.scale_log2, diagonal, row.valid_columns(t));
+    detail::rescale_rows<D>(o, correction);
+    detail::cp_async_wait<2>();  // V(t); K(t + 1) and V(t + 1) may still be in flight
+    __syncthreads();
+    detail::product_pb<T, D>(o, s, vs + buffer * tile);
+  }
+
+  detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
+}
+
+/// Dynamic shared memory of the Hopper forward: two K and two V tiles in the swizzled layout, plus
+/// slack to align them to 1024 bytes. The query tile is staged through the second V tile.
+template <int D>
+constexpr std::size_t forward_wgmma_shared_bytes() {
+  return 4 * swizzled_tile<D>::bytes + 1024;
+}
+
+/// The forward on Hopper: the same walk, online softmax and epilogue as sparse_forward, with both
+/// products on wgmma (one warpgroup per 64-row block): S = Q K^T with Q's fragments in registers
+/// and K from shared memory (K-major), O += P V with P in registers and V from shared memory
+/// (MN-major). Software pipelined as in FlashAttention-3 (intra-warpgroup overlap): iteration t
+/// issues S(t + 1) and O += P(t) V(t) together, runs the softmax of tile t + 1 while the P V product
+/// is in flight, and rescales O once it has landed. Loads run one tile further ahead: K(t + 2) and
+/// V(t + 1) are copied during iteration t.
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads) sparse_forward_wgmma(forward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  constexpr int tile = swizzled_tile<D>::bytes;
+  unsigned char* ks = shared;         // 2 tiles: K(t) in ks + (t % 2) * tile
+  unsigned char* vs = ks + 2 * tile;  // 2 tiles: V(t) likewise
+
+  // Later query blocks have longer lists under causal attention: launch them first (less tail).
+  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
+  const index_t tiles = row.count();
+
+  auto load_tile = [&](const T* base, index_t t, unsigned char* to) {
+    detail::load_swizzled_async<T, D, attention_threads>(to, base, [&row, t, base, hk, &p](int j) -> const T* {
+      const index_t token = row.token(t, j);
+      return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
+    });
+  };
+  auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::key_operand<D>(ks + (t % 2) * tile, k), k > 0);
+  };
+  auto softmax = [&](index_t t, float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2]) {
+    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
+    detail::softmax_tile(s, row_max, row_sum, correction, p.scale_log2, diagonal, row.valid_columns(t));
+  };
+
+  // Prologue: the query tile (staged in V buffer 1), K(0), V(0) and K(1); then S(0) and its softmax.
+  detail::load_swizzled_async<T, D, attention_threads>(vs + tile, p.q, [&](int j) {
+    return p.q + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D;
+  });
+  if (tiles > 0) {
+    load_tile(p.k, 0, ks);
+    load_tile(p.v, 0, vs);
+  }
+  if (tiles > 1) load_tile(p.k, 1, ks + tile);
+  detail::cp_async_commit();
+  detail::cp_async_wait<0>();
+  detail::fence_async_shared();
+  __syncthreads();
+  unsigned qf[D / 16][4];
+  detail::load_swizzled_fragments<D>(qf, vs + tile);
+
+  float o[D / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};
+  float s[8][4];        // P(t) once its softmax ran
+  float correction[2];  // of tile t + 1, applied to O after P(t) V(t)
+  if (tiles > 0) {
+    detail::wgmma_fence();
+    scores(0, s, qf);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
+    softmax(0, s, row_max, row_sum, correction);
+  }
+
+  for (index_t t = 0; t < tiles; ++t) {
+    // K(t + 1) and V(t) were copied during iteration t - 1 (or the prologue). The barrier also ends
+    // every use of K(t) (S(t) waited) and V(t - 1) (P V waited), whose buffers are refilled now.
+    detail::cp_async_wait<0>();
+    detail::fence_async_shared();
+    __syncthreads();
+    if (t + 2 < tiles) load_tile(p.k, t + 2, ks + (t % 2) * tile);
+    if (t + 1 < tiles) load_tile(p.v, t + 1, vs + ((t + 1) % 2) * tile);
+    detail::cp_async_commit();
+
+    unsigned pf[4][4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
+    const bool more = t + 1 < tiles;
+    detail::wgmma_fence();
+    if (more) {
+      scores(t + 1, s, qf);
+      detail::wgmma_commit();
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::value_operand<D>(vs + (t % 2) * tile, k), true);
+    detail::wgmma_commit();
+    if (more) {
+      detail::wgmma_wait<1>();  // S(t + 1); the P V product may still run
+      detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
+      softmax(t + 1, s, row_max, row_sum, correction);
+    }
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
+    detail::fence_registers(pf);
+    if (more) detail::rescale_rows<D>(o, correction);
+  }
+  detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }
 
 /// out[i] = running[i] rounded to T: the last step's cast of the fp32 running output.
