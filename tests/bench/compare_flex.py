@@ -106,11 +106,18 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     stria = ours(args.pattern_dir)
-    table = []
+
+    def cell(ms, flops):
+        return f"{ms:8.2f} ({flops / ms * 1e-9:5.0f})" if ms else f"{'n/a':>16}"
+
+    print(f"bf16 causal, Hq {HQ}, Hkv {HKV}, D {D}; ms (effective TFLOPS on the pattern's active entries); cuDNN is dense causal")
+    heads = ["stria fwd", "stria bwd", "flex64 fwd", "flex64 bwd", "flex128 fwd", "flex128 bwd", "cudnn fwd", "cudnn bwd"]
+    print(f"{'S':>7} {'pattern':7} " + " ".join(f"{h:>16}" for h in heads), flush=True)
     for s in [int(x) for x in args.seq_len.split(",")]:
         make = lambda heads, scale: ((torch.rand(1, heads, s, D, device="cuda") * 2 - 1) * scale).to(torch.bfloat16).requires_grad_()
         q, k, v, d_out = make(HQ, 2.0), make(HKV, 2.0), make(HKV, 1.0), make(HQ, 1.0).detach()
         cudnn = run_cudnn(q, k, v, d_out, args.repeats)
+        dense_flops = 4.0 * s * (s + 1) / 2 * HQ * D
         for name in args.patterns.split(","):
             path = os.path.join(args.pattern_dir, f"{name}_{s}.json")
             if not os.path.exists(path):
@@ -120,20 +127,11 @@ def main():
             mask_mod = mask_for(pattern, "cuda")
             flex64 = run_flex(q, k, v, d_out, mask_mod, 64, args.repeats)
             flex128 = run_flex(q, k, v, d_out, mask_mod, 128, args.repeats)
-            table.append((s, name, flops, stria.get((s, name), (None, None)), flex64, flex128, cudnn))
+            mine = stria.get((s, name), (None, None))
+            cells = [cell(mine[0], flops), cell(mine[1], 2.5 * flops), cell(flex64[0], flops), cell(flex64[1], 2.5 * flops),
+                     cell(flex128[0], flops), cell(flex128[1], 2.5 * flops), cell(cudnn[0], dense_flops), cell(cudnn[1], 2.5 * dense_flops)]
+            print(f"{s:>7} {name:7} " + " ".join(cells), flush=True)
             torch.cuda.empty_cache()
-
-    def cell(ms, flops):
-        return f"{ms:8.2f} ({flops / ms * 1e-9:5.0f})" if ms else f"{'n/a':>16}"
-
-    print(f"bf16 causal, Hq {HQ}, Hkv {HKV}, D {D}; ms (effective TFLOPS on the pattern's active entries); cuDNN is dense causal")
-    heads = ["stria fwd", "stria bwd", "flex64 fwd", "flex64 bwd", "flex128 fwd", "flex128 bwd", "cudnn fwd", "cudnn bwd"]
-    print(f"{'S':>7} {'pattern':7} " + " ".join(f"{h:>16}" for h in heads))
-    for s, name, flops, mine, f64, f128, cudnn in table:
-        dense_flops = 4.0 * s * (s + 1) / 2 * HQ * D
-        cells = [cell(mine[0], flops), cell(mine[1], 2.5 * flops), cell(f64[0], flops), cell(f64[1], 2.5 * flops), cell(f128[0], flops),
-                 cell(f128[1], 2.5 * flops), cell(cudnn[0], dense_flops), cell(cudnn[1], 2.5 * dense_flops)]
-        print(f"{s:>7} {name:7} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   const auto atomic = run_backward(device::determinism::atomic);
   CHECK(max_relative_error(atomic.dk, dk_ref) < 2 * tolerance<T>());
   CHECK(max_relative_error(atomic.dv, dv_ref) < 2 * tolerance<T>());
-  CHECK(atomic.dq == exact.dq);  // dQ never uses atomics
+  CHECK(max_relative_error(atomic.dq, dq_ref) < 2 * tolerance<T>());  // fused into the dK/dV passes there
 }
 
 const problem problems[] = {{2, 2, 64, "Hq2 Hkv2 D64"}, {4, 2, 128, "Hq4 Hkv2 D128"}, {8, 1, 64, "Hq8 Hkv1 D64"}, {8, 1, 128, "Hq8 Hkv1 D128"}};
@@ -200,6 +200,15 @@ TEST_CASE_TEMPLATE("sparse attention kernels match the reference on random step 
       check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {1, 4, 7, 10}, 0.4, 0.05), shape);
       check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {0, 3, 6, 9, 12, 15}, 0.3, 0.08), shape);
     }
+}
+
+// One small problem through every kernel (both forwards, all backward modes): what the device script
+// runs under compute-sanitizer racecheck, which is too slow for the sweeps.
+TEST_CASE("sparse attention kernels on one small problem") {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  const problem shape{4, 2, 128, "Hq4 Hkv2 D128"};
+  check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, true, {1, 4, 7}, {1, 4, 7}, 0.5, 0.08), shape);
 }
 
 TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {

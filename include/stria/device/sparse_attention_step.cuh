@@ -27,8 +27,10 @@ namespace stria::device {
 /// What the forward does with the running state: overwrite it (the first ring step) or merge into it.
 enum class running_state { overwrite, merge };
 
-/// Backward accumulation of the vertical tokens' dK/dV: fp32 atomics (fast), or per-entry scratch
-/// folded in a fixed order, so that repeated runs give bit-identical gradients.
+/// Backward accumulation order. atomic: dQ is formed inside the dK/dV passes and added by fp32
+/// atomics, as are the vertical tokens' dK/dV (fastest; the summation order varies between runs).
+/// deterministic: a separate dQ pass and per-entry scratch for the vertical dK/dV folded in a fixed
+/// order, so repeated runs give bit-identical gradients.
 enum class determinism { atomic, deterministic };
 
 /// Which forward kernel runs: the Hopper one (wgmma) where the device and this build support it,
@@ -219,26 +221,34 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           static_cast<float>(softmax_scale),
                                           static_cast<float>(softmax_scale * kernel::detail::log2e)};
   detail::with_head_dim(shape.head_dim, [&]<int D>() {
-    constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
-    detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
-    kernel::sparse_backward_dq<T, D><<<dim3(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q)),
-                                       kernel::attention_threads, dq_bytes, stream>>>(params);
-    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
-
-    constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T>();
-    detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D>, dkdv_bytes);
-    kernel::sparse_backward_dkdv<T, D><<<dim3(static_cast<unsigned>(index.shape.num_kv_blocks), static_cast<unsigned>(shape.heads_kv)),
-                                         kernel::attention_threads, dkdv_bytes, stream>>>(params);
-    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
-
-    if (entries == 0) return;
-    // One CTA per 64 entries of a head's token list: at most entries / 64 + heads of them.
-    constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T>();
-    detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D>, vertical_bytes);
-    const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
-    kernel::sparse_backward_vertical<T, D><<<groups, kernel::attention_threads, vertical_bytes, stream>>>(params);
-    STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
-    if (!deterministic) return;
+    auto passes = [&]<bool FusedDq>() {
+      if constexpr (!FusedDq) {
+        constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
+        detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
+        kernel::sparse_backward_dq<T, D><<<dim3(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q)),
+                                           kernel::attention_threads, dq_bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
+      }
+      constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T, FusedDq>();
+      detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D, FusedDq>, dkdv_bytes);
+      kernel::sparse_backward_dkdv<T, D, FusedDq>
+          <<<dim3(static_cast<unsigned>(index.shape.num_kv_blocks), static_cast<unsigned>(shape.heads_kv)), kernel::attention_threads,
+             dkdv_bytes, stream>>>(params);
+      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
+      if (entries == 0) return;
+      // One CTA per 64 entries of a head's token list: at most entries / 64 + heads of them.
+      constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, FusedDq>();
+      detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, FusedDq>, vertical_bytes);
+      const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
+      kernel::sparse_backward_vertical<T, D, FusedDq><<<groups, kernel::attention_threads, vertical_bytes, stream>>>(params);
+      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
+    };
+    if (mode == determinism::atomic) {
+      passes.template operator()<true>();
+      return;
+    }
+    passes.template operator()<false>();
+    if (!deterministic) return;  // no vertical entries
     const unsigned blocks = detail::blocks_for(static_cast<std::int64_t>(entries) * D, 256);
     for (index_t offset = 0; offset < shape.group_size(); ++offset) {
       kernel::add_vertical_gradients<D><<<blocks, 256, 0, stream>>>(index.view(), vertical_dk.data(), vertical_dv.data(), entries,

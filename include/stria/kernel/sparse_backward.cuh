@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Sparse attention backward on 64x64 tiles with mma.sync (sm80+), DESIGN 8. Three passes over one
-// step index, each the sole writer of what it accumulates, so the block passes need no atomics:
+// Sparse attention backward on 64x64 tiles with mma.sync (sm80+), DESIGN 8. Deterministic mode: three
+// passes over one step index, each the sole writer of what it accumulates (no atomics in the block passes):
 //   dq:       one CTA per (local query block, query head) over the forward form (blocks, verticals);
 //   dkdv:     one CTA per (local KV block, KV head) over the transposed form, all query heads of its group;
 //   vertical: one CTA per 64 of a head's vertical tokens over the queries that use them; its dK/dV go
 //             by fp32 atomics, or (deterministic) to per-entry scratch that add_vertical_gradients
 //             folds in a fixed order.
+// Atomic mode: no dq pass; the two dK/dV passes also form dQ = dS K per tile (dS^T through shared
+// memory) and add it by fp32 atomics (FlashAttention-2's scheme), 5 products per tile instead of 7.
 // P is recomputed from the final LSE: P = exp(scale q.k - lse), dS = P (dP - delta), delta = rowsum(dO O).
 #pragma once
 
@@ -48,18 +50,22 @@ template <int D, class T>
 constexpr std::size_t backward_dq_shared_bytes() {
   return 6 * sizeof(T) * shared_tile<D>::elements;  // Q, dO, 2 x K, 2 x V
 }
-template <int D, class T>
+/// The dK/dV passes, plus the dS^T tile when they also produce dQ (FusedDq, the atomic mode).
+template <int D, class T, bool FusedDq>
 constexpr std::size_t backward_dkdv_shared_bytes() {
-  return 6 * sizeof(T) * shared_tile<D>::elements + 4 * sizeof(float) * block_tokens;  // K, V, 2 x Q, 2 x dO, 2 x (lse, delta)
+  return 6 * sizeof(T) * shared_tile<D>::elements + 4 * sizeof(float) * block_tokens +  // K, V, 2 x Q, 2 x dO, 2 x (lse, delta)
+         (FusedDq ? sizeof(T) * block_tokens * (block_tokens + 8) : 0);
 }
-template <int D, class T>
+template <int D, class T, bool FusedDq>
 constexpr std::size_t backward_vertical_shared_bytes() {
-  return 4 * sizeof(T) * shared_tile<D>::elements + 2 * sizeof(float) * block_tokens;  // K, V, Q, dO, lse, delta
+  return 4 * sizeof(T) * shared_tile<D>::elements + 2 * sizeof(float) * block_tokens +  // K, V, Q, dO, lse, delta
+         (FusedDq ? sizeof(T) * block_tokens * (block_tokens + 8) : 0);
 }
 
 namespace detail {
 
 inline constexpr float log2e = 1.4426950408889634f;
+inline constexpr int ds_stride = block_tokens + 8;  // elements per row of the dS^T tile (padded like the operand tiles)
 
 /// A row's LSE in the log2 domain; +inf for a row that saw no keys anywhere, so its P is 0.
 __device__ inline float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * log2e; }
@@ -89,7 +95,7 @@ __device__ void load_row_statistics(const backward_params<T>& p, index_t q_block
 /// query)` (positions within the tile) drops entries.
 template <class T, int D, class Masked>
 __device__ void accumulate_dkdv(const backward_params<T>& p, float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* ks, const T* vs,
-                                const T* qs, const T* dos, const float* lse, const float* delta, Masked masked) {
+                                const T* qs, const T* dos, const float* lse, const float* delta, Masked masked, T* ds_out = nullptr) {
   float s[8][4] = {}, dp[8][4] = {};
   product_abt<T, D>(s, ks, qs);   // S^T = K Q^T
   product_abt<T, D>(dp, vs, dos);  // dP^T = V dO^T
@@ -103,8 +109,57 @@ __device__ void accumulate_dkdv(const backward_params<T>& p, float (&dk)[D / 8][
       s[j][e] = prob;
       dp[j][e] = prob * (dp[j][e] - delta[query]);
     }
+  if (ds_out) {  // dS^T for the fused dQ product: [key][query], rounded to T like the other operands
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<unsigned*>(ds_out + (key0 + fragment_row(2 * half)) * ds_stride + fragment_col(j, 0)) =
+            pack_pair<T>(dp[j][2 * half], dp[j][2 * half + 1]);
+  }
   product_pb<T, D>(dv, s, dos);
   product_pb<T, D>(dk, dp, qs);
+}
+
+/// Fused dQ (the atomic mode): this warp's 16 query rows of dS K, from the dS^T tile of all four
+/// warps (ds [key][query], transposed by ldmatrix) and the K tile, added to dq by fp32 atomics.
+/// `query_row(r)` points at query row r of this head's dq.
+template <class T, int D, class QueryRow>
+__device__ void add_dq_atomic(const backward_params<T>& p, const T* ds, const T* ks, QueryRow query_row) {
+  constexpr int stride = shared_tile<D>::stride;
+  constexpr int part = D / 2;  // head-dim columns per round: half the accumulators, while dK and dV stay live
+  const int lane = threadIdx.x % 32, query0 = 16 * static_cast<int>(threadIdx.x / 32);
+#pragma unroll
+  for (int first = 0; first < D; first += part) {
+    float acc[part / 8][4] = {};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // keys 16k .. 16k + 15
+      unsigned af[4];
+      const int matrix = lane / 8;
+      ldmatrix_x4_trans(af, ds + (16 * k + lane % 8 + (matrix / 2) * 8) * ds_stride + query0 + (matrix % 2) * 8);
+#pragma unroll
+      for (int n = 0; n < part / 16; ++n) {
+        unsigned bf[4];
+        ldmatrix_x4_trans(bf, ks + (16 * k + lane % 8 + ((lane / 8) % 2) * 8) * stride + first + 16 * n + (lane / 16) * 8);
+        mma_16816<T>(acc[2 * n], af, bf[0], bf[1]);
+        mma_16816<T>(acc[2 * n + 1], af, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float* row = query_row(query0 + fragment_row(2 * half)) + first;
+#pragma unroll
+      for (int j = 0; j < part / 8; ++j) {
+        float* at = row + fragment_col(j, 0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2*>(at), make_float2(p.scale * acc[j][2 * half], p.scale * acc[j][2 * half + 1]));
+#else
+        atomicAdd(at, p.scale * acc[j][2 * half]);
+        atomicAdd(at + 1, p.scale * acc[j][2 * half + 1]);
+#endif
+      }
+    }
+  }
 }
 
 /// Adds `scale * acc` (this warp's 16 rows x D) to rows of an fp32 tensor: row_pointer(r) for the
@@ -216,7 +271,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
   });
 }
 
-template <class T, int D>
+template <class T, int D, bool FusedDq>
 __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int tile = shared_tile<D>::elements;
@@ -226,6 +281,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
   T* dos = qs + 2 * tile;  // 2 tiles
   float* lse = reinterpret_cast<float*>(dos + 2 * tile);  // 2 x 64
   float* delta = lse + 2 * block_tokens;                 // 2 x 64
+  T* ds = reinterpret_cast<T*>(delta + 2 * block_tokens);  // [64 keys][64 + 8] when FusedDq
 
   const index_t kv_block = blockIdx.x, hk = blockIdx.y;
   const index_t group = p.heads_q / p.heads_kv, kv_blocks = p.index.shape.num_kv_blocks;
@@ -273,10 +329,18 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
       detail::cp_async_wait<0>();
     }
     __syncthreads();
-    const bool diagonal = p.index.needs_causal_mask(p.index.kv_query[current.e], kv_block);
+    const index_t q_block = p.index.kv_query[current.e];
+    const bool diagonal = p.index.needs_causal_mask(q_block, kv_block);
     detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs + buffer * tile, dos + buffer * tile, lse + buffer * block_tokens,
-                                  delta + buffer * block_tokens,
-                                  [diagonal](int key, int query) { return diagonal && query < key; });
+                                  delta + buffer * block_tokens, [diagonal](int key, int query) { return diagonal && query < key; },
+                                  FusedDq ? ds : nullptr);
+    if constexpr (FusedDq) {
+      __syncthreads();  // dS^T of all four warps
+      const index_t h = hk * group + current.j;
+      detail::add_dq_atomic<T, D>(p, ds, ks, [&](int r) {
+        return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+      });
+    }
     __syncthreads();
     current = next;
   }
@@ -287,7 +351,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
   detail::add_rows<D>(dv, 1.0f, rows(p.dv));
 }
 
-template <class T, int D>
+template <class T, int D, bool FusedDq>
 __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int tile = shared_tile<D>::elements;
@@ -297,6 +361,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   T* dos = qs + tile;
   float* lse = reinterpret_cast<float*>(dos + tile);
   float* delta = lse + block_tokens;
+  T* ds = reinterpret_cast<T*>(delta + block_tokens);  // [64 keys][64 + 8] when FusedDq
   __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
   __shared__ index_t warp_min[2];
 
@@ -351,7 +416,14 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
     detail::load_row_statistics(p, q_block, h, lse, delta);
     detail::cp_async_wait<0>();
     __syncthreads();
-    detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs, dos, lse, delta, [&](int key, int) { return used[key] == 0; });
+    detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs, dos, lse, delta, [&](int key, int) { return used[key] == 0; },
+                                  FusedDq ? ds : nullptr);
+    if constexpr (FusedDq) {
+      __syncthreads();  // dS^T of all four warps
+      detail::add_dq_atomic<T, D>(p, ds, ks, [&](int r) {
+        return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+      });
+    }
     __syncthreads();
   }
 
