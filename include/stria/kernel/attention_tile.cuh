@@ -132,6 +132,12 @@ struct row_tiles {
     const index_t at = (t - num_blocks) * block_tokens + j;
     return at < num_tokens ? tokens[at] : -1;
   }
+  /// Row j of tile t in a [Sk, Hkv, D] tensor (K or V) at KV head `hk`; null past the last gather.
+  template <int D, class T>
+  __device__ const T* kv_row(const T* base, index_t heads_kv, index_t hk, index_t t, int j) const {
+    const index_t at = token(t, j);
+    return at < 0 ? nullptr : base + (static_cast<std::int64_t>(at) * heads_kv + hk) * D;
+  }
   /// Valid columns of tile t (64 except in the last gather).
   __device__ int valid_columns(index_t t) const {
     if (t < num_blocks) return block_tokens;
@@ -139,6 +145,10 @@ struct row_tiles {
     return left < block_tokens ? static_cast<int>(left) : block_tokens;
   }
 };
+
+/// The local query block of a CTA launched over (query blocks, heads). Later query blocks have longer
+/// lists under causal attention, so they are launched first (a shorter tail).
+__device__ inline index_t launched_query_block() { return static_cast<index_t>(gridDim.x - 1 - blockIdx.x); }
 
 }  // namespace detail
 }  // namespace stria::kernel

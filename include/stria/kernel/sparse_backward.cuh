@@ -208,8 +208,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
   T* ks = dos + tile;     // 2 tiles
   T* vs = ks + 2 * tile;  // 2 tiles
 
-  // Later query blocks have longer lists under causal attention: launch them first (less tail).
-  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
+  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
@@ -217,14 +216,8 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
   if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
 
   auto load_kv = [&](index_t t, int buffer) {
-    auto key_row = [&](const T* base) {
-      return [&row, t, base, hk, &p](int j) -> const T* {
-        const index_t token = row.token(t, j);
-        return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
-      };
-    };
-    detail::load_tile_async<T, D>(ks + buffer * tile, p.k, key_row(p.k));
-    detail::load_tile_async<T, D>(vs + buffer * tile, p.v, key_row(p.v));
+    detail::load_tile_async<T, D>(ks + buffer * tile, p.k, [&](int j) { return row.kv_row<D>(p.k, p.heads_kv, hk, t, j); });
+    detail::load_tile_async<T, D>(vs + buffer * tile, p.v, [&](int j) { return row.kv_row<D>(p.v, p.heads_kv, hk, t, j); });
   };
   detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
   load_kv(0, 0);

@@ -145,17 +145,13 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   T* ks = reinterpret_cast<T*>(shared);  // 2 tiles
   T* vs = ks + 2 * tile;                 // 2 tiles
 
-  // Later query blocks have longer lists under causal attention: launch them first (less tail).
-  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
+  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
 
   auto load_tile = [&](const T* base, index_t t, T* to) {
-    detail::load_tile_async<T, D>(to, base, [&row, t, base, hk, &p](int j) -> const T* {
-      const index_t token = row.token(t, j);
-      return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
-    });
+    detail::load_tile_async<T, D>(to, base, [&](int j) { return row.kv_row<D>(base, p.heads_kv, hk, t, j); });
   };
 
   // Prologue: the query tile (into V buffer 1) and tile 0, one copy group each for K and V.
@@ -225,17 +221,13 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   unsigned char* ks = shared;         // 2 tiles: K(t) in ks + (t % 2) * tile
   unsigned char* vs = ks + 2 * tile;  // 2 tiles: V(t) likewise
 
-  // Later query blocks have longer lists under causal attention: launch them first (less tail).
-  const index_t q_block = static_cast<index_t>(gridDim.x - 1 - blockIdx.x), h = blockIdx.y;
+  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
 
   auto load_tile = [&](const T* base, index_t t, unsigned char* to) {
-    detail::load_swizzled_async<T, D, attention_threads>(to, base, [&row, t, base, hk, &p](int j) -> const T* {
-      const index_t token = row.token(t, j);
-      return token < 0 ? nullptr : base + (static_cast<std::int64_t>(token) * p.heads_kv + hk) * D;
-    });
+    detail::load_swizzled_async<T, D, attention_threads>(to, base, [&](int j) { return row.kv_row<D>(base, p.heads_kv, hk, t, j); });
   };
   auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
 #pragma unroll
