@@ -8,10 +8,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/cuda_check.cuh"
@@ -62,18 +64,28 @@ inline bool hopper_kernels_available() {
 
 namespace detail {
 
+/// The layout rules every tensor of a kernel call obeys: contiguous, and aligned for the kernel's
+/// vector accesses. Pure argument checks, so they run (and are tested) without a GPU.
 template <class T, std::size_t Rank>
-void check_device_tensor(tensor_view<T, Rank> view, const char* name, std::size_t alignment) {
+void check_layout(tensor_view<T, Rank> view, const char* name, std::size_t alignment) {
   if (!view.is_contiguous()) throw invalid_argument(std::string(name) + ".stride(0)", view.stride(0), "the tensor must be contiguous");
   const auto address = reinterpret_cast<std::uintptr_t>(view.data());
   if (address % alignment != 0)
     throw invalid_argument(std::string(name) + ".data()", address, "must be aligned to " + std::to_string(alignment) + " bytes");
-  cudaPointerAttributes attributes{};
-  STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, view.data()));
-  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
-    throw invalid_argument(std::string(name) + ".data()", address, "must point to device (or managed) memory");
 }
 
+/// Throws unless every pointer is device (or managed) memory: the last check of a call, after all
+/// the argument checks, since it asks the CUDA runtime.
+inline void check_on_device(std::initializer_list<std::pair<const void*, const char*>> pointers) {
+  for (const auto& [pointer, name] : pointers) {
+    cudaPointerAttributes attributes{};
+    STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, pointer));
+    if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
+      throw invalid_argument(std::string(name) + ".data()", reinterpret_cast<std::uintptr_t>(pointer), "must point to device (or managed) memory");
+  }
+}
+
+/// The shape of a call from q, k, v, checked with the index and the scale (no CUDA calls).
 template <class T>
 attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                               const device_step_index& index, double softmax_scale) {
@@ -84,7 +96,7 @@ attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3>
   check_extents(q, {shape.query_tokens, shape.heads_q, shape.head_dim}, "q");
   check_extents(k, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "k");
   check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
-  for (auto [view, name] : {std::pair{q, "q"}, std::pair{k, "k"}, std::pair{v, "v"}}) check_device_tensor(view, name, 16);
+  for (auto [view, name] : {std::pair{q, "q"}, std::pair{k, "k"}, std::pair{v, "v"}}) check_layout(view, name, 16);
   check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, index.shape.causal});
   if (!(softmax_scale > 0.0) || !std::isfinite(softmax_scale))
     throw invalid_argument("softmax_scale", softmax_scale, "must be positive and finite");
@@ -118,8 +130,12 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
-  detail::check_device_tensor(out, "out", 8);
-  detail::check_device_tensor(lse, "lse", 4);
+  detail::check_layout(out, "out", 8);
+  detail::check_layout(lse, "lse", 4);
+  const bool hopper = which == forward_kernel::wgmma || (which == forward_kernel::automatic && hopper_kernels_available());
+  if (which == forward_kernel::wgmma && !hopper_kernels_available())
+    throw invalid_argument("which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
+  detail::check_on_device({{q.data(), "q"}, {k.data(), "k"}, {v.data(), "v"}, {out.data(), "out"}, {lse.data(), "lse"}});
   const kernel::forward_params<T> params{index.view(),
                                          q.data(),
                                          k.data(),
@@ -131,9 +147,6 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
                                          shape.query_tokens,
                                          static_cast<float>(softmax_scale * kernel::detail::log2e),
                                          state == running_state::merge};
-  const bool hopper = which == forward_kernel::wgmma || (which == forward_kernel::automatic && hopper_kernels_available());
-  if (which == forward_kernel::wgmma && !hopper_kernels_available())
-    throw invalid_argument("which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
   const dim3 grid(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
   detail::with_head_dim(shape.head_dim, [&]<int D>() {
     if (hopper) {
@@ -154,8 +167,9 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
 template <class T>
 void write_output(tensor_view<const float, 3> running, tensor_view<T, 3> out, cudaStream_t stream) {
   check_extents(out, {running.extent(0), running.extent(1), running.extent(2)}, "out");
-  detail::check_device_tensor(running, "running", 4);
-  detail::check_device_tensor(out, "out", sizeof(T));
+  detail::check_layout(running, "running", 4);
+  detail::check_layout(out, "out", sizeof(T));
+  detail::check_on_device({{running.data(), "running"}, {out.data(), "out"}});
   const std::int64_t count = out.size();
   kernel::write_output<T><<<std::min(detail::blocks_for(count, 256), 65535u), 256, 0, stream>>>(running.data(), out.data(), count);
   STRIA_CUDA_CHECK_LAUNCH("write_output");
@@ -167,9 +181,10 @@ template <class T>
 void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, tensor_view<float, 2> delta, cudaStream_t stream) {
   check_extents(d_out, {out.extent(0), out.extent(1), out.extent(2)}, "d_out");
   check_extents(delta, {out.extent(1), out.extent(0)}, "delta");
-  detail::check_device_tensor(out, "out", sizeof(T));
-  detail::check_device_tensor(d_out, "d_out", sizeof(T));
-  detail::check_device_tensor(delta, "delta", 4);
+  detail::check_layout(out, "out", sizeof(T));
+  detail::check_layout(d_out, "d_out", sizeof(T));
+  detail::check_layout(delta, "delta", 4);
+  detail::check_on_device({{out.data(), "out"}, {d_out.data(), "d_out"}, {delta.data(), "delta"}});
   const std::int64_t rows = static_cast<std::int64_t>(out.extent(0)) * out.extent(1);
   kernel::backward_delta<T><<<detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1),
                                                                                      out.extent(2), delta.data());
@@ -192,12 +207,21 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
   check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
-  detail::check_device_tensor(d_out, "d_out", 16);
-  detail::check_device_tensor(lse, "lse", 4);
-  detail::check_device_tensor(delta, "delta", 4);
-  detail::check_device_tensor(dq, "dq", 8);
-  detail::check_device_tensor(dk, "dk", 8);
-  detail::check_device_tensor(dv, "dv", 8);
+  detail::check_layout(d_out, "d_out", 16);
+  detail::check_layout(lse, "lse", 4);
+  detail::check_layout(delta, "delta", 4);
+  detail::check_layout(dq, "dq", 8);
+  detail::check_layout(dk, "dk", 8);
+  detail::check_layout(dv, "dv", 8);
+  detail::check_on_device({{q.data(), "q"},
+                           {k.data(), "k"},
+                           {v.data(), "v"},
+                           {d_out.data(), "d_out"},
+                           {lse.data(), "lse"},
+                           {delta.data(), "delta"},
+                           {dq.data(), "dq"},
+                           {dk.data(), "dk"},
+                           {dv.data(), "dv"}});
 
   const auto entries = static_cast<index_t>(index.vtoken.size());
   const bool deterministic = mode == determinism::deterministic && entries > 0;

@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+// The sparse attention launchers reject bad arguments before any CUDA call, naming the argument, the
+// value and the rule (DESIGN 11). No GPU is needed: these run in CI on the host.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "stria/device/sparse_attention_step.cuh"
+
+using namespace stria;
+using T = __nv_bfloat16;
+
+namespace {
+
+/// The message of the invalid_argument `call` throws ("no error" if none; a CUDA error is reported
+/// as such, since these checks must come before any CUDA call).
+template <class Call>
+std::string message(Call&& call) {
+  try {
+    call();
+  } catch (const invalid_argument& e) {
+    return e.what();
+  } catch (const cuda_error& e) {
+    return std::string("cuda_error before the argument checks: ") + e.what();
+  }
+  return "no error";
+}
+
+bool contains(const std::string& text, const char* part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("sparse attention launchers name the argument, the value and the rule") {
+  const index_t sq = 128, hq = 4, hkv = 2, dim = 64;
+  std::vector<T> q_host(static_cast<std::size_t>(sq) * hq * 128 + 64), kv_host(static_cast<std::size_t>(sq) * hkv * 128 + 64);
+  std::vector<float> out_host(static_cast<std::size_t>(sq) * hq * dim + 8), lse_host(static_cast<std::size_t>(hq) * sq + 8);
+  device_step_index index;  // only its shape is read before the CUDA calls
+  index.shape = {hq, sq / block_tokens, sq / block_tokens, true};
+
+  const tensor_view<const T, 3> q(q_host.data(), {sq, hq, dim}), k(kv_host.data(), {sq, hkv, dim});
+  const tensor_view<float, 3> out(out_host.data(), {sq, hq, dim});
+  const tensor_view<float, 2> lse(lse_host.data(), {hq, sq});
+  auto forward = [&](tensor_view<const T, 3> qv, tensor_view<const T, 3> kv, double scale, tensor_view<float, 3> o) {
+    return message([&] { device::sparse_forward<T>(index, qv, kv, kv, scale, o, lse, device::running_state::overwrite, nullptr); });
+  };
+
+  CHECK(contains(forward(tensor_view<const T, 3>(q_host.data(), {sq, hq, 96}), tensor_view<const T, 3>(kv_host.data(), {sq, hkv, 96}), 0.1, out),
+                 "q.extent(2) (head_dim) = 96: unsupported head dim"));
+  CHECK(contains(forward(tensor_view<const T, 3>(q_host.data(), {sq, 3, dim}), k, 0.1, out), "q.extent(1) (query heads) = 3: must be a multiple"));
+  CHECK(contains(forward(tensor_view<const T, 3>(q_host.data() + 1, {sq, hq, dim}), k, 0.1, out), "must be aligned to 16 bytes"));
+  const tensor_view<const T, 3> strided(q_host.data(), {sq, hq, dim}, {static_cast<std::int64_t>(hq) * 128, 128, 1});
+  CHECK(contains(forward(strided, k, 0.1, out), "q.stride(0)"));
+  CHECK(contains(forward(q, k, 0.0, out), "softmax_scale = 0: must be positive and finite"));
+  CHECK(contains(forward(q, k, NAN, out), "softmax_scale"));
+  CHECK(contains(forward(q, k, 0.1, tensor_view<float, 3>(out_host.data(), {sq, hq, dim / 2})), "out.extent(2)"));
+  CHECK(contains(forward(q, k, 0.1, tensor_view<float, 3>(out_host.data() + 1, {sq, hq, dim})), "out.data()"));
+  const tensor_view<const T, 3> short_kv(kv_host.data(), {sq / 2, hkv, dim});
+  CHECK(contains(forward(q, short_kv, 0.1, out), "index.shape.num_kv_blocks = 2: the index was built for another configuration"));
+
+  // Backward: the gradient tensors are checked the same way.
+  std::vector<float> grad_q(out_host.size()), grad_kv(static_cast<std::size_t>(sq) * hkv * dim + 8);
+  auto backward = [&](tensor_view<float, 3> dq, tensor_view<float, 3> dk) {
+    return message([&] {
+      device::sparse_backward<T>(index, q, k, k, q, lse, lse, 0.1, dq, dk, dk, device::determinism::deterministic, nullptr);
+    });
+  };
+  CHECK(contains(backward(tensor_view<float, 3>(grad_q.data(), {sq, hq, dim + 64}), tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim})),
+                 "dq.extent(2)"));
+  CHECK(contains(backward(tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}), tensor_view<float, 3>(grad_kv.data(), {sq, hq, dim})),
+                 "dk.extent(1)"));
+  // The final cast and delta check their extents against each other.
+  CHECK(contains(message([&] { device::write_output<T>(out, tensor_view<T, 3>(q_host.data(), {sq, hq, dim / 2}), nullptr); }),
+                 "out.extent(2)"));
+  CHECK(contains(message([&] { device::backward_delta<T>(q, k, tensor_view<float, 2>(lse_host.data(), {hq, sq}), nullptr); }),
+                 "d_out.extent(1)"));
+}
