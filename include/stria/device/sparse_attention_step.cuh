@@ -115,8 +115,6 @@ void allow_shared_bytes(Kernel kernel, std::size_t bytes) {
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-inline unsigned blocks_for(std::int64_t items, unsigned per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
-
 }  // namespace detail
 
 /// Forward of local queries against the KV chunk of one ring step, on the entries `index` selects:
@@ -171,7 +169,7 @@ void write_output(tensor_view<const float, 3> running, tensor_view<T, 3> out, cu
   detail::check_layout(out, "out", sizeof(T));
   detail::check_on_device({{running.data(), "running"}, {out.data(), "out"}});
   const std::int64_t count = out.size();
-  kernel::write_output<T><<<std::min(detail::blocks_for(count, 256), 65535u), 256, 0, stream>>>(running.data(), out.data(), count);
+  kernel::write_output<T><<<std::min(stria::detail::blocks_for(count, 256), 65535u), 256, 0, stream>>>(running.data(), out.data(), count);
   STRIA_CUDA_CHECK_LAUNCH("write_output");
 }
 
@@ -186,7 +184,7 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
   detail::check_layout(delta, "delta", 4);
   detail::check_on_device({{out.data(), "out"}, {d_out.data(), "d_out"}, {delta.data(), "delta"}});
   const std::int64_t rows = static_cast<std::int64_t>(out.extent(0)) * out.extent(1);
-  kernel::backward_delta<T><<<detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1),
+  kernel::backward_delta<T><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1),
                                                                                      out.extent(2), delta.data());
   STRIA_CUDA_CHECK_LAUNCH("backward_delta");
 }
@@ -273,7 +271,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
     }
     passes.template operator()<false>();
     if (!deterministic) return;  // no vertical entries
-    const unsigned blocks = detail::blocks_for(static_cast<std::int64_t>(entries) * D, 256);
+    const unsigned blocks = stria::detail::blocks_for(static_cast<std::int64_t>(entries) * D, 256);
     for (index_t offset = 0; offset < shape.group_size(); ++offset) {
       kernel::add_vertical_gradients<D><<<blocks, 256, 0, stream>>>(index.view(), vertical_dk.data(), vertical_dv.data(), entries,
                                                                     shape.heads_kv, shape.group_size(), offset, dk.data(), dv.data());

@@ -166,15 +166,8 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   timer.lap(stream, timing ? &timing->topk_ms : nullptr);
 
   // 5. The same collectives as the host path.
-  vs_statistics st;
-  st.seq_len = seq_len;
-  st.num_heads = heads_q;
-  st.causal = causal;
-  st.window_rows = rows;
-  st.local_blocks = request.local_blocks;
+  vs_statistics st = detail::empty_statistics(seq_len, heads_q, causal, rows, request.local_blocks);
   const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
-  st.slash_mass.assign(static_cast<std::size_t>(heads_q) * diagonals, 0.0f);
-  st.window_mass.assign(static_cast<std::size_t>(heads_q), 0.0f);
   for (index_t h = 0; h < heads_q; ++h) {
     double total = 0;
     for (index_t b = 0; b < local_blocks; ++b) {

@@ -21,6 +21,19 @@ namespace stria::estimator {
 
 namespace detail {
 
+/// Statistics of `heads` query heads with zeroed slash and window masses, ready to be filled.
+inline vs_statistics empty_statistics(index_t seq_len, index_t heads, bool causal, index_t window_rows, index_t local_blocks) {
+  vs_statistics st;
+  st.seq_len = seq_len;
+  st.num_heads = heads;
+  st.causal = causal;
+  st.window_rows = window_rows;
+  st.local_blocks = local_blocks;
+  st.slash_mass.assign(static_cast<std::size_t>(heads) * static_cast<std::size_t>(st.num_diagonals()), 0.0f);
+  st.window_mass.assign(static_cast<std::size_t>(heads), 0.0f);
+  return st;
+}
+
 /// The collectives that finish every rank's statistics, shared by the host and device paths: slash
 /// and window mass summed over ranks (in rank order), and each rank's `per_rank` top candidates per
 /// head ([heads, per_rank] in `mine`) gathered into every head's union, in selection order, without
@@ -143,16 +156,9 @@ vs_statistics gather_window_statistics(Comm& comm, const Sharding& sharding, ind
   comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
 
   // 4. Probabilities into vertical (per key token) and slash (per block diagonal) sums.
-  vs_statistics st;
-  st.seq_len = seq_len;
-  st.num_heads = heads;
-  st.causal = causal;
-  st.window_rows = rows;
-  st.local_blocks = request.local_blocks;
+  vs_statistics st = detail::empty_statistics(seq_len, heads, causal, rows, request.local_blocks);
   const index_t first_local_block = layout.num_blocks - request.local_blocks;  // its tokens are never vertical candidates
   const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
-  st.slash_mass.assign(static_cast<std::size_t>(heads) * diagonals, 0.0f);
-  st.window_mass.assign(static_cast<std::size_t>(heads), 0.0f);
   // Every rank sends the same number of candidates (one all-gather); local-block tokens carry mass
   // -1, sort last, and are dropped from the union, so its top-k is exact for k <= per_rank.
   const index_t per_rank = std::min(request.vertical_candidates, local_tokens);

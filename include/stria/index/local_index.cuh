@@ -6,6 +6,7 @@
 
 #include <cub/device/device_scan.cuh>
 
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -135,7 +136,8 @@ inline void exclusive_scan(const device_buffer<index_t>& counts_with_tail, devic
   STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts_with_tail.data(), ptr.data(), n, stream));
 }
 
-inline unsigned blocks_for(index_t n, unsigned threads) { return static_cast<unsigned>((n + static_cast<index_t>(threads) - 1) / static_cast<index_t>(threads)); }
+/// CTAs of `threads` threads that cover `n` items (one per thread).
+inline unsigned blocks_for(std::int64_t n, unsigned threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 }  // namespace detail
 
