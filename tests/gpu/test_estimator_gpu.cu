@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The estimator on the GPU: the device index builder gives exactly the host builder's arrays; the
 // device window statistics agree with the host's (single rank and several ranks sharing the GPU,
-// bf16, fp16 and fp32), are identical on every rank, and select what the host selects.
+// bf16, fp16 and fp32) and are identical on every rank; the GPU selection picks exactly what the
+// host selection picks from the same statistics.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
@@ -15,6 +16,8 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/estimator/select.cuh"
+#include "stria/estimator/vertical_slash_top_k.hpp"
 #include "stria/estimator/window_statistics.cuh"
 #include "stria/estimator/window_statistics.hpp"
 #include "stria/host/synthetic_vs.hpp"
@@ -95,8 +98,14 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
     const device_buffer<T> q_d{std::span<const T>(q_local)}, k_d{std::span<const T>(k_local)};
     cudaStream_t stream{};
     STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
-    device_stats[r] = estimator::gather_window_statistics_device(c, sharding, s, true, q_d.data(), k_d.data(), hq, hkv, d, scale,
-                                                                 e.request(s), stream);
+    {  // buffers ordered on `stream` are freed on it: they go before the stream does
+      const estimator::device_statistics on_device =
+          estimator::gather_window_statistics_device(c, sharding, s, true, q_d.data(), k_d.data(), hq, hkv, d, scale, e.request(s), stream);
+      device_stats[r] = on_device.download(stream);
+      // The whole device estimate selects exactly what the host selects from these statistics.
+      CHECK(estimator::estimate_device(e, c, sharding, s, true, q_d.data(), k_d.data(), hq, hkv, d, scale, stream).to_host(stream) ==
+            e.select(device_stats[r]));
+    }
     STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
   });
   for (index_t r = 1; r < world; ++r) {  // identical on every rank
@@ -126,6 +135,30 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
     CHECK(diff.size() <= std::max<std::size_t>(2, hb.vertical_tokens.size() / 100));
     CHECK(ha.slash_deltas.size() == doctest::Approx(hb.slash_deltas.size()).epsilon(0.05));
   }
+}
+
+/// Random statistics with many exact ties (masses on a coarse grid, some zero), candidate rows of
+/// different lengths per head, and verticals heavier than their diagonal's slash mass (so residuals
+/// go negative and are clamped), in selection order as the collectives leave them.
+vs_statistics random_statistics(test::seeded_rng& rng, index_t seq_len, index_t heads, bool causal, index_t local_blocks) {
+  vs_statistics s = estimator::detail::empty_statistics(seq_len, heads, causal, 64, local_blocks);
+  auto grid_mass = [&](int levels) { return rng.chance(0.1) ? 0.0f : float(rng.integer(1, levels)) / 4096.0f; };
+  for (float& m : s.slash_mass) m = grid_mass(8);
+  const index_t first_local_token = (s.num_blocks() - local_blocks) * block_tokens;
+  for (index_t h = 0; h < heads; ++h) {
+    double total = 0;
+    for (index_t i = 0; i < s.num_diagonals(); ++i) total += s.slash_mass[static_cast<std::size_t>(h * s.num_diagonals() + i)];
+    std::vector<vertical_candidate> c;
+    const int count = rng.integer(0, std::min<int>(first_local_token, 300));
+    std::set<index_t> tokens;
+    while (static_cast<int>(tokens.size()) < count) tokens.insert(rng.integer(0, first_local_token - 1));
+    for (const index_t t : tokens) c.push_back({grid_mass(16), t});
+    std::sort(c.begin(), c.end());
+    for (const auto& x : c) total += x.mass;
+    s.window_mass[static_cast<std::size_t>(h)] = float(total * rng.uniform(1.0, 1.5));
+    s.vertical.push_back(std::move(c));
+  }
+  return s;
 }
 
 }  // namespace
@@ -168,6 +201,42 @@ TEST_CASE("device window statistics agree with the host's, for bf16, fp16 and fp
     o64.seq_len = 6144;
     compare_paths<float>(host::make_synthetic_vs(o64), o64, sharding::striped<64>{}, 3);
   }
+}
+
+TEST_CASE("the GPU selection picks exactly what the host selection picks, ties and clamps included") {
+  STRIA_SEEDED_RNG(rng);
+  cudaStream_t stream{};
+  STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int round = 0; round < 24; ++round) {
+    const bool causal = round % 2 == 0;
+    const index_t seq_len = 64 * rng.integer(4, 300), blocks = seq_len / 64, local = rng.integer(1, std::min<index_t>(3, blocks - 1));
+    CAPTURE(round);
+    CAPTURE(seq_len);
+    CAPTURE(local);
+    const vs_statistics s = random_statistics(rng, seq_len, 3, causal, local);
+    const auto on_device = estimator::device_statistics::upload(s, stream);
+    CHECK(on_device.download(stream).vertical == s.vertical);  // the pads are invisible
+    estimator::vertical_slash_top_p p;
+    p.p_vertical = rng.uniform(0.05, 1.0);
+    p.p_slash = rng.uniform(0.05, 1.0);
+    p.local_diagonals = local;
+    p.sink_tokens = rng.integer(0, 100);
+    p.vertical = {rng.integer(1, 20), rng.chance(0.5) ? 0 : rng.integer(20, 400)};
+    p.slash = {rng.integer(1, 3), rng.chance(0.5) ? 0 : rng.integer(3, static_cast<int>(blocks))};
+    CHECK(estimator::select_device(on_device, p.rule(seq_len), stream).to_host(stream) == p.select(s));
+    estimator::vertical_slash_top_k k;
+    k.vertical_count = rng.integer(1, 500);
+    k.slash_count = rng.integer(1, static_cast<int>(blocks));
+    k.local_diagonals = local;
+    CHECK(estimator::select_device(on_device, k.rule(seq_len), stream).to_host(stream) == k.select(s));
+  }
+  SUBCASE("statistics gathered for another rule are refused") {
+    const vs_statistics s = random_statistics(rng, 4096, 2, true, 2);
+    estimator::vertical_slash_top_p p;  // local_diagonals 1
+    CHECK_THROWS_WITH_AS(estimator::select_device(estimator::device_statistics::upload(s, stream), p.rule(4096), stream),
+                         doctest::Contains("rule.local_diagonals = 1"), stria::invalid_argument);
+  }
+  STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("device statistics reject null and misaligned pointers with the argument and the rule") {

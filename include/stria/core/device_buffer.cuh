@@ -47,7 +47,7 @@ inline cudaMemPool_t memory_pool() {
 
 /// Memory is allocated and freed in stream order (from stria's pool, on the stream given at
 /// construction, so it costs no device-wide synchronisation): use the buffer on that stream, or
-/// synchronise before using it on another.
+/// synchronise before using it on another. The stream must outlive the buffer.
 template <class T>
 class device_buffer {
  public:

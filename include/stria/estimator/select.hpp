@@ -23,6 +23,17 @@ struct budget {
   index_t max = 0;
 };
 
+/// A top-p selection resolved for one sequence length: what the host select() and the GPU
+/// selection (select.cuh) both follow, so that they pick the same lines.
+struct top_p_rule {
+  double p_vertical = 0.9;
+  double p_slash = 0.9;
+  index_t vertical_min = 1, vertical_cap = 0;  // tokens
+  index_t slash_min = 1, slash_cap = 0;        // block diagonals beyond the local ones
+  index_t sink_tokens = 0;                     // the first tokens, always vertical
+  index_t local_diagonals = 1;                 // block diagonals (-local, local), always slash
+};
+
 namespace detail {
 
 /// The cap a budget stands for: its max, or `default_cap` when max is 0, never above what exists.
@@ -83,9 +94,8 @@ inline std::vector<index_t> diagonals_by_mass(const vs_statistics& s, const std:
 ///    fewest further diagonals that bring the union to p_slash of the window mass, within budget.
 /// The union then recalls at least max(p_vertical, p_slash) of the window's mass unless a budget
 /// cap binds first.
-inline head_selection select_head(const vs_statistics& s, index_t h, double p_vertical, double p_slash, const budget& vertical,
-                                  index_t vertical_cap, const budget& slash, index_t slash_cap, index_t local_diagonals) {
-  const index_t n = s.num_diagonals();
+inline head_selection select_head(const vs_statistics& s, index_t h, const top_p_rule& rule) {
+  const index_t n = s.num_diagonals(), local_diagonals = rule.local_diagonals;
   const float* slash_mass = s.slash_mass.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(n);
   const double total = s.window_mass[static_cast<std::size_t>(h)];
   double local = 0;
@@ -99,7 +109,7 @@ inline head_selection select_head(const vs_statistics& s, index_t h, double p_ve
   const auto& candidates = s.vertical[static_cast<std::size_t>(h)];
   std::vector<float> mass(candidates.size());
   for (std::size_t i = 0; i < candidates.size(); ++i) mass[i] = candidates[i].mass;
-  const index_t n_vertical = count_to_goal(mass, p_vertical * (total - local), vertical.min, vertical_cap);
+  const index_t n_vertical = count_to_goal(mass, rule.p_vertical * (total - local), rule.vertical_min, rule.vertical_cap);
   double covered = local;
   for (index_t i = 0; i < n_vertical; ++i) {
     const vertical_candidate& c = candidates[static_cast<std::size_t>(i)];
@@ -108,8 +118,8 @@ inline head_selection select_head(const vs_statistics& s, index_t h, double p_ve
     covered += c.mass;
   }
   for (double& r : residual) r = std::max(r, 0.0);
-  const std::vector<index_t> diagonals = diagonals_by_mass(s, residual, local_diagonals, slash_cap, mass);
-  const index_t n_slash = count_to_goal(mass, p_slash * total - covered, slash.min, slash_cap);
+  const std::vector<index_t> diagonals = diagonals_by_mass(s, residual, local_diagonals, rule.slash_cap, mass);
+  const index_t n_slash = count_to_goal(mass, rule.p_slash * total - covered, rule.slash_min, rule.slash_cap);
   head.slash_deltas.assign(diagonals.begin(), diagonals.begin() + n_slash);
   return head;
 }
@@ -141,6 +151,18 @@ inline void finish_head(head_selection& head, index_t seq_len, index_t sink_toke
   }
   std::sort(head.slash_deltas.begin(), head.slash_deltas.end());
   head.slash_deltas.erase(std::unique(head.slash_deltas.begin(), head.slash_deltas.end()), head.slash_deltas.end());
+}
+
+/// Every head's selection under `rule`.
+inline global_selection select_with_rule(const vs_statistics& s, const top_p_rule& rule) {
+  global_selection g{s.seq_len, s.causal, {}};
+  std::vector<std::uint64_t> bitmap;
+  for (index_t h = 0; h < s.num_heads; ++h) {
+    head_selection head = select_head(s, h, rule);
+    finish_head(head, s.seq_len, rule.sink_tokens, rule.local_diagonals, s.causal, bitmap);
+    g.heads.push_back(std::move(head));
+  }
+  return g;
 }
 
 }  // namespace detail

@@ -29,6 +29,8 @@ struct vertical_slash_top_k {
 
   [[nodiscard]] statistics_request request(index_t seq_len) const { return to_top_p(seq_len).request(seq_len); }
 
+  [[nodiscard]] top_p_rule rule(index_t seq_len) const { return to_top_p(seq_len).rule(seq_len); }
+
   [[nodiscard]] global_selection select(const vs_statistics& s) const {
     detail::check_statistics(s, "vertical_slash_top_k");
     return to_top_p(s.seq_len).select(s);

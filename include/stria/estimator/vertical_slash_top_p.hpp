@@ -58,7 +58,19 @@ struct vertical_slash_top_p {
   }
 
   [[nodiscard]] statistics_request request(index_t seq_len) const {
-    return {last_q, detail::cap_of(vertical, default_vertical_cap(seq_len), seq_len), local_diagonals};
+    return {last_q, rule(seq_len).vertical_cap, local_diagonals};
+  }
+
+  /// The selection's parameters at `seq_len`, caps resolved (the GPU selection follows them too).
+  [[nodiscard]] top_p_rule rule(index_t seq_len) const {
+    return {p_vertical,
+            p_slash,
+            vertical.min,
+            detail::cap_of(vertical, default_vertical_cap(seq_len), seq_len),
+            slash.min,
+            detail::cap_of(slash, default_slash_cap(seq_len), seq_len / block_tokens),
+            sink_tokens,
+            local_diagonals};
   }
 
   [[nodiscard]] global_selection select(const vs_statistics& s) const {
@@ -66,16 +78,7 @@ struct vertical_slash_top_p {
     if (s.local_blocks != local_diagonals)
       throw invalid_argument("statistics.local_blocks", s.local_blocks,
                              "must equal local_diagonals " + std::to_string(local_diagonals) + " (statistics gathered for another estimator)");
-    global_selection g{s.seq_len, s.causal, {}};
-    const index_t vertical_cap = detail::cap_of(vertical, default_vertical_cap(s.seq_len), s.seq_len);
-    const index_t slash_cap = detail::cap_of(slash, default_slash_cap(s.seq_len), s.num_blocks());
-    std::vector<std::uint64_t> bitmap;
-    for (index_t h = 0; h < s.num_heads; ++h) {
-      head_selection head = detail::select_head(s, h, p_vertical, p_slash, vertical, vertical_cap, slash, slash_cap, local_diagonals);
-      detail::finish_head(head, s.seq_len, sink_tokens, local_diagonals, s.causal, bitmap);
-      g.heads.push_back(std::move(head));
-    }
-    return g;
+    return detail::select_with_rule(s, rule(s.seq_len));
   }
 };
 static_assert(index_estimator<vertical_slash_top_p>);

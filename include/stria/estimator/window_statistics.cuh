@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Window statistics on the GPU: the same algorithm and the same vs_statistics as
-// gather_window_statistics (window_statistics.hpp), with the heavy work (window x local keys, twice)
-// in kernels and the candidate top-k by CUB's segmented radix sort. The collectives exchange small
-// host arrays (rows x heads, diagonals x heads, candidates), so any host-surface communicator works.
+// Window statistics on the GPU: the same algorithm and the same statistics as
+// gather_window_statistics (window_statistics.hpp), kept in device memory (device_statistics), with
+// the heavy work (window x local keys, twice) in kernels and the candidate top-k by one CUB radix
+// sort; then estimate_device, which selects on the GPU too. The collectives exchange small host
+// arrays (rows x heads, diagonals x heads, candidates), so any host-surface communicator works; a
+// world of one rank needs no collective and no host round trip.
 #pragma once
 
 #include <cub/device/device_radix_sort.cuh>
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <utility>
 #include <cmath>
@@ -22,6 +25,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
+#include "stria/estimator/select.cuh"
 #include "stria/estimator/statistics.hpp"
 #include "stria/estimator/window_statistics.hpp"
 #include "stria/index/global_selection.hpp"
@@ -36,8 +40,9 @@ struct statistics_timing {
   double pass1_ms = 0;        // row max / sum kernels and their download
   double softmax_ms = 0;      // the two collectives of the global softmax
   double pass2_ms = 0;        // probability kernel
-  double topk_ms = 0;         // candidate sort and downloads
-  double collectives_ms = 0;  // slash/window all-reduces, candidate all-gather, union
+  double topk_ms = 0;         // candidate sort
+  double collectives_ms = 0;  // downloads, slash/window all-reduces, candidate all-gather, union, upload
+                              // (one rank: the kernel that finishes the statistics on the device)
 };
 
 namespace detail {
@@ -61,10 +66,11 @@ class phase_timer {
 
 }  // namespace detail
 
-/// This rank's part of the window statistics, on `stream`. q_local [S_local, Hq, D] and
-/// k_local [S_local, Hkv, D] are contiguous device tensors of bf16, fp16 or float.
+/// The window statistics, identical on every rank, in device memory, queued on `stream`.
+/// q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous device tensors of bf16,
+/// fp16 or float.
 template <class Comm, sharding_policy Sharding, class T>
-vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
+device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                               statistics_request request, cudaStream_t stream,
                                               statistics_timing* timing = nullptr) {
@@ -89,16 +95,23 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   const device_buffer<index_t> key_global_block_d{std::span<const index_t>(key_global_block), stream};
 
   // 1. The window lies in the last block, so one rank owns all of it: it broadcasts the rows, in
-  // the input type (every rank then scores exactly the same values).
+  // the input type (every rank then scores exactly the same values). Collectives over one rank are
+  // identities; that case stays on the device here and below.
+  const bool alone = world == 1;
   const block_location owner = sharding.locate(layout, layout.num_blocks - 1);
-  std::vector<T> window(static_cast<std::size_t>(rows) * heads_q * dim);
-  if (owner.rank == rank) {
-    const std::size_t first_local = static_cast<std::size_t>(owner.local_block) * block_tokens + static_cast<std::size_t>(first_row % block_tokens);
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(window.data(), q_local + first_local * heads_q * dim, window.size() * sizeof(T), cudaMemcpyDeviceToHost, stream));
-    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  device_buffer<T> window_d(static_cast<std::size_t>(rows) * heads_q * dim, stream);
+  const std::size_t first_local = static_cast<std::size_t>(owner.local_block) * block_tokens + static_cast<std::size_t>(first_row % block_tokens);
+  if (alone) {
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(window_d.data(), q_local + first_local * heads_q * dim, window_d.bytes(), cudaMemcpyDeviceToDevice, stream));
+  } else {
+    std::vector<T> window(window_d.size());
+    if (owner.rank == rank) {
+      STRIA_CUDA_CHECK(cudaMemcpyAsync(window.data(), q_local + first_local * heads_q * dim, window_d.bytes(), cudaMemcpyDeviceToHost, stream));
+      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    comm.broadcast(window.data(), window.size(), owner.rank);
+    window_d.upload(window, stream);
   }
-  comm.broadcast(window.data(), window.size(), owner.rank);
-  const device_buffer<T> window_d{std::span<const T>(window), stream};
 
   // 2. Pass 1: this rank's row max and sum of exp2.
   const float scale_log2 = float(softmax_scale * 1.4426950408889634);
@@ -119,15 +132,17 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
 
   // 3. Global softmax normaliser: max over ranks, then every rank's sum rescaled to that max.
-  std::vector<float> row_max = row_max_d.download(), row_sum = row_sum_d.download();
   timer.lap(stream, timing ? &timing->pass1_ms : nullptr);
-  std::vector<float> global_max = row_max;
-  comm.all_reduce(global_max.data(), global_max.data(), global_max.size(), comm::reduce_op::max);
-  for (std::size_t i = 0; i < row_sum.size(); ++i)
-    row_sum[i] = row_max[i] == -INFINITY ? 0.0f : float(double(row_sum[i]) * std::exp2(double(row_max[i]) - double(global_max[i])));
-  comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
-  row_max_d.upload(global_max);
-  row_sum_d.upload(row_sum);
+  if (!alone) {
+    std::vector<float> row_max = row_max_d.download(stream), row_sum = row_sum_d.download(stream);
+    std::vector<float> global_max = row_max;
+    comm.all_reduce(global_max.data(), global_max.data(), global_max.size(), comm::reduce_op::max);
+    for (std::size_t i = 0; i < row_sum.size(); ++i)
+      row_sum[i] = row_max[i] == -INFINITY ? 0.0f : float(double(row_sum[i]) * std::exp2(double(row_max[i]) - double(global_max[i])));
+    comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
+    row_max_d.upload(global_max, stream);
+    row_sum_d.upload(row_sum, stream);
+  }
   timer.lap(stream, timing ? &timing->softmax_ms : nullptr);
 
   // 4. Pass 2: probabilities into per-token vertical mass and per-tile (block diagonal) mass.
@@ -156,18 +171,34 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
   STRIA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys_in.data(), keys_out.data(), tokens_in.data(),
                                                    tokens_out.data(), static_cast<int>(items), 0, end_bit, stream));
+  timer.lap(stream, timing ? &timing->topk_ms : nullptr);
+
+  // 5. The collectives: none for one rank; else the host path's, on the top candidates and tiles.
+  vs_statistics st = detail::empty_statistics(seq_len, heads_q, causal, rows, request.local_blocks);
+  const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
+  if (alone) {
+    device_statistics out;
+    out.shape = std::move(st);
+    out.candidates_per_head = per_rank;
+    out.window_mass = device_buffer<float>(static_cast<std::size_t>(heads_q), stream);
+    out.slash_mass = device_buffer<float>(static_cast<std::size_t>(heads_q) * diagonals, stream);
+    out.candidate_mass = device_buffer<float>(static_cast<std::size_t>(heads_q) * per_rank, stream);
+    out.candidate_token = device_buffer<index_t>(out.candidate_mass.size(), stream);
+    kernel::single_rank_statistics<><<<static_cast<unsigned>(heads_q), 256, 0, stream>>>(
+        tile_mass.data(), key_global_block_d.data(), keys_out.data(), tokens_out.data(), local_blocks, local_tokens, per_rank,
+        layout.num_blocks, diagonals, offset, out.slash_mass.data(), out.window_mass.data(), out.candidate_mass.data(),
+        out.candidate_token.data());
+    STRIA_CUDA_CHECK_LAUNCH("single_rank_statistics");
+    timer.lap(stream, timing ? &timing->collectives_ms : nullptr);
+    return out;
+  }
   std::vector<std::uint64_t> top_key(static_cast<std::size_t>(heads_q) * per_rank);
   std::vector<index_t> top_token(top_key.size());
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_key.data(), per_rank * sizeof(std::uint64_t), keys_out.data(), local_tokens * sizeof(std::uint64_t),
                                      per_rank * sizeof(std::uint64_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), tokens_out.data(), local_tokens * sizeof(index_t),
                                      per_rank * sizeof(index_t), static_cast<std::size_t>(heads_q), cudaMemcpyDeviceToHost, stream));
-  const std::vector<float> tiles = tile_mass.download();  // synchronises the stream
-  timer.lap(stream, timing ? &timing->topk_ms : nullptr);
-
-  // 5. The same collectives as the host path.
-  vs_statistics st = detail::empty_statistics(seq_len, heads_q, causal, rows, request.local_blocks);
-  const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
+  const std::vector<float> tiles = tile_mass.download(stream);  // synchronises the stream
   for (index_t h = 0; h < heads_q; ++h) {
     double total = 0;
     for (index_t b = 0; b < local_blocks; ++b) {
@@ -180,20 +211,27 @@ vs_statistics gather_window_statistics_device(Comm& comm, const Sharding& shardi
   std::vector<vertical_candidate> mine(top_key.size());
   for (std::size_t i = 0; i < mine.size(); ++i) mine[i] = {kernel::mass_of_descending_bits(static_cast<std::uint32_t>(top_key[i])), top_token[i]};
   detail::finish_statistics(comm, st, mine, per_rank);
+  device_statistics out = device_statistics::upload(st, stream);
   timer.lap(stream, timing ? &timing->collectives_ms : nullptr);
-  return st;
+  return out;
 }
 
-/// estimate() with the statistics from the GPU; the selection step is the host's (tiny).
+/// estimate() on the GPU: the window statistics, then the selection, into a device_selection for
+/// build_local_index_device. Top-p and top-k select on the GPU (what the host select() would pick
+/// from the same statistics); other estimators select on the host and upload.
 template <index_estimator Estimator, class Comm, sharding_policy Sharding, class T>
-global_selection estimate_device(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
+device_selection estimate_device(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                                  const T* q_local, const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                  cudaStream_t stream) {
   estimator.validate(seq_len, heads_q);
   const statistics_request request = estimator.request(seq_len);
-  if (request.window_rows == 0) return detail::select_without_statistics(estimator, seq_len, heads_q, causal);
-  return estimator.select(gather_window_statistics_device(comm, sharding, seq_len, causal, q_local, k_local, heads_q, heads_kv, dim,
-                                                          softmax_scale, request, stream));
+  if (request.window_rows == 0) return device_selection(detail::select_without_statistics(estimator, seq_len, heads_q, causal), stream);
+  const device_statistics st = gather_window_statistics_device(comm, sharding, seq_len, causal, q_local, k_local, heads_q, heads_kv, dim,
+                                                               softmax_scale, request, stream);
+  if constexpr (requires { { estimator.rule(seq_len) } -> std::same_as<top_p_rule>; })
+    return select_device(st, estimator.rule(seq_len), stream);
+  else
+    return device_selection(estimator.select(st.download(stream)), stream);
 }
 
 }  // namespace stria::estimator

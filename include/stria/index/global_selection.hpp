@@ -31,12 +31,16 @@ struct head_selection {
   std::vector<index_t> vertical_tokens;  // sorted, unique global key tokens
   std::vector<index_t> slash_deltas;     // sorted, unique query_block - key_block; 0 always present when causal
   std::vector<block_pair> blocks;        // sorted, unique explicit tiles
+
+  friend bool operator==(const head_selection&, const head_selection&) = default;
 };
 
 struct global_selection {
   index_t seq_len = 0;
   bool causal = true;
   std::vector<head_selection> heads;  // one per query head
+
+  friend bool operator==(const global_selection&, const global_selection&) = default;
 
   [[nodiscard]] index_t num_blocks() const { return seq_len / block_tokens; }
   [[nodiscard]] index_t num_heads() const { return static_cast<index_t>(heads.size()); }

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The GPU builder of local step indices: device_selection (a global selection uploaded once per
-// layer) and build_local_index_device, which produces on the device exactly the arrays that
+// The GPU builder of local step indices: device_selection (a global selection on the device, once
+// per layer) and build_local_index_device, which produces on the device exactly the arrays that
 // build_local_index (local_index.hpp) produces on the host.
 #pragma once
 
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "stria/core/concepts.hpp"
@@ -71,10 +72,18 @@ inline device_step_index upload_step_index(const step_index& host, cudaStream_t 
           copy(host.vtoken_query)};
 }
 
-/// A global selection flattened into per-head CSR lists on the device.
+/// A global selection flattened into per-head CSR lists on the device: uploaded from a host
+/// global_selection, or produced on the device by the GPU selection (estimator/select.cuh).
 class device_selection {
  public:
-  explicit device_selection(const global_selection& g) : seq_len_(g.seq_len), heads_(g.num_heads()), causal_(g.causal) {
+  /// The per-head lists of a device selection (device memory, each [heads + 1] pointers and the
+  /// entries they delimit); `vertical_head` holds each vertical token's head.
+  struct lists {
+    device_buffer<index_t> slash_ptr, slash, vertical_ptr, vertical, tile_ptr, tile_query, tile_key, vertical_head;
+  };
+
+  explicit device_selection(const global_selection& g, cudaStream_t stream = nullptr)
+      : seq_len_(g.seq_len), heads_(g.num_heads()), causal_(g.causal) {
     g.validate();
     std::vector<index_t> slash_ptr{0}, slash, vertical_ptr{0}, vertical, tile_ptr{0}, tile_query, tile_key, head_of;
     for (index_t h = 0; h < heads_; ++h) {
@@ -90,39 +99,54 @@ class device_selection {
       }
       tile_ptr.push_back(static_cast<index_t>(tile_query.size()));
     }
-    auto up = [](const std::vector<index_t>& x) { return device_buffer<index_t>(std::span<const index_t>(x)); };
-    slash_ptr_ = up(slash_ptr);
-    slash_ = up(slash);
-    vertical_ptr_ = up(vertical_ptr);
-    vertical_ = up(vertical);
-    tile_ptr_ = up(tile_ptr);
-    tile_query_ = up(tile_query);
-    tile_key_ = up(tile_key);
-    head_of_ = up(head_of);
+    auto up = [stream](const std::vector<index_t>& x) { return device_buffer<index_t>(std::span<const index_t>(x), stream); };
+    lists_ = {up(slash_ptr), up(slash), up(vertical_ptr), up(vertical), up(tile_ptr), up(tile_query), up(tile_key), up(head_of)};
   }
+
+  /// Adopts lists already on the device (sorted, unique, in range: the producer's promise).
+  device_selection(index_t seq_len, index_t heads, bool causal, lists device_lists)
+      : seq_len_(seq_len), heads_(heads), causal_(causal), lists_(std::move(device_lists)) {}
 
   [[nodiscard]] index_t seq_len() const { return seq_len_; }
   [[nodiscard]] index_t num_heads() const { return heads_; }
   [[nodiscard]] bool causal() const { return causal_; }
-  [[nodiscard]] index_t num_vertical() const { return static_cast<index_t>(vertical_.size()); }
+  [[nodiscard]] index_t num_vertical() const { return static_cast<index_t>(lists_.vertical.size()); }
   /// The head of each flattened vertical token (device).
-  [[nodiscard]] const index_t* vertical_head() const { return head_of_.data(); }
+  [[nodiscard]] const index_t* vertical_head() const { return lists_.vertical_head.data(); }
 
   /// The selection's device lists, in the builder kernels' parameter block.
   void fill(kernel::index_build_params& p) const {
-    p.slash_ptr = slash_ptr_.data();
-    p.slash = slash_.data();
-    p.vertical_ptr = vertical_ptr_.data();
-    p.vertical = vertical_.data();
-    p.tile_ptr = tile_ptr_.data();
-    p.tile_query = tile_query_.data();
-    p.tile_key = tile_key_.data();
+    p.slash_ptr = lists_.slash_ptr.data();
+    p.slash = lists_.slash.data();
+    p.vertical_ptr = lists_.vertical_ptr.data();
+    p.vertical = lists_.vertical.data();
+    p.tile_ptr = lists_.tile_ptr.data();
+    p.tile_query = lists_.tile_query.data();
+    p.tile_key = lists_.tile_key.data();
+  }
+
+  /// A host copy, after the work queued on `stream` (for tests, and for host planners such as the
+  /// workload counts).
+  [[nodiscard]] global_selection to_host(cudaStream_t stream = nullptr) const {
+    const std::vector<index_t> slash_ptr = lists_.slash_ptr.download(stream), slash = lists_.slash.download(stream),
+                               vertical_ptr = lists_.vertical_ptr.download(stream), vertical = lists_.vertical.download(stream),
+                               tile_ptr = lists_.tile_ptr.download(stream), tile_query = lists_.tile_query.download(stream),
+                               tile_key = lists_.tile_key.download(stream);
+    global_selection g{seq_len_, causal_, std::vector<head_selection>(static_cast<std::size_t>(heads_))};
+    for (std::size_t h = 0; h < g.heads.size(); ++h) {
+      head_selection& head = g.heads[h];
+      head.slash_deltas.assign(slash.begin() + slash_ptr[h], slash.begin() + slash_ptr[h + 1]);
+      head.vertical_tokens.assign(vertical.begin() + vertical_ptr[h], vertical.begin() + vertical_ptr[h + 1]);
+      for (index_t i = tile_ptr[h]; i < tile_ptr[h + 1]; ++i)
+        head.blocks.push_back({tile_query[static_cast<std::size_t>(i)], tile_key[static_cast<std::size_t>(i)]});
+    }
+    return g;
   }
 
  private:
   index_t seq_len_, heads_;
   bool causal_;
-  device_buffer<index_t> slash_ptr_, slash_, vertical_ptr_, vertical_, tile_ptr_, tile_query_, tile_key_, head_of_;
+  lists lists_;
 };
 
 namespace detail {

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cub/block/block_reduce.cuh>
 #include <cuda/std/bit>
 
 #include <cstdint>
@@ -299,6 +300,40 @@ __global__ void candidate_keys(const float* __restrict__ vertical, const index_t
   const index_t j = static_cast<index_t>(i % local_tokens);
   keys[i] = (h << 32) | descending_bits(vertical[i]);
   values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
+}
+
+/// One rank's statistics are already global (the collectives over one rank are identities): the
+/// tile masses become slash masses (each key block lies on one block diagonal), their sum the window
+/// mass, and each head's first `per_rank` sorted candidates its candidate row (-1 pads included).
+///   tile_mass [Hq, local_blocks]   sorted_keys, sorted_tokens [Hq, local_tokens]
+///   slash_mass [Hq, diagonals]   window_mass [Hq]   candidate_mass, candidate_token [Hq, per_rank]
+/// Grid: Hq, 256 threads.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    single_rank_statistics(const float* __restrict__ tile_mass, const index_t* __restrict__ key_global_block,
+                           const std::uint64_t* __restrict__ sorted_keys, const index_t* __restrict__ sorted_tokens, index_t local_blocks,
+                           index_t local_tokens, index_t per_rank, index_t num_blocks, index_t diagonals, index_t diagonal_offset,
+                           float* __restrict__ slash_mass, float* __restrict__ window_mass, float* __restrict__ candidate_mass,
+                           index_t* __restrict__ candidate_token) {
+  using reduce = cub::BlockReduce<double, 256>;
+  __shared__ typename reduce::TempStorage temp;
+  const index_t h = blockIdx.x;
+  float* slash = slash_mass + static_cast<std::int64_t>(h) * diagonals;
+  const float* tiles = tile_mass + static_cast<std::int64_t>(h) * local_blocks;
+  for (index_t i = threadIdx.x; i < diagonals; i += blockDim.x) slash[i] = 0.0f;
+  __syncthreads();
+  double total = 0;
+  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) {
+    slash[num_blocks - 1 - key_global_block[b] + diagonal_offset] = tiles[b];
+    total += tiles[b];
+  }
+  total = reduce(temp).Sum(total);
+  if (threadIdx.x == 0) window_mass[h] = float(total);
+  for (index_t i = threadIdx.x; i < per_rank; i += blockDim.x) {
+    const std::int64_t from = static_cast<std::int64_t>(h) * local_tokens + i, to = static_cast<std::int64_t>(h) * per_rank + i;
+    candidate_mass[to] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from]));
+    candidate_token[to] = sorted_tokens[from];
+  }
 }
 
 }  // namespace stria::kernel
