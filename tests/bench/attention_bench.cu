@@ -24,25 +24,14 @@
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/sharding/sequential.hpp"
+#include "timing.cuh"
 
 using namespace stria;
 using T = __nv_bfloat16;
+using bench::median_ms;
+using bench::random_buffer;
 
 namespace {
-
-/// Uniform values in [-magnitude, magnitude] from a counter hash; never exactly zero.
-__global__ void fill_random(T* x, std::int64_t n, std::uint64_t seed, float magnitude) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
-    std::uint64_t h = (static_cast<std::uint64_t>(i) + 1) * 0x9e3779b97f4a7c15ULL ^ seed;
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 29;
-    const float u = static_cast<float>(h >> 40) / static_cast<float>(1 << 24);  // [0, 1)
-    float value = (2.0f * u - 1.0f) * magnitude;
-    if (__bfloat162float(__float2bfloat16(value)) == 0.0f) value = 0.5f * magnitude;
-    x[i] = __float2bfloat16(value);
-  }
-}
 
 /// Counts entries that are NaN, or infinite where `allow_neg_inf` is false (-inf marks an empty LSE row).
 __global__ void count_bad(const float* x, std::int64_t n, bool allow_neg_inf, unsigned long long* bad) {
@@ -58,35 +47,6 @@ std::uint64_t non_finite(const device_buffer<float>& x, bool allow_neg_inf) {
   count_bad<<<1024, 256>>>(x.data(), static_cast<std::int64_t>(x.size()), allow_neg_inf, bad.data());
   STRIA_CUDA_CHECK_LAUNCH("count_bad");
   return bad.download()[0];
-}
-
-device_buffer<T> random_buffer(std::size_t n, std::uint64_t seed, float magnitude) {
-  device_buffer<T> x(n);
-  fill_random<<<2048, 256>>>(x.data(), static_cast<std::int64_t>(n), seed, magnitude);
-  STRIA_CUDA_CHECK_LAUNCH("fill_random");
-  return x;
-}
-
-template <class Run>
-double median_ms(int repeats, Run run) {
-  cudaEvent_t start, stop;
-  STRIA_CUDA_CHECK(cudaEventCreate(&start));
-  STRIA_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) run();  // warm-up
-  std::vector<float> times;
-  for (int i = 0; i < repeats; ++i) {
-    STRIA_CUDA_CHECK(cudaEventRecord(start));
-    run();
-    STRIA_CUDA_CHECK(cudaEventRecord(stop));
-    STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  STRIA_CUDA_CHECK(cudaEventDestroy(start));
-  STRIA_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
 }
 
 global_selection make_pattern(const std::string& name, index_t seq_len, index_t heads_q, index_t heads_kv, index_t dim) {

@@ -4,7 +4,7 @@
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
-#   BENCHES="attention_bench estimator_bench" (default) picks the benchmarks; ATTENTION_ARGS are
+#   BENCHES="attention_bench estimator_bench ring_bench" (default) picks the benchmarks; ATTENTION_ARGS are
 #   passed to attention_bench; COMPARE=1 also runs tests/bench/compare_flex.py on the same patterns.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,13 +17,13 @@ note() { summary+=("$1"); echo "== $1"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 bin=.device/bin
-benches=${BENCHES-attention_bench estimator_bench}
+benches=${BENCHES-attention_bench estimator_bench ring_bench}
 if [ ! -x "$bin/stria_gpu_tests" ]; then
   bin=build-device/bin
   start=$(date +%s)
   cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
         -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
-    cmake --build build-device -j16 --target stria_gpu_tests attention_bench estimator_bench > "$OUT/build.log" 2>&1
+    cmake --build build-device -j16 --target stria_gpu_tests attention_bench estimator_bench ring_bench > "$OUT/build.log" 2>&1
   note "build on device: rc=$? in $(( $(date +%s) - start )) s"
 fi
 

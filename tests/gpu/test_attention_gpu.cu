@@ -21,38 +21,14 @@
 #include "stria/index/local_index.cuh"
 #include "stria/index/local_index.hpp"
 #include "stria/sharding/striped.hpp"
+#include "support/device_tensors.cuh"
 #include "support/oracle.hpp"
 #include "support/selection.hpp"
 
 using namespace stria;
-using test::view2;
-using test::view3;
+using namespace stria::test;
 
 namespace {
-
-/// Random values rounded to T: the device copy and the exact values as float for the reference.
-template <class T>
-struct rounded_tensor {
-  std::vector<float> host;
-  device_buffer<T> device;
-};
-
-template <class T>
-rounded_tensor<T> random_tensor(test::seeded_rng& rng, std::size_t count, float magnitude) {
-  std::vector<T> values(count);
-  std::vector<float> host(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    do values[i] = from_float<T>(rng.uniform(-magnitude, magnitude));
-    while (to_float(values[i]) == 0.0f);  // never zero
-    host[i] = to_float(values[i]);
-  }
-  return {std::move(host), device_buffer<T>(std::span<const T>(values))};
-}
-
-template <class T>
-device_buffer<T> upload(const std::vector<T>& values) {
-  return device_buffer<T>(std::span<const T>(values));
-}
 
 /// A step index over local query blocks `query_global` and KV blocks `kv_global`.
 step_index random_index(test::seeded_rng& rng, index_t heads, bool causal, std::vector<index_t> query_global, std::vector<index_t> kv_global,
@@ -65,36 +41,6 @@ struct problem {
   index_t heads_q, heads_kv, dim;
   std::string name;
 };
-
-double max_abs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x)
-    if (std::isfinite(v)) m = std::max(m, std::abs(v));
-  return m;
-}
-
-/// Max |a - b| over max |b| (both over finite entries; matching infinities pass, others fail).
-template <class A>
-double max_relative_error(const std::vector<A>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (std::isinf(b[i]) && double(a[i]) == b[i]) continue;
-    if (!std::isfinite(double(a[i]))) return INFINITY;
-    worst = std::max(worst, std::abs(double(a[i]) - b[i]));
-  }
-  const double scale = max_abs(b);
-  return worst / (scale > 0 ? scale : 1.0);
-}
-
-template <class T>
-constexpr double tolerance() {
-  return std::is_same_v<T, __nv_bfloat16> ? 2e-2 : 4e-3;  // 8 vs 11 mantissa bits in P and dS
-}
-
-template <class T>
-std::string type_name() {
-  return std::is_same_v<T, __nv_bfloat16> ? "bf16" : "fp16";
-}
 
 /// Forward then backward of one step against the host reference; returns nothing, checks inside.
 template <class T>

@@ -19,37 +19,11 @@
 #include "stria/core/tensor_view.hpp"
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/step_index.hpp"
+#include "stria/topology/ring_steps.hpp"
 
 namespace stria::host {
 
 namespace detail {
-
-/// Throws unless `indices` holds one index per step of `topology`, each built for this rank and
-/// that step's KV source (an index built for another configuration is never used silently).
-template <ring_topology Topology>
-void check_ring_indices(const Topology& topology, index_t rank, std::span<const step_index> indices) {
-  if (static_cast<index_t>(indices.size()) != topology.num_steps())
-    throw invalid_argument("indices.size()", indices.size(),
-                           "must equal the topology's number of steps " + std::to_string(topology.num_steps()));
-  for (index_t s = 0; s < topology.num_steps(); ++s) {
-    const step_index_origin& o = indices[static_cast<std::size_t>(s)].origin;
-    const std::string field = "indices[" + std::to_string(s) + "].origin";
-    if (o.world_size != topology.world_size())
-      throw invalid_argument(field + ".world_size", o.world_size,
-                             "the index was built for another configuration: the ring has " + std::to_string(topology.world_size()) + " ranks");
-    if (o.rank != rank || o.step != s || o.kv_source_rank != topology.kv_source_rank(rank, s))
-      throw invalid_argument(field + ".kv_source_rank", o.kv_source_rank,
-                             "the index was built for another configuration: rank " + std::to_string(rank) + " step " +
-                                 std::to_string(s) + " computes with the KV of rank " +
-                                 std::to_string(topology.kv_source_rank(rank, s)) + " (index: rank " + std::to_string(o.rank) +
-                                 ", step " + std::to_string(o.step) + ")");
-  }
-}
-
-/// Message tags: KV and dK/dV partials, inner and outer links, as separate NCCL communicators would be.
-inline int transfer_tag(const ring_transfer& t, bool gradient) {
-  return (gradient ? 2 : 0) + (t.channel == ring_channel::outer ? 1 : 0);
-}
 
 /// K and V of one chunk packed in one buffer, so a KV transfer is one message.
 struct kv_chunk {
@@ -88,7 +62,7 @@ class kv_mover {
     const index_t rank = comm_.rank();
     for (const ring_transfer& t : topology_.transfers(rank, step)) {
       const kv_chunk& chunk = slots_[static_cast<std::size_t>(t.send_buffer)];
-      comm_.send(chunk.data.data(), chunk.data.size(), t.send_to, transfer_tag(t, false));
+      comm_.send(chunk.data.data(), chunk.data.size(), t.send_to, ring_message_tag(t, false));
       pending_.push_back(t);
     }
     return slots_[static_cast<std::size_t>(topology_.kv_buffer(rank, step))];
@@ -105,7 +79,7 @@ class kv_mover {
       }
       kv_chunk& slot = slots_[static_cast<std::size_t>(it->receive_buffer)];
       slot.data.resize(2 * slot.half);
-      comm_.recv(slot.data.data(), slot.data.size(), it->receive_from, transfer_tag(*it, false));
+      comm_.recv(slot.data.data(), slot.data.size(), it->receive_from, ring_message_tag(*it, false));
       it = pending_.erase(it);
     }
   }
@@ -128,7 +102,7 @@ void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> 
   if (comm.world_size() != topology.world_size())
     throw invalid_argument("comm.world_size()", comm.world_size(),
                            "must equal the topology's world size " + std::to_string(topology.world_size()));
-  detail::check_ring_indices(topology, comm.rank(), indices);
+  check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
@@ -177,7 +151,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
     throw invalid_argument("comm.world_size()", comm.world_size(),
                            "must equal the topology's world size " + std::to_string(topology.world_size()));
   const index_t rank = comm.rank();
-  detail::check_ring_indices(topology, rank, indices);
+  check_ring_indices(topology, rank, indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
   detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
@@ -210,7 +184,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
         continue;
       }
       std::vector<float> incoming(2 * kv_elems);
-      comm.recv(incoming.data(), incoming.size(), it->receive_from, detail::transfer_tag(*it, true));
+      comm.recv(incoming.data(), incoming.size(), it->receive_from, ring_message_tag(*it, true));
       add_into(it->received_origin, incoming);
       it = pending.erase(it);
     }
@@ -233,7 +207,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
       if (it == partial.end())
         throw comm_error("rank " + std::to_string(rank) + " has no dK/dV partial of rank " + std::to_string(t.sent_origin) +
                          "'s chunk to send at step " + std::to_string(s) + " (inconsistent gradient schedule)");
-      comm.send(it->second.data(), it->second.size(), t.send_to, detail::transfer_tag(t, true));
+      comm.send(it->second.data(), it->second.size(), t.send_to, ring_message_tag(t, true));
       partial.erase(it);
       pending.push_back(t);
     }

@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// What every ring engine (host and device) shares: the check that a rank's per-step indices fit
+// the schedule, and the message tags of the schedule's transfers.
+#pragma once
+
+#include <span>
+#include <string>
+
+#include "stria/core/concepts.hpp"
+#include "stria/core/error.hpp"
+
+namespace stria {
+
+/// Throws unless `indices` holds one index per step of `topology`, each built for this rank and
+/// that step's KV source (an index built for another configuration is never used silently).
+template <ring_topology Topology, class Index>
+void check_ring_indices(const Topology& topology, index_t rank, std::span<const Index> indices) {
+  if (static_cast<index_t>(indices.size()) != topology.num_steps())
+    throw invalid_argument("indices.size()", indices.size(),
+                           "must equal the topology's number of steps " + std::to_string(topology.num_steps()));
+  for (index_t s = 0; s < topology.num_steps(); ++s) {
+    const auto& o = indices[static_cast<std::size_t>(s)].origin;
+    const std::string field = "indices[" + std::to_string(s) + "].origin";
+    if (o.world_size != topology.world_size())
+      throw invalid_argument(field + ".world_size", o.world_size,
+                             "the index was built for another configuration: the ring has " + std::to_string(topology.world_size()) + " ranks");
+    if (o.rank != rank || o.step != s || o.kv_source_rank != topology.kv_source_rank(rank, s))
+      throw invalid_argument(field + ".kv_source_rank", o.kv_source_rank,
+                             "the index was built for another configuration: rank " + std::to_string(rank) + " step " +
+                                 std::to_string(s) + " computes with the KV of rank " +
+                                 std::to_string(topology.kv_source_rank(rank, s)) + " (index: rank " + std::to_string(o.rank) +
+                                 ", step " + std::to_string(o.step) + ")");
+  }
+}
+
+/// Message tags: KV and dK/dV partials, inner and outer links, as separate NCCL communicators would be.
+constexpr int ring_message_tag(const ring_transfer& t, bool gradient) {
+  return (gradient ? 2 : 0) + (t.channel == ring_channel::outer ? 1 : 0);
+}
+
+}  // namespace stria

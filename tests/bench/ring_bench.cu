@@ -1,0 +1,207 @@
+// SPDX-License-Identifier: Apache-2.0
+// Benchmark (a program, not a test): load balance of the ring on real kernels, one H200. Qwen2.5-3B
+// shape (Hq 16, Hkv 2, D 128), bf16, causal, the generator's Vertical-Slash selection at 95%
+// sparsity, W ranks on a flat ring, for sequential, zigzag and striped<64> sharding:
+//  1. every (rank, step) alone on the GPU: forward + backward kernel time of that rank's step index
+//     (CUDA events, median of repeats after warm-up). Worker-level imbalance = max / mean over the
+//     ranks of one step (averaged over steps); step-level = max / mean over one rank's steps
+//     (averaged over ranks); the ring's time = sum over steps of the slowest rank (a synchronous
+//     ring waits for it); the busiest rank's time = the largest per-rank sum.
+//  2. the whole ring through comm::local_device (all W ranks at once, sharing the GPU): wall time of
+//     device::ring_forward + ring_backward per layer, against the sum of all (rank, step) kernel
+//     times (the work a shared GPU must do anyway), i.e. what the ring engine adds.
+//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5]
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "stria/comm/local_device.cuh"
+#include "stria/core/cuda_stream.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/device/ring_attention.cuh"
+#include "stria/device/sparse_attention_step.cuh"
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/local_index.cuh"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "stria/topology/flat_ring.hpp"
+#include "timing.cuh"
+
+using namespace stria;
+using T = __nv_bfloat16;
+
+namespace {
+
+constexpr index_t hq = 16, hkv = 2, dim = 128;
+
+struct balance {
+  double worker_imbalance = 0, step_imbalance = 0, ring_ms = 0, busiest_rank_ms = 0, total_ms = 0, ring_engine_ms = 0;
+};
+
+/// Part 1: every (rank, step) alone. Inputs are random and shared by all ranks: kernel time depends
+/// on the index, not on the values.
+template <class Sharding>
+balance time_steps(const global_selection& g, const Sharding& sharding, index_t world, int repeats) {
+  const index_t s = g.seq_len, local = s / world;
+  const topology::flat_ring ring(world);
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 1, 2.0f), k = bench::random_buffer(std::size_t(local) * hkv * dim, 2, 2.0f),
+             v = bench::random_buffer(std::size_t(local) * hkv * dim, 3, 1.0f), d_out = bench::random_buffer(q.size(), 4, 1.0f);
+  device_buffer<float> out(q.size()), lse(std::size_t(hq) * local), delta(lse.size()), dq(q.size()), dk(k.size()), dv(v.size());
+  for (auto* b : {&lse, &delta}) b->fill_bytes(0);
+  for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0);
+  const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
+      dov(d_out.data(), {local, hq, dim});
+  const device_selection selection(g);
+  std::vector<std::vector<double>> ms(static_cast<std::size_t>(world), std::vector<double>(static_cast<std::size_t>(world)));
+  for (index_t r = 0; r < world; ++r)
+    for (index_t step = 0; step < world; ++step) {
+      const device_step_index index = build_local_index_device(selection, sharding, world, r, ring.kv_source_rank(r, step), {0, 0, 0, step, 0});
+      const double fwd = bench::median_ms(repeats, [&] {
+        device::sparse_forward(index, qv, kv, vv, scale, tensor_view<float, 3>(out.data(), {local, hq, dim}),
+                               tensor_view<float, 2>(lse.data(), {hq, local}), device::running_state::overwrite, nullptr);
+      });
+      const double bwd = bench::median_ms(repeats, [&] {
+        device::sparse_backward(index, qv, kv, vv, dov, tensor_view<const float, 2>(lse.data(), {hq, local}),
+                                tensor_view<const float, 2>(delta.data(), {hq, local}), scale, tensor_view<float, 3>(dq.data(), {local, hq, dim}),
+                                tensor_view<float, 3>(dk.data(), {local, hkv, dim}), tensor_view<float, 3>(dv.data(), {local, hkv, dim}),
+                                device::determinism::atomic, nullptr);
+      });
+      ms[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)] = fwd + bwd;
+    }
+  balance b;
+  for (index_t step = 0; step < world; ++step) {
+    double worst = 0, sum = 0;
+    for (index_t r = 0; r < world; ++r) worst = std::max(worst, ms[std::size_t(r)][std::size_t(step)]), sum += ms[std::size_t(r)][std::size_t(step)];
+    b.worker_imbalance += worst / (sum / double(world)) / double(world);
+    b.ring_ms += worst;
+    b.total_ms += sum;
+  }
+  for (index_t r = 0; r < world; ++r) {
+    const auto& row = ms[std::size_t(r)];
+    const double sum = std::accumulate(row.begin(), row.end(), 0.0);
+    b.step_imbalance += *std::max_element(row.begin(), row.end()) / (sum / double(world)) / double(world);
+    b.busiest_rank_ms = std::max(b.busiest_rank_ms, sum);
+  }
+  return b;
+}
+
+/// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).
+template <class Sharding>
+double time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats) {
+  const index_t s = g.seq_len, local = s / world;
+  const topology::flat_ring ring(world);
+  const double scale = 1.0 / std::sqrt(double(dim));
+  std::vector<double> wall;
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(600));
+  ranks.run([&](comm::local_device& c) {
+    const cuda_stream compute, transfer;
+    const cudaStream_t st = compute.get();
+    {
+      const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 10 + c.rank(), 2.0f),
+                 k = bench::random_buffer(std::size_t(local) * hkv * dim, 20 + c.rank(), 2.0f),
+                 v = bench::random_buffer(std::size_t(local) * hkv * dim, 30 + c.rank(), 1.0f),
+                 d_out = bench::random_buffer(q.size(), 40 + c.rank(), 1.0f);
+      device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
+      device_buffer<float> lse(std::size_t(hq) * local, st);
+      STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
+      const device_selection selection(g, st);
+      std::vector<device_step_index> indices;
+      for (index_t step = 0; step < world; ++step)
+        indices.push_back(build_local_index_device(selection, sharding, world, c.rank(), ring.kv_source_rank(c.rank(), step), {0, 0, 0, step, 0}, st));
+      const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
+          dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
+      for (int i = 0; i < repeats + 1; ++i) {  // one warm-up
+        compute.synchronize();
+        c.barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        device::ring_forward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, scale, tensor_view<T, 3>(out.data(), {local, hq, dim}),
+                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get());
+        device::ring_backward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, ov, dov,
+                              tensor_view<const float, 2>(lse.data(), {hq, local}), scale, tensor_view<T, 3>(dq.data(), {local, hq, dim}),
+                              tensor_view<T, 3>(dk.data(), {local, hkv, dim}), tensor_view<T, 3>(dv.data(), {local, hkv, dim}),
+                              device::determinism::atomic, st, transfer.get());
+        compute.synchronize();
+        c.barrier();
+        if (c.rank() == 0 && i > 0) wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+    }
+  });
+  std::sort(wall.begin(), wall.end());
+  return wall[wall.size() / 2];
+}
+
+std::vector<index_t> parse_list(const std::string& text) {
+  std::vector<index_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) out.push_back(static_cast<index_t>(std::stoll(item)));
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::vector<index_t> seq_lens{131072, 524288};
+  index_t world = 8;
+  int repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--seq-len") seq_lens = parse_list(value);
+    else if (flag == "--world") world = static_cast<index_t>(std::stoll(value));
+    else if (flag == "--repeats") repeats = std::stoi(value);
+    else throw invalid_argument("flag", flag, "must be --seq-len, --world or --repeats");
+  }
+  cudaDeviceProp prop{};
+  STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("ring_bench on %s: Hq %d, Hkv %d, D %d, bf16, causal, vs95, flat ring of %d ranks, median of %d\n", prop.name, hq, hkv, dim,
+              world, repeats);
+  std::printf("%-8s %-11s %9s %9s %10s %12s %10s %14s\n", "S", "sharding", "worker", "step", "ring ms", "busiest ms", "work ms",
+              "local_device ms");
+  for (const index_t s : seq_lens) {
+    host::synthetic_vs_options o;
+    o.seq_len = s;
+    o.heads_q = hq;
+    o.heads_kv = hkv;
+    o.head_dim = dim;
+    o.density = 0.05;
+    const global_selection g = host::plant_vs_selection(o);
+    double busiest_zigzag = 0, busiest_striped = 0, ring_zigzag = 0, ring_striped = 0;
+    auto report = [&](const char* name, balance b) {
+      const std::string engine = b.ring_engine_ms > 0 ? std::to_string(b.ring_engine_ms).substr(0, std::to_string(b.ring_engine_ms).find('.') + 3) : "-";
+      std::printf("%-8d %-11s %9.3f %9.3f %10.2f %12.2f %10.2f %14s\n", s, name, b.worker_imbalance, b.step_imbalance, b.ring_ms,
+                  b.busiest_rank_ms, b.total_ms, engine.c_str());
+      std::fflush(stdout);
+    };
+    {
+      balance b = time_steps(g, sharding::sequential{}, world, repeats);
+      report("sequential", b);
+    }
+    {
+      balance b = time_steps(g, sharding::zigzag{}, world, repeats);
+      b.ring_engine_ms = time_ring(g, sharding::zigzag{}, world, repeats);
+      busiest_zigzag = b.busiest_rank_ms;
+      ring_zigzag = b.ring_ms;
+      report("zigzag", b);
+    }
+    {
+      balance b = time_steps(g, sharding::striped<64>{}, world, repeats);
+      b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats);
+      busiest_striped = b.busiest_rank_ms;
+      ring_striped = b.ring_ms;
+      report("striped", b);
+    }
+    std::printf("%-8d zigzag / striped: busiest rank %.2fx, synchronous ring %.2fx\n", s, busiest_zigzag / busiest_striped, ring_zigzag / ring_striped);
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "ring_bench: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared by the benchmarks: random non-zero bf16 device tensors, and CUDA-event timing (warm-up,
+// then the median of repeated runs).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+
+namespace stria::bench {
+
+/// Uniform values in [-magnitude, magnitude] from a counter hash; never exactly zero. (A template:
+/// kernels cannot be `inline`, and a header may be included by several translation units.)
+template <int Unused = 0>
+__global__ void fill_random(__nv_bfloat16* x, std::int64_t n, std::uint64_t seed, float magnitude) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint64_t h = (static_cast<std::uint64_t>(i) + 1) * 0x9e3779b97f4a7c15ULL ^ seed;
+    h ^= h >> 31;
+    h *= 0xbf58476d1ce4e5b9ULL;
+    h ^= h >> 29;
+    const float u = static_cast<float>(h >> 40) / static_cast<float>(1 << 24);  // [0, 1)
+    float value = (2.0f * u - 1.0f) * magnitude;
+    if (__bfloat162float(__float2bfloat16(value)) == 0.0f) value = 0.5f * magnitude;
+    x[i] = __float2bfloat16(value);
+  }
+}
+
+inline device_buffer<__nv_bfloat16> random_buffer(std::size_t n, std::uint64_t seed, float magnitude) {
+  device_buffer<__nv_bfloat16> x(n);
+  fill_random<><<<2048, 256>>>(x.data(), static_cast<std::int64_t>(n), seed, magnitude);
+  STRIA_CUDA_CHECK_LAUNCH("fill_random");
+  return x;
+}
+
+template <class Run>
+double median_ms(int repeats, Run run) {
+  cudaEvent_t start, stop;
+  STRIA_CUDA_CHECK(cudaEventCreate(&start));
+  STRIA_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) run();  // warm-up
+  std::vector<float> times;
+  for (int i = 0; i < repeats; ++i) {
+    STRIA_CUDA_CHECK(cudaEventRecord(start));
+    run();
+    STRIA_CUDA_CHECK(cudaEventRecord(stop));
+    STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  STRIA_CUDA_CHECK(cudaEventDestroy(start));
+  STRIA_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace stria::bench
