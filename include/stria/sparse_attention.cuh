@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: Apache-2.0
+// stria::sparse_attention: the front template on the device (DESIGN 3). Policies chosen at compile
+// time (estimator, sharding, ring topology, tile); per layer: estimate() finds the sparse index from
+// this rank's data and builds the rank's step indices, forward() and backward() run the ring on the
+// caller's stream with the KV transfers on the object's own transfer stream. One object per rank.
+//
+//   using attention = stria::sparse_attention<stria::estimator::vertical_slash_top_p,
+//                                             stria::sharding::striped<64>, stria::topology::flat_ring>;
+//   attention layer({}, {}, stria::topology::flat_ring(world), {seq_len, heads_q, heads_kv});
+//   layer.estimate(comm, q, k, stream);
+//   layer.forward(comm, q, k, v, out, lse, stream);
+//   layer.backward(comm, q, k, v, out, d_out, lse, dq, dk, dv, stream);
+#pragma once
+
+#include <cmath>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/core/concepts.hpp"
+#include "stria/core/cuda_stream.cuh"
+#include "stria/core/error.hpp"
+#include "stria/core/tensor_view.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/device/ring_attention.cuh"
+#include "stria/device/sparse_attention_step.cuh"
+#include "stria/estimator/window_statistics.cuh"
+#include "stria/index/local_index.cuh"
+
+namespace stria {
+
+/// The global shape of one attention layer; every rank holds seq_len / world tokens of it.
+struct attention_config {
+  index_t seq_len = 0;
+  index_t heads_q = 0;
+  index_t heads_kv = 0;
+  bool causal = true;
+  double softmax_scale = 0;  // 0: 1 / sqrt(head_dim)
+  device::determinism backward_mode = device::determinism::atomic;
+};
+
+namespace detail {
+
+/// The host-surface handle an estimator's collectives use: a host_threads rank is one already;
+/// device communicators give theirs with host().
+inline comm::host_threads& host_surface(comm::host_threads& c) { return c; }
+template <class Comm>
+  requires requires(Comm& c) { { c.host() } -> std::same_as<comm::host_threads&>; }
+comm::host_threads& host_surface(Comm& c) {
+  return c.host();
+}
+
+}  // namespace detail
+
+template <index_estimator Estimator, sharding_policy Sharding, ring_topology Topology, tile_traits Tile = tile<64, 64, 128>>
+class sparse_attention {
+  static_assert(Tile::block_q == block_tokens && Tile::block_kv == block_tokens,
+                "stria's kernels run 64x64 tiles: use stria::tile<64, 64, HeadDim>");
+
+ public:
+  using estimator_type = Estimator;
+  using sharding_type = Sharding;
+  using topology_type = Topology;
+  using tile_type = Tile;
+
+  sparse_attention(Estimator estimator, Sharding sharding, Topology topology, attention_config config)
+      : estimator_(std::move(estimator)), sharding_(std::move(sharding)), topology_(std::move(topology)), config_(config) {
+    if (config_.heads_q < 1) throw invalid_argument("config.heads_q", config_.heads_q, "must be at least 1");
+    if (config_.heads_kv < 1 || config_.heads_q % config_.heads_kv != 0)
+      throw invalid_argument("config.heads_kv", config_.heads_kv,
+                             "must divide config.heads_q = " + std::to_string(config_.heads_q) + " (grouped-query attention)");
+    if (config_.seq_len <= 0 || config_.seq_len % block_tokens != 0)
+      throw invalid_argument("config.seq_len", config_.seq_len, "must be a positive multiple of 64 (the block size)");
+    sharding_.validate({config_.seq_len / block_tokens, topology_.world_size()});
+    estimator_.validate(config_.seq_len, config_.heads_q);
+    if (config_.softmax_scale == 0) config_.softmax_scale = 1.0 / std::sqrt(double(Tile::head_dim));
+  }
+
+  [[nodiscard]] const attention_config& config() const { return config_; }
+  [[nodiscard]] const Topology& topology() const { return topology_; }
+  [[nodiscard]] const Sharding& sharding() const { return sharding_; }
+  /// Tokens each rank holds.
+  [[nodiscard]] index_t local_tokens() const { return config_.seq_len / topology_.world_size(); }
+  /// This layer's selection (after estimate()), on the device.
+  [[nodiscard]] const device_selection& selection() const {
+    if (!selection_) throw invalid_argument("selection()", "(none)", "call estimate() first");
+    return *selection_;
+  }
+
+  /// Finds this layer's sparse index from the rank's shards q [S_local, Hq, D] and k [S_local, Hkv, D]
+  /// (identical on every rank) and builds the rank's index for every ring step, on `stream`.
+  template <class Comm, class T>
+  void estimate(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, cudaStream_t stream) {
+    check_comm(comm);
+    check_shard(q, config_.heads_q, "q");
+    check_shard(k, config_.heads_kv, "k");
+    comm::host_threads& host = detail::host_surface(comm);
+    selection_.reset();
+    indices_.clear();
+    selection_.emplace(estimator::estimate_device(estimator_, host, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),
+                                                  config_.heads_q, config_.heads_kv, Tile::head_dim, config_.softmax_scale, stream));
+    for (index_t s = 0; s < topology_.num_steps(); ++s)
+      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), comm.rank(),
+                                                  topology_.kv_source_rank(comm.rank(), s), {0, 0, 0, s, 0}, stream));
+  }
+
+  /// Uses a given global selection instead of estimating one (a user block mask, a recorded index).
+  template <class Comm>
+  void use_selection(Comm& comm, const global_selection& g, cudaStream_t stream) {
+    check_comm(comm);
+    if (g.seq_len != config_.seq_len || g.num_heads() != config_.heads_q || g.causal != config_.causal)
+      throw invalid_argument("selection", "(seq_len " + std::to_string(g.seq_len) + ", " + std::to_string(g.num_heads()) + " heads)",
+                             "was built for another configuration: this layer has seq_len " + std::to_string(config_.seq_len) + " and " +
+                                 std::to_string(config_.heads_q) + " query heads");
+    selection_.reset();
+    indices_.clear();
+    selection_.emplace(g, stream);
+    for (index_t s = 0; s < topology_.num_steps(); ++s)
+      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), comm.rank(),
+                                                  topology_.kv_source_rank(comm.rank(), s), {0, 0, 0, s, 0}, stream));
+  }
+
+  /// out [S_local, Hq, D] and lse [Hq, S_local] (fp32, natural log) of the rank's queries.
+  template <class Comm, class T>
+  void forward(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<T, 3> out,
+               tensor_view<float, 2> lse, cudaStream_t stream) {
+    check_ready(comm);
+    check_shard(q, config_.heads_q, "q");
+    check_shard(k, config_.heads_kv, "k");
+    check_shard(v, config_.heads_kv, "v");
+    device::ring_forward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
+                         transfer_.get());
+  }
+
+  /// dq [S_local, Hq, D] of the rank's queries, and dk, dv [S_local, Hkv, D] of its own keys and
+  /// values (summed over every rank that used them).
+  template <class Comm, class T>
+  void backward(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out,
+                tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
+                tensor_view<T, 3> dv, cudaStream_t stream) {
+    check_ready(comm);
+    check_shard(q, config_.heads_q, "q");
+    check_shard(k, config_.heads_kv, "k");
+    check_shard(v, config_.heads_kv, "v");
+    device::ring_backward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
+                          dk, dv, config_.backward_mode, stream, transfer_.get());
+  }
+
+ private:
+  template <class Comm>
+  void check_comm(const Comm& comm) const {
+    if (comm.world_size() != topology_.world_size())
+      throw invalid_argument("comm.world_size()", comm.world_size(),
+                             "does not match the topology's " + std::to_string(topology_.world_size()) + " ranks");
+  }
+
+  template <class Comm>
+  void check_ready(const Comm& comm) const {
+    check_comm(comm);
+    if (indices_.empty()) throw invalid_argument("forward/backward", "(no index)", "call estimate() or use_selection() first");
+  }
+
+  template <class T>
+  void check_shard(tensor_view<const T, 3> x, index_t heads, const char* name) const {
+    check_extents(x, {local_tokens(), heads, Tile::head_dim}, name);
+  }
+
+  Estimator estimator_;
+  Sharding sharding_;
+  Topology topology_;
+  attention_config config_;
+  cuda_stream transfer_;
+  std::optional<device_selection> selection_;
+  std::vector<device_step_index> indices_;
+};
+
+}  // namespace stria
