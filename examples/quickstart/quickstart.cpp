@@ -1,11 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// Quickstart: distributed sparse attention on a Vertical-Slash input, forward and backward, on the
-// host backend with W simulated ranks (one thread each): striped sharding, a flat or hierarchical
-// ring, fp32 running state; checked against single-rank attention in double precision.
+// Quickstart: distributed sparse attention on a Vertical-Slash input, forward and backward. On a
+// GPU (when this build has CUDA and a device is present): W ranks on the one GPU through
+// comm::local_device, the front template sparse_attention (online estimate, striped sharding, a
+// flat or hierarchical ring) in bf16, checked against single-rank attention (quickstart_gpu.cu).
+// Otherwise: the host backend with W simulated ranks (threads), fp32, checked against single-rank
+// attention in double precision (this file).
 //
-// Usage: quickstart [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]
-//                   [--head-dim 64|128] [--sparsity X] [--seed S]
+// Usage: see options.hpp (--help).
 #include <stria/stria.hpp>
+
+#include "options.hpp"
 
 #include <algorithm>
 #include <array>
@@ -17,43 +21,6 @@
 #include <vector>
 
 namespace {
-
-struct options {
-  stria::index_t seq_len = 4096;
-  stria::index_t world = 4;
-  stria::index_t nodes = 1;
-  stria::index_t heads_q = 8;
-  stria::index_t heads_kv = 2;
-  stria::index_t head_dim = 128;
-  double sparsity = 0.9;
-  unsigned long long seed = 1;
-};
-
-options parse(int argc, char** argv) {
-  options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value");
-      return argv[++i];
-    };
-    if (arg == "--seq-len") o.seq_len = std::stoi(value());
-    else if (arg == "--world") o.world = std::stoi(value());
-    else if (arg == "--nodes") o.nodes = std::stoi(value());
-    else if (arg == "--heads-q") o.heads_q = std::stoi(value());
-    else if (arg == "--heads-kv") o.heads_kv = std::stoi(value());
-    else if (arg == "--head-dim") o.head_dim = std::stoi(value());
-    else if (arg == "--sparsity") o.sparsity = std::stod(value());
-    else if (arg == "--seed") o.seed = std::stoull(value());
-    else if (arg == "--help") {
-      std::puts("quickstart [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H] [--head-dim 64|128] [--sparsity X] [--seed S]");
-      std::exit(0);
-    } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
-  }
-  if (o.nodes < 1 || o.world % o.nodes != 0)
-    throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
-  return o;
-}
 
 using clock_type = std::chrono::steady_clock;
 double seconds_since(clock_type::time_point start) { return std::chrono::duration<double>(clock_type::now() - start).count(); }
@@ -69,7 +36,7 @@ double relative_error(const std::vector<float>& got, const std::vector<double>& 
 }
 
 template <class Topology>
-int run(const options& o, const Topology& topology, const std::string& topology_name) {
+int run_host(const quickstart::options& o, const Topology& topology, const std::string& topology_name) {
   using namespace stria;
   const auto start = clock_type::now();
   host::synthetic_vs_options input;
@@ -163,11 +130,26 @@ int run(const options& o, const Topology& topology, const std::string& topology_
 
 }  // namespace
 
+#if defined(STRIA_QUICKSTART_GPU)
+bool quickstart_gpu_present();                   // quickstart_gpu.cu
+int quickstart_on_gpu(const quickstart::options&);  // quickstart_gpu.cu
+#else
+bool quickstart_gpu_present() { return false; }
+int quickstart_on_gpu(const quickstart::options&) { return 2; }
+#endif
+
 int main(int argc, char** argv) try {
-  const options o = parse(argc, argv);
-  if (o.nodes > 1) return run(o, stria::topology::hierarchical_ring(o.nodes, o.world / o.nodes),
-                              "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(o.world / o.nodes) + ")");
-  return run(o, stria::topology::flat_ring(o.world), "flat_ring(" + std::to_string(o.world) + ")");
+  quickstart::options o = quickstart::parse(argc, argv);
+  const bool gpu = o.backend != quickstart::backend_choice::host && quickstart_gpu_present();
+  if (o.backend == quickstart::backend_choice::gpu && !gpu) {
+    std::fprintf(stderr, "quickstart --gpu: no usable CUDA device (or this build has no CUDA)\n");
+    return 77;  // CTest's skip code
+  }
+  quickstart::apply_defaults(o, gpu);
+  if (gpu) return quickstart_on_gpu(o);
+  if (o.nodes > 1) return run_host(o, stria::topology::hierarchical_ring(o.nodes, o.world / o.nodes),
+                                   "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(o.world / o.nodes) + ")");
+  return run_host(o, stria::topology::flat_ring(o.world), "flat_ring(" + std::to_string(o.world) + ")");
 } catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());
   return 2;

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// The quickstart's command line, shared by its host path (quickstart.cpp) and GPU path
+// (quickstart_gpu.cu). Sizes left at 0 take the chosen backend's default: the GPU runs the
+// Qwen2.5-3B attention shape at 128K over 8 ranks; the host a 4K problem over 4 ranks.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <stria/core/config.hpp>
+#include <stria/core/error.hpp>
+
+namespace quickstart {
+
+enum class backend_choice { automatic, host, gpu };
+
+struct options {
+  stria::index_t seq_len = 0;
+  stria::index_t world = 0;
+  stria::index_t nodes = 1;
+  stria::index_t heads_q = 0;
+  stria::index_t heads_kv = 0;
+  stria::index_t head_dim = 128;
+  double sparsity = 0;
+  unsigned long long seed = 1;
+  int repeats = 3;  // GPU: timed layers after one warm-up
+  backend_choice backend = backend_choice::automatic;
+};
+
+inline constexpr const char* usage =
+    "quickstart [--host | --gpu] [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]\n"
+    "           [--head-dim 64|128] [--sparsity X] [--seed S] [--repeats R]\n"
+    "  --host: the host backend even where a GPU is present; --gpu: the GPU or exit 77.";
+
+inline options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value");
+      return argv[++i];
+    };
+    if (arg == "--seq-len") o.seq_len = std::stoi(value());
+    else if (arg == "--world") o.world = std::stoi(value());
+    else if (arg == "--nodes") o.nodes = std::stoi(value());
+    else if (arg == "--heads-q") o.heads_q = std::stoi(value());
+    else if (arg == "--heads-kv") o.heads_kv = std::stoi(value());
+    else if (arg == "--head-dim") o.head_dim = std::stoi(value());
+    else if (arg == "--sparsity") o.sparsity = std::stod(value());
+    else if (arg == "--seed") o.seed = std::stoull(value());
+    else if (arg == "--repeats") o.repeats = std::stoi(value());
+    else if (arg == "--host") o.backend = backend_choice::host;
+    else if (arg == "--gpu") o.backend = backend_choice::gpu;
+    else if (arg == "--help") {
+      std::puts(usage);
+      std::exit(0);
+    } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
+  }
+  return o;
+}
+
+/// Fills what was left at 0 with the backend's defaults and checks the combination.
+inline void apply_defaults(options& o, bool gpu) {
+  if (o.seq_len == 0) o.seq_len = gpu ? 131072 : 4096;
+  if (o.world == 0) o.world = gpu ? 8 : 4;
+  if (o.heads_q == 0) o.heads_q = gpu ? 16 : 8;
+  if (o.heads_kv == 0) o.heads_kv = 2;
+  if (o.sparsity == 0) o.sparsity = gpu ? 0.95 : 0.9;
+  if (o.nodes < 1 || o.world % o.nodes != 0)
+    throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
+  if (o.repeats < 1) throw stria::invalid_argument("--repeats", o.repeats, "must be at least 1");
+  if (gpu && o.head_dim != 64 && o.head_dim != 128)
+    throw stria::invalid_argument("--head-dim", o.head_dim, "must be 64 or 128 (the kernels' head dims)");
+}
+
+}  // namespace quickstart
