@@ -2,7 +2,8 @@
 // stria::sparse_attention: the front template on the device (DESIGN 3). Policies chosen at compile
 // time (estimator, sharding, ring topology, tile); per layer: estimate() finds the sparse index from
 // this rank's data and builds the rank's step indices, forward() and backward() run the ring on the
-// caller's stream with the KV transfers on the object's own transfer stream. One object per rank.
+// caller's stream with the KV transfers on the object's own transfer stream. One object per rank,
+// over any device communicator (comm::local_device, comm::nccl).
 //
 //   using attention = stria::sparse_attention<stria::estimator::vertical_slash_top_p,
 //                                             stria::sharding::striped<64>, stria::topology::flat_ring>;
@@ -44,12 +45,11 @@ struct attention_config {
 namespace detail {
 
 /// The host-surface handle an estimator's collectives use: a host_threads rank is one already;
-/// device communicators give theirs with host().
-inline comm::host_threads& host_surface(comm::host_threads& c) { return c; }
+/// device communicators (local_device, nccl) give theirs with host().
 template <class Comm>
-  requires requires(Comm& c) { { c.host() } -> std::same_as<comm::host_threads&>; }
-comm::host_threads& host_surface(Comm& c) {
-  return c.host();
+decltype(auto) host_surface(Comm& c) {
+  if constexpr (requires { c.host(); }) return (c.host());
+  else return (c);
 }
 
 }  // namespace detail
@@ -96,7 +96,7 @@ class sparse_attention {
     check_comm(comm);
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
-    comm::host_threads& host = detail::host_surface(comm);
+    auto& host = detail::host_surface(comm);
     selection_.reset();
     indices_.clear();
     selection_.emplace(estimator::estimate_device(estimator_, host, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),

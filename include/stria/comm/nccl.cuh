@@ -1,0 +1,265 @@
+// SPDX-License-Identifier: Apache-2.0
+// comm::nccl: one rank of an NCCL communicator with the device surface the ring engines use
+// (send/recv in groups, all_gather, all_reduce, broadcast of device buffers on a named stream), as
+// comm::local_device offers on one GPU. Wraps a user's ncclComm_t (not owned: the training code
+// that made it keeps it) or owns one it created; split() gives sub-communicators (ncclCommSplit),
+// e.g. the inner and outer rings of a hierarchical ring. Bootstrap helpers for examples and tests:
+// every local GPU from one process (ncclCommInitAll), or one process per GPU with the unique id
+// passed through a shared file.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/core/cuda_check.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/core/error.hpp"
+#include "stria/core/nccl_check.cuh"
+
+namespace stria::comm {
+
+namespace detail {
+
+template <class T>
+constexpr ncclDataType_t nccl_type() {
+  if constexpr (std::is_same_v<T, float>) return ncclFloat32;
+  else if constexpr (std::is_same_v<T, double>) return ncclFloat64;
+  else if constexpr (std::is_same_v<T, __half>) return ncclFloat16;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return ncclBfloat16;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return ncclInt32;
+  else if constexpr (std::is_same_v<T, std::int64_t>) return ncclInt64;
+  else if constexpr (std::is_same_v<T, std::uint64_t>) return ncclUint64;
+  else if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, char> || std::is_same_v<T, unsigned char>) return ncclUint8;
+  else return ncclUint8;  // any other trivially copyable type moves as bytes (send/recv only)
+}
+
+template <class T>
+constexpr std::size_t nccl_count(std::size_t count) {
+  return nccl_type<T>() == ncclUint8 ? count * sizeof(T) : count;
+}
+
+constexpr ncclRedOp_t nccl_op(reduce_op op) { return op == reduce_op::sum ? ncclSum : op == reduce_op::max ? ncclMax : ncclMin; }
+
+}  // namespace detail
+
+class nccl;
+
+/// Collectives of host arrays over an NCCL communicator (what the estimator's statistics use):
+/// each goes through a device staging buffer on the communicator's own stream and returns with the
+/// result on the host.
+class nccl_host_surface {
+ public:
+  explicit nccl_host_surface(nccl& owner) : owner_(&owner) {}
+  [[nodiscard]] index_t rank() const;
+  [[nodiscard]] index_t world_size() const;
+  template <class T>
+  void broadcast(T* data, std::size_t count, index_t root);
+  template <class T>
+  void all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op);
+  template <class T>
+  void all_gather(const T* send_data, T* recv_data, std::size_t count);
+  void barrier();
+
+ private:
+  nccl* owner_;
+};
+
+class nccl {
+ public:
+  /// Wraps the user's communicator; it stays theirs (never destroyed here).
+  static nccl wrap(ncclComm_t comm) { return nccl(comm, false); }
+
+  /// Creates (and owns) rank `rank` of `world_size` from the unique id rank 0 made, on the current device.
+  static nccl create(const ncclUniqueId& id, index_t world_size, index_t rank) {
+    if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
+    if (rank < 0 || rank >= world_size)
+      throw invalid_argument("rank", rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
+    ncclComm_t comm = nullptr;
+    STRIA_NCCL_CHECK(ncclCommInitRank(&comm, static_cast<int>(world_size), id, static_cast<int>(rank)));
+    return nccl(comm, true);
+  }
+
+  /// One owned communicator per device of `devices`, rank r on devices[r], made by one process.
+  static std::vector<nccl> create_all(std::span<const int> devices) {
+    if (devices.empty()) throw invalid_argument("devices.size()", 0, "must be at least 1");
+    std::vector<ncclComm_t> comms(devices.size());
+    STRIA_NCCL_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()));
+    std::vector<nccl> out;
+    for (ncclComm_t c : comms) out.push_back(nccl(c, true));
+    return out;
+  }
+
+  /// Rank 0 makes the unique id and writes it to `path` (atomically, by rename); the other ranks
+  /// read it once it exists. For one process per GPU without MPI (a shared file system suffices).
+  static ncclUniqueId unique_id_through_file(const std::string& path, index_t rank,
+                                             std::chrono::milliseconds timeout = std::chrono::seconds(120)) {
+    ncclUniqueId id{};
+    if (rank == 0) {
+      STRIA_NCCL_CHECK(ncclGetUniqueId(&id));
+      const std::string partial = path + ".partial";
+      std::ofstream(partial, std::ios::binary).write(reinterpret_cast<const char*>(&id), sizeof(id));
+      std::filesystem::rename(partial, path);
+      return id;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (!std::filesystem::exists(path)) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw comm_error("rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) + " ms for the NCCL id file " + path);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(&id), sizeof(id));
+    return id;
+  }
+
+  nccl(nccl&& other) noexcept
+      : comm_(std::exchange(other.comm_, nullptr)), owned_(other.owned_), rank_(other.rank_), world_(other.world_), stream_(std::exchange(other.stream_, nullptr)),
+        host_(*this) {}
+  nccl& operator=(nccl&&) = delete;
+  nccl(const nccl&) = delete;
+  nccl& operator=(const nccl&) = delete;
+  ~nccl() {
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    if (owned_ && comm_) (void)ncclCommDestroy(comm_);
+  }
+
+  [[nodiscard]] ncclComm_t get() const { return comm_; }
+  [[nodiscard]] index_t rank() const { return rank_; }
+  [[nodiscard]] index_t world_size() const { return world_; }
+  /// Host-array collectives over this communicator (the estimator's statistics).
+  [[nodiscard]] nccl_host_surface& host() { return host_; }
+  /// The stream the host-array collectives use.
+  [[nodiscard]] cudaStream_t own_stream() const { return stream_; }
+
+  /// A sub-communicator of the ranks with the same `color`, ordered by `key` (owned).
+  [[nodiscard]] nccl split(int color, int key) const {
+    ncclComm_t sub = nullptr;
+    STRIA_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+    return nccl(sub, true);
+  }
+
+  void group_start() { STRIA_NCCL_CHECK(ncclGroupStart()); }
+  void group_end() {
+    STRIA_NCCL_CHECK(ncclGroupEnd());
+    check_async();
+  }
+
+  /// Sends `count` elements of device memory to `peer` on `stream`. As with every NCCL send, pair it
+  /// in one group with the receive it depends on. `tag` is accepted for the surface's sake: NCCL
+  /// matches a pair's operations in posting order, which the ring schedules keep on both sides.
+  template <class T>
+  void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
+    check_peer(peer, "send");
+    STRIA_NCCL_CHECK(ncclSend(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
+  }
+
+  template <class T>
+  void recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
+    check_peer(peer, "recv");
+    STRIA_NCCL_CHECK(ncclRecv(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
+  }
+
+  template <class T>
+  void all_gather(const T* send_data, T* recv_data, std::size_t count, cudaStream_t stream) {
+    STRIA_NCCL_CHECK(ncclAllGather(send_data, recv_data, detail::nccl_count<T>(count), detail::nccl_type<T>(), comm_, stream));
+    check_async();
+  }
+
+  template <class T>
+  void all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op, cudaStream_t stream) {
+    static_assert(detail::nccl_type<T>() != ncclUint8 || std::is_same_v<T, std::uint8_t>, "all_reduce needs an arithmetic element type");
+    STRIA_NCCL_CHECK(ncclAllReduce(send_data, recv_data, count, detail::nccl_type<T>(), detail::nccl_op(op), comm_, stream));
+    check_async();
+  }
+
+  template <class T>
+  void broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) {
+    check_peer(root, "broadcast root");
+    STRIA_NCCL_CHECK(ncclBroadcast(data, data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(root), comm_, stream));
+    check_async();
+  }
+
+  /// Raises stria::nccl_error if the communicator reported an asynchronous failure (a peer died,
+  /// a network error): NCCL's own calls may return success while the operation failed later.
+  void check_async() const {
+    ncclResult_t state = ncclSuccess;
+    STRIA_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+    stria::detail::check_nccl(state, "ncclCommGetAsyncError (an earlier operation failed)", std::source_location::current());
+  }
+
+ private:
+  nccl(ncclComm_t comm, bool owned) : comm_(comm), owned_(owned), host_(*this) {
+    int rank = 0, world = 0;
+    STRIA_NCCL_CHECK(ncclCommUserRank(comm, &rank));
+    STRIA_NCCL_CHECK(ncclCommCount(comm, &world));
+    rank_ = rank;
+    world_ = world;
+    STRIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+
+  void check_peer(index_t peer, const char* what) const {
+    if (peer < 0 || peer >= world_)
+      throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_) + ")");
+  }
+
+  ncclComm_t comm_ = nullptr;
+  bool owned_ = false;
+  index_t rank_ = 0, world_ = 1;
+  cudaStream_t stream_ = nullptr;
+  nccl_host_surface host_;
+};
+
+inline index_t nccl_host_surface::rank() const { return owner_->rank(); }
+inline index_t nccl_host_surface::world_size() const { return owner_->world_size(); }
+
+template <class T>
+void nccl_host_surface::broadcast(T* data, std::size_t count, index_t root) {
+  const cudaStream_t stream = owner_->own_stream();
+  device_buffer<T> staged(std::span<const T>(data, count), stream);
+  owner_->broadcast(staged.data(), count, root, stream);
+  const std::vector<T> result = staged.download(stream);
+  std::copy(result.begin(), result.end(), data);
+}
+
+template <class T>
+void nccl_host_surface::all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op) {
+  const cudaStream_t stream = owner_->own_stream();
+  device_buffer<T> staged(std::span<const T>(send_data, count), stream);
+  owner_->all_reduce(staged.data(), staged.data(), count, op, stream);
+  const std::vector<T> result = staged.download(stream);
+  std::copy(result.begin(), result.end(), recv_data);
+}
+
+template <class T>
+void nccl_host_surface::all_gather(const T* send_data, T* recv_data, std::size_t count) {
+  const cudaStream_t stream = owner_->own_stream();
+  const device_buffer<T> staged(std::span<const T>(send_data, count), stream);
+  device_buffer<T> gathered(count * static_cast<std::size_t>(owner_->world_size()), stream);
+  owner_->all_gather(staged.data(), gathered.data(), count, stream);
+  const std::vector<T> result = gathered.download(stream);
+  std::copy(result.begin(), result.end(), recv_data);
+}
+
+inline void nccl_host_surface::barrier() {
+  const cudaStream_t stream = owner_->own_stream();
+  device_buffer<int> token(1, stream);
+  token.fill_bytes(0, stream);
+  owner_->all_reduce(token.data(), token.data(), 1, reduce_op::sum, stream);
+  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace stria::comm

@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+// comm::nccl on every GPU of the machine (one thread per GPU, communicators from ncclCommInitAll):
+// its collectives, its host-array surface, split(), and the device ring and the front template over
+// it, for every sharding x topology that fits the GPU count, against the double reference.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+
+#include <exception>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "stria/comm/nccl.cuh"
+#include "stria/core/cuda_stream.cuh"
+#include "stria/core/device_buffer.cuh"
+#include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/sparse_attention.cuh"
+#include "stria/topology/flat_ring.hpp"
+#include "stria/topology/hierarchical_ring.hpp"
+#include "support/ring_check.cuh"
+#include "support/selection.hpp"
+
+using namespace stria;
+using namespace stria::test;
+
+namespace {
+
+index_t device_count() {
+  int devices = 0;
+  STRIA_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  return devices;
+}
+
+/// Runs body(comm) on one thread per GPU (rank r on device r) and rethrows the first failure.
+void on_gpus(index_t world, const auto& body) {
+  REQUIRE(world <= device_count());
+  std::vector<int> devices(static_cast<std::size_t>(world));
+  std::iota(devices.begin(), devices.end(), 0);
+  std::vector<comm::nccl> comms = comm::nccl::create_all(devices);
+  std::vector<std::exception_ptr> errors(comms.size());
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < comms.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
+        body(comms[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+constexpr auto gpu_runner = [](index_t world, const auto& body) { on_gpus(world, body); };
+
+}  // namespace
+
+TEST_CASE("comm::nccl collectives, send/recv groups, host-array surface and split on every GPU") {
+  const index_t world = device_count();
+  on_gpus(world, [&](comm::nccl& c) {
+    const cuda_stream stream;
+    {
+      const cudaStream_t st = stream.get();
+      const std::size_t n = 4096;
+      std::vector<float> mine(n);
+      for (std::size_t i = 0; i < n; ++i) mine[i] = float(c.rank() * 10000 + i);
+      const device_buffer<float> send(std::span<const float>(mine), st);
+      device_buffer<float> gathered(n * static_cast<std::size_t>(world), st), reduced(n, st), from_left(n, st);
+      c.all_gather(send.data(), gathered.data(), n, st);
+      c.all_reduce(send.data(), reduced.data(), n, comm::reduce_op::sum, st);
+      c.group_start();
+      c.send(send.data(), n, (c.rank() + 1) % world, st);
+      c.recv(from_left.data(), n, (c.rank() + world - 1) % world, st);
+      c.group_end();
+      const std::vector<float> g = gathered.download(st), sum = reduced.download(st), left = from_left.download(st);
+      const index_t left_rank = (c.rank() + world - 1) % world;
+      for (std::size_t i = 0; i < n; i += 97) {
+        float expected = 0;
+        for (index_t r = 0; r < world; ++r) {
+          CHECK(g[static_cast<std::size_t>(r) * n + i] == float(r * 10000 + i));
+          expected += float(r * 10000 + i);
+        }
+        CHECK(sum[i] == expected);
+        CHECK(left[i] == float(left_rank * 10000 + i));
+      }
+      // The host-array surface (what the estimator's statistics use).
+      std::vector<int> value{static_cast<int>(c.rank()) + 1};
+      c.host().all_reduce(value.data(), value.data(), 1, comm::reduce_op::max);
+      CHECK(value[0] == world);
+      // Ranks of one color form their own communicator.
+      const comm::nccl half = c.split(static_cast<int>(c.rank() % 2), static_cast<int>(c.rank()));
+      CHECK(half.world_size() == (world + 1 - c.rank() % 2) / 2);
+      CHECK(half.rank() == c.rank() / 2);
+    }
+  });
+}
+
+TEST_CASE("the device ring over NCCL equals the whole-sequence reference, every sharding x topology") {
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = device_count();
+  using T = __nv_bfloat16;
+  const index_t seq_len = 64 * 2 * 8 * 6;  // zigzag and striped fit any W up to 8
+  const global_problem<T> vs = make_problem<T>(rng, random_selection(rng, seq_len, 4, true, 0.15, 0.03), 2, 64);
+  check_every_sharding(vs, topology::flat_ring(world), "VS, flat W" + std::to_string(world), gpu_runner);
+  check_every_sharding(vs, topology::hierarchical_ring(world, 1), "VS, hierarchical " + std::to_string(world) + "x1", gpu_runner);
+  if (world % 2 == 0 && world >= 4)
+    check_every_sharding(vs, topology::hierarchical_ring(2, world / 2), "VS, hierarchical 2x" + std::to_string(world / 2), gpu_runner);
+  const global_problem<T> dense = make_problem<T>(rng, random_selection(rng, seq_len, 8, true, 1.0, 0.0), 1, 128);
+  check_ring(dense, sharding::striped<64>{}, topology::flat_ring(world), "dense, flat striped", gpu_runner);
+}
+
+TEST_CASE("sparse_attention over NCCL: estimate, forward and backward equal the reference on the estimated index") {
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = device_count();
+  using top_p = estimator::vertical_slash_top_p;
+  check_front_template<sparse_attention<top_p, sharding::striped<64>, topology::flat_ring, tile<64, 64, 128>>>(
+      rng, topology::flat_ring(world), "striped, flat, D128", gpu_runner);
+}
