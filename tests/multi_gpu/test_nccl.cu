@@ -120,3 +120,20 @@ TEST_CASE("sparse_attention over NCCL: estimate, forward and backward equal the 
   check_front_template<sparse_attention<top_p, sharding::striped<64>, topology::flat_ring, tile<64, 64, 128>>>(
       rng, topology::flat_ring(world), "striped, flat, D128", gpu_runner);
 }
+
+TEST_CASE("a tensor on another GPU is refused with the devices named") {
+  if (device_count() < 2) return;  // --one-gpu
+  using T = __nv_bfloat16;
+  STRIA_CUDA_CHECK(cudaSetDevice(1));
+  const device_buffer<T> q_other(std::size_t(64) * 2 * 64);
+  STRIA_CUDA_CHECK(cudaSetDevice(0));
+  const device_buffer<T> k(std::size_t(64) * 1 * 64), v(k.size());
+  device_buffer<float> out(q_other.size()), lse(std::size_t(2) * 64);
+  seeded_rng rng;
+  const global_selection g = random_selection(rng, 64, 2, true, 1.0, 0.0);
+  const device_step_index index = upload_step_index(build_local_index(g, sharding::sequential{}, 1, 0, 0, {}), nullptr);
+  CHECK_THROWS_WITH_AS(device::sparse_forward(index, tensor_view<const T, 3>(q_other.data(), {64, 2, 64}), tensor_view<const T, 3>(k.data(), {64, 1, 64}),
+                                              tensor_view<const T, 3>(v.data(), {64, 1, 64}), 0.125, tensor_view<float, 3>(out.data(), {64, 2, 64}),
+                                              tensor_view<float, 2>(lse.data(), {2, 64}), device::running_state::overwrite, nullptr),
+                       doctest::Contains("is memory of device 1, but the kernels run on the current device 0"), stria::invalid_argument);
+}

@@ -74,14 +74,21 @@ void check_layout(tensor_view<T, Rank> view, const char* name, std::size_t align
     throw invalid_argument(std::string(name) + ".data()", address, "must be aligned to " + std::to_string(alignment) + " bytes");
 }
 
-/// Throws unless every pointer is device (or managed) memory: the last check of a call, after all
-/// the argument checks, since it asks the CUDA runtime.
+/// Throws unless every pointer is device (or managed) memory of the current device (a rank's
+/// tensors must live on the GPU its kernels run on): the last check of a call, after all the
+/// argument checks, since it asks the CUDA runtime.
 inline void check_on_device(std::initializer_list<std::pair<const void*, const char*>> pointers) {
+  int current = 0;
+  STRIA_CUDA_CHECK(cudaGetDevice(&current));
   for (const auto& [pointer, name] : pointers) {
     cudaPointerAttributes attributes{};
     STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, pointer));
     if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
       throw invalid_argument(std::string(name) + ".data()", reinterpret_cast<std::uintptr_t>(pointer), "must point to device (or managed) memory");
+    if (attributes.type == cudaMemoryTypeDevice && attributes.device != current)
+      throw invalid_argument(std::string(name) + ".data()", reinterpret_cast<std::uintptr_t>(pointer),
+                             "is memory of device " + std::to_string(attributes.device) + ", but the kernels run on the current device " +
+                                 std::to_string(current));
   }
 }
 
