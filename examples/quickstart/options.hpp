@@ -26,12 +26,14 @@ struct options {
   unsigned long long seed = 1;
   int repeats = 3;  // GPU: timed layers after one warm-up
   backend_choice backend = backend_choice::automatic;
+  bool use_nccl = false;  // one rank per GPU over NCCL: the default with several GPUs, or --nccl
 };
 
 inline constexpr const char* usage =
-    "quickstart [--host | --gpu] [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]\n"
+    "quickstart [--host | --gpu] [--nccl] [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]\n"
     "           [--head-dim 64|128] [--sparsity X] [--seed S] [--repeats R]\n"
-    "  --host: the host backend even where a GPU is present; --gpu: the GPU or exit 77.";
+    "  --host: the host backend even where a GPU is present; --gpu: the GPU or exit 77.\n"
+    "  With several GPUs: one rank per GPU over NCCL; with one: --world ranks share it (--nccl: one NCCL rank).";
 
 inline options parse(int argc, char** argv) {
   options o;
@@ -52,6 +54,7 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--repeats") o.repeats = std::stoi(value());
     else if (arg == "--host") o.backend = backend_choice::host;
     else if (arg == "--gpu") o.backend = backend_choice::gpu;
+    else if (arg == "--nccl") o.use_nccl = true;
     else if (arg == "--help") {
       std::puts(usage);
       std::exit(0);
@@ -60,10 +63,15 @@ inline options parse(int argc, char** argv) {
   return o;
 }
 
-/// Fills what was left at 0 with the backend's defaults and checks the combination.
-inline void apply_defaults(options& o, bool gpu) {
+/// Fills what was left at 0 with the backend's defaults and checks the combination. `gpus`: the
+/// devices present (several: one NCCL rank per GPU).
+inline void apply_defaults(options& o, bool gpu, int gpus) {
+  if (gpu && gpus > 1) o.use_nccl = true;
+  if (o.use_nccl && !gpu) throw stria::invalid_argument("--nccl", "(no GPU)", "needs at least one usable GPU");
+  if (o.use_nccl && o.world != 0 && o.world != gpus)
+    throw stria::invalid_argument("--world", o.world, "must equal the number of GPUs (" + std::to_string(gpus) + ") with one NCCL rank per GPU");
   if (o.seq_len == 0) o.seq_len = gpu ? 131072 : 4096;
-  if (o.world == 0) o.world = gpu ? 8 : 4;
+  if (o.world == 0) o.world = o.use_nccl ? gpus : gpu ? 8 : 4;
   if (o.heads_q == 0) o.heads_q = gpu ? 16 : 8;
   if (o.heads_kv == 0) o.heads_kv = 2;
   if (o.sparsity == 0) o.sparsity = gpu ? 0.95 : 0.9;

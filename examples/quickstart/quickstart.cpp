@@ -131,10 +131,12 @@ int run_host(const quickstart::options& o, const Topology& topology, const std::
 }  // namespace
 
 #if defined(STRIA_QUICKSTART_GPU)
-bool quickstart_gpu_present();                   // quickstart_gpu.cu
+bool quickstart_gpu_present();                      // quickstart_gpu.cu
+int quickstart_gpu_count();                         // quickstart_gpu.cu
 int quickstart_on_gpu(const quickstart::options&);  // quickstart_gpu.cu
 #else
 bool quickstart_gpu_present() { return false; }
+int quickstart_gpu_count() { return 0; }
 int quickstart_on_gpu(const quickstart::options&) { return 2; }
 #endif
 
@@ -145,7 +147,7 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "quickstart --gpu: no usable CUDA device (or this build has no CUDA)\n");
     return 77;  // CTest's skip code
   }
-  quickstart::apply_defaults(o, gpu);
+  quickstart::apply_defaults(o, gpu, gpu ? quickstart_gpu_count() : 0);
   if (gpu) return quickstart_on_gpu(o);
   if (o.nodes > 1) return run_host(o, stria::topology::hierarchical_ring(o.nodes, o.world / o.nodes),
                                    "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(o.world / o.nodes) + ")");

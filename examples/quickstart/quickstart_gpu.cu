@@ -1,17 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// The quickstart's GPU path: W ranks on the one GPU (comm::local_device), each running the front
-// template sparse_attention<vertical_slash_top_p, striped<64>, Topology, tile<64, 64, D>> in bf16:
+// The quickstart's GPU path: one rank per GPU over NCCL where there are several GPUs (or with
+// --nccl), else W ranks on the one GPU (comm::local_device); each rank runs the front template
+// sparse_attention<vertical_slash_top_p, striped<64>, Topology, tile<64, 64, D>> in bf16:
 // the online estimate, forward and backward of one layer, timed per phase (median over repeats
 // after a warm-up). The distributed result is compared with the same sparse attention run as one
 // step on one rank: splitting it over ranks and steps must not change it beyond bf16 rounding.
 #include <cuda_bf16.h>
 
 #include <stria/comm/local_device.cuh>
+#if defined(STRIA_QUICKSTART_NCCL)
+#include <stria/comm/nccl.cuh>
+#endif
 #include <stria/sparse_attention.cuh>
 #include <stria/stria.hpp>
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
+#include <numeric>
+#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -105,15 +112,51 @@ single_rank_result single_rank(const global_selection& g, const std::vector<T>& 
   return result;
 }
 
+/// Runs body(comm) on every rank: W ranks sharing GPU 0 (local_device), or one rank per GPU over NCCL.
+template <class Body>
+void run_ranks(index_t world, bool use_nccl, const Body& body) {
+  if (!use_nccl) {
+    comm::local_device_world ranks(world);
+    ranks.run([&](comm::local_device& c) { body(c); });
+    return;
+  }
+#if defined(STRIA_QUICKSTART_NCCL)
+  std::vector<int> devices(static_cast<std::size_t>(world));
+  std::iota(devices.begin(), devices.end(), 0);
+  std::vector<comm::nccl> comms = comm::nccl::create_all(devices);
+  std::vector<std::exception_ptr> errors(comms.size());
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < comms.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
+        body(comms[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
+#else
+  throw invalid_argument("--nccl", "(this build)", "needs NCCL, which was not found when the quickstart was built");
+#endif
+}
+
 template <index_t HeadDim, class Topology>
 int run(const quickstart::options& o, const Topology& topology, const std::string& topology_name) {
   using attention = sparse_attention<estimator::vertical_slash_top_p, sharding::striped<64>, Topology, tile<64, 64, HeadDim>>;
   const auto start = clock_type::now();
+  STRIA_CUDA_CHECK(cudaSetDevice(0));  // the input, the single-rank reference and rank 0 (local_device: every rank)
   const index_t s = o.seq_len, w = o.world, hq = o.heads_q, hkv = o.heads_kv, d = HeadDim, local = s / w;
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("stria %d.%d.%d quickstart: GPU backend on %s, %d ranks sharing it (comm::local_device)\n", version_major, version_minor,
-              version_patch, prop.name, w);
+  if (o.use_nccl)
+    std::printf("stria %d.%d.%d quickstart: GPU backend, %d rank(s), one per GPU (%s), over NCCL\n", version_major, version_minor,
+                version_patch, w, prop.name);
+  else
+    std::printf("stria %d.%d.%d quickstart: GPU backend on %s, %d ranks sharing it (comm::local_device)\n", version_major, version_minor,
+                version_patch, prop.name, w);
   std::printf("  seq_len %d, heads %d/%d, head_dim %d, bf16, causal; synthetic Vertical-Slash input (%.0f%% planted sparsity)\n", s, hq, hkv,
               d, 100.0 * o.sparsity);
   std::printf("  estimator vertical_slash_top_p (defaults), sharding striped<64>, topology %s\n", topology_name.c_str());
@@ -145,8 +188,7 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
   std::vector<std::vector<T>> out_s(static_cast<std::size_t>(w)), dq_s(out_s.size()), dk_s(out_s.size()), dv_s(out_s.size());
   std::vector<std::vector<float>> lse_s(out_s.size());
   global_selection selection;
-  comm::local_device_world ranks(w);
-  ranks.run([&](comm::local_device& c) {
+  run_ranks(w, o.use_nccl, [&](auto& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     const cuda_stream stream;
     const cudaStream_t st = stream.get();
@@ -200,13 +242,14 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
   }
   std::printf("  estimated index: %.2f%% of the causal entries; planned imbalance on it: worker %.3f, step %.3f\n", 100.0 * entries / causal,
               balance.worker_mean, balance.step_mean);
-  std::printf("  time per layer (median of %d; all ranks share the GPU, so this is the whole layer's time):\n", o.repeats);
+  std::printf("  time per layer (median of %d%s):\n", o.repeats, o.use_nccl ? "" : "; all ranks share the GPU, so this is the whole layer's time");
   std::printf("    estimate %.2f ms (window statistics, top-p selection, every rank's step indices)\n", median(estimate_ms));
   std::printf("    forward  %.2f ms (%.0f effective TFLOPS)\n", fwd, 4.0 * d * entries / (fwd * 1e9));
   std::printf("    backward %.2f ms (%.0f effective TFLOPS)\n", bwd, 10.0 * d * entries / (bwd * 1e9));
-  std::printf("    communication per rank: %.1f MiB of KV forward, %.1f MiB of KV + fp32 dK/dV backward (device copies on one GPU,\n"
+  std::printf("    communication per rank: %.1f MiB of KV forward, %.1f MiB of KV + fp32 dK/dV backward (%s,\n"
               "      overlapped with the steps on a transfer stream)\n",
-              kv_moves * kv_bytes / 1048576.0, (kv_moves * kv_bytes + gradient_moves * 2.0 * kv_bytes) / 1048576.0);
+              kv_moves * kv_bytes / 1048576.0, (kv_moves * kv_bytes + gradient_moves * 2.0 * kv_bytes) / 1048576.0,
+              o.use_nccl ? "NCCL send/recv" : "device copies on one GPU");
 
   std::printf("  checking against the same sparse attention as one step on one rank...\n");
   std::fflush(stdout);
@@ -233,5 +276,11 @@ int run_with_topology(const quickstart::options& o) {
 }
 
 }  // namespace
+
+int quickstart_gpu_count() {
+  int devices = 0;
+  STRIA_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  return devices;
+}
 
 int quickstart_on_gpu(const quickstart::options& o) { return o.head_dim == 64 ? run_with_topology<64>(o) : run_with_topology<128>(o); }

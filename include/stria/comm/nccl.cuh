@@ -193,6 +193,9 @@ class nccl {
     check_async();
   }
 
+  /// Every rank has arrived (an all-reduce of one value on the communicator's own stream, waited for).
+  void barrier() { host_.barrier(); }
+
   /// Raises stria::nccl_error if the communicator reported an asynchronous failure (a peer died,
   /// a network error): NCCL's own calls may return success while the operation failed later.
   void check_async() const {
