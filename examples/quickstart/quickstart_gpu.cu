@@ -16,9 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <exception>
 #include <numeric>
-#include <thread>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -123,21 +121,7 @@ void run_ranks(index_t world, bool use_nccl, const Body& body) {
 #if defined(STRIA_QUICKSTART_NCCL)
   std::vector<int> devices(static_cast<std::size_t>(world));
   std::iota(devices.begin(), devices.end(), 0);
-  std::vector<comm::nccl> comms = comm::nccl::create_all(devices);
-  std::vector<std::exception_ptr> errors(comms.size());
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < comms.size(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
-        body(comms[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  comm::run_on_devices(devices, [&](comm::nccl& c) { body(c); });
 #else
   throw invalid_argument("--nccl", "(this build)", "needs NCCL, which was not found when the quickstart was built");
 #endif

@@ -6,10 +6,8 @@
 
 #include <cuda_bf16.h>
 
-#include <exception>
 #include <numeric>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "stria/comm/nccl.cuh"
@@ -33,26 +31,12 @@ index_t device_count() {
   return devices;
 }
 
-/// Runs body(comm) on one thread per GPU (rank r on device r) and rethrows the first failure.
+/// Runs body(comm) on the first `world` GPUs, one thread and NCCL rank each.
 void on_gpus(index_t world, const auto& body) {
   REQUIRE(world <= device_count());
   std::vector<int> devices(static_cast<std::size_t>(world));
   std::iota(devices.begin(), devices.end(), 0);
-  std::vector<comm::nccl> comms = comm::nccl::create_all(devices);
-  std::vector<std::exception_ptr> errors(comms.size());
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < comms.size(); ++r)
-    threads.emplace_back([&, r] {
-      try {
-        STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
-        body(comms[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  comm::run_on_devices(devices, [&](comm::nccl& c) { body(c); });
 }
 
 constexpr auto gpu_runner = [](index_t world, const auto& body) { on_gpus(world, body); };

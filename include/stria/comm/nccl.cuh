@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -263,6 +264,28 @@ inline void nccl_host_surface::barrier() {
   token.fill_bytes(0, stream);
   owner_->all_reduce(token.data(), token.data(), 1, reduce_op::sum, stream);
   STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+/// One process driving the GPUs `devices`: creates their communicators (ncclCommInitAll), runs
+/// body(comm) on one thread per GPU (rank r on devices[r], made current), joins them, and rethrows
+/// the first failure. For examples and tests; a training code passes its own ncclComm_t to wrap().
+template <class Body>
+void run_on_devices(std::span<const int> devices, const Body& body) {
+  std::vector<nccl> comms = nccl::create_all(devices);
+  std::vector<std::exception_ptr> errors(comms.size());
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < comms.size(); ++r)
+    threads.emplace_back([&, r] {
+      try {
+        STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
+        body(comms[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace stria::comm
