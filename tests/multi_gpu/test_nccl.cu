@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // comm::nccl on every GPU of the machine (one thread per GPU, communicators from ncclCommInitAll):
 // its collectives, its host-array surface, split(), and the device ring and the front template over
-// it, for every sharding x topology that fits the GPU count, against the double reference.
+// it (hierarchical rings also with their links on split communicators, comm::nccl_hierarchy), for
+// every sharding x topology that fits the GPU count, against the double reference.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
@@ -40,6 +41,16 @@ void on_gpus(index_t world, const auto& body) {
 }
 
 constexpr auto gpu_runner = [](index_t world, const auto& body) { on_gpus(world, body); };
+
+/// The same GPUs with a hierarchical ring's inner and outer links on split communicators.
+auto hierarchy_runner(index_t nodes, index_t cards) {
+  return [nodes, cards](index_t world, const auto& body) {
+    on_gpus(world, [&](comm::nccl& c) {
+      comm::nccl_hierarchy links(c, nodes, cards);
+      body(links);
+    });
+  };
+}
 
 }  // namespace
 
@@ -91,8 +102,14 @@ TEST_CASE("the device ring over NCCL equals the whole-sequence reference, every 
   const global_problem<T> vs = make_problem<T>(rng, random_selection(rng, seq_len, 4, true, 0.15, 0.03), 2, 64);
   check_every_sharding(vs, topology::flat_ring(world), "VS, flat W" + std::to_string(world), gpu_runner);
   check_every_sharding(vs, topology::hierarchical_ring(world, 1), "VS, hierarchical " + std::to_string(world) + "x1", gpu_runner);
+  // Inner and outer links on their own communicators (ncclCommSplit).
+  check_every_sharding(vs, topology::hierarchical_ring(world, 1), "VS, hierarchical " + std::to_string(world) + "x1, split links",
+                       hierarchy_runner(world, 1));
+  check_every_sharding(vs, topology::hierarchical_ring(1, world), "VS, hierarchical 1x" + std::to_string(world) + ", split links",
+                       hierarchy_runner(1, world));
   if (world % 2 == 0 && world >= 4)
-    check_every_sharding(vs, topology::hierarchical_ring(2, world / 2), "VS, hierarchical 2x" + std::to_string(world / 2), gpu_runner);
+    check_every_sharding(vs, topology::hierarchical_ring(2, world / 2), "VS, hierarchical 2x" + std::to_string(world / 2) + ", split links",
+                         hierarchy_runner(2, world / 2));
   const global_problem<T> dense = make_problem<T>(rng, random_selection(rng, seq_len, 8, true, 1.0, 0.0), 1, 128);
   check_ring(dense, sharding::striped<64>{}, topology::flat_ring(world), "dense, flat striped", gpu_runner);
 }
@@ -103,6 +120,8 @@ TEST_CASE("sparse_attention over NCCL: estimate, forward and backward equal the 
   using top_p = estimator::vertical_slash_top_p;
   check_front_template<sparse_attention<top_p, sharding::striped<64>, topology::flat_ring, tile<64, 64, 128>>>(
       rng, topology::flat_ring(world), "striped, flat, D128", gpu_runner);
+  check_front_template<sparse_attention<top_p, sharding::zigzag, topology::hierarchical_ring, tile<64, 64, 64>>>(
+      rng, topology::hierarchical_ring(world, 1), "zigzag, hierarchical, split links, D64", hierarchy_runner(world, 1));
 }
 
 TEST_CASE("a tensor on another GPU is refused with the devices named") {

@@ -3,7 +3,8 @@
 // (send/recv in groups, all_gather, all_reduce, broadcast of device buffers on a named stream), as
 // comm::local_device offers on one GPU. Wraps a user's ncclComm_t (not owned: the training code
 // that made it keeps it) or owns one it created; split() gives sub-communicators (ncclCommSplit),
-// e.g. the inner and outer rings of a hierarchical ring. Bootstrap helpers for examples and tests:
+// and nccl_hierarchy puts a hierarchical ring's inner and outer links on separate ones (DESIGN 5).
+// Bootstrap helpers for examples and tests:
 // every local GPU from one process (ncclCommInitAll), or one process per GPU with the unique id
 // passed through a shared file.
 #pragma once
@@ -31,6 +32,7 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/nccl_check.cuh"
+#include "stria/topology/ring_steps.hpp"
 
 namespace stria::comm {
 
@@ -265,6 +267,81 @@ inline void nccl_host_surface::barrier() {
   owner_->all_reduce(token.data(), token.data(), 1, reduce_op::sum, stream);
   STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
+
+/// A hierarchical ring's links on separate communicators (DESIGN 5): the inner ring (a node's
+/// cards, rank = node * cards + card) and the outer ring (one card position across the nodes), each
+/// split from the whole with ncclCommSplit, so outer transfers never queue behind inner ones. It has
+/// the device surface of comm::nccl: a send or receive goes over the link its tag names
+/// (ring_message_channel), with the peer's rank translated; collectives use the whole communicator.
+class nccl_hierarchy {
+ public:
+  nccl_hierarchy(nccl& whole, index_t nodes, index_t cards)
+      : whole_(&whole), cards_(checked_cards(whole, nodes, cards)),
+        inner_(whole.split(static_cast<int>(whole.rank() / cards), static_cast<int>(whole.rank() % cards))),
+        outer_(whole.split(static_cast<int>(whole.rank() % cards), static_cast<int>(whole.rank() / cards))) {}
+
+  [[nodiscard]] index_t rank() const { return whole_->rank(); }
+  [[nodiscard]] index_t world_size() const { return whole_->world_size(); }
+  [[nodiscard]] nccl_host_surface& host() { return whole_->host(); }
+  [[nodiscard]] const nccl& inner() const { return inner_; }
+  [[nodiscard]] const nccl& outer() const { return outer_; }
+  void barrier() { whole_->barrier(); }
+
+  void group_start() { STRIA_NCCL_CHECK(ncclGroupStart()); }
+  void group_end() {
+    STRIA_NCCL_CHECK(ncclGroupEnd());
+    inner_.check_async();
+    outer_.check_async();
+  }
+
+  template <class T>
+  void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag = 0) {
+    if (ring_message_channel(tag) == ring_channel::outer) outer_.send(data, count, outer_rank(peer, "send"), stream);
+    else inner_.send(data, count, inner_rank(peer, "send"), stream);
+  }
+
+  template <class T>
+  void recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag = 0) {
+    if (ring_message_channel(tag) == ring_channel::outer) outer_.recv(data, count, outer_rank(peer, "recv"), stream);
+    else inner_.recv(data, count, inner_rank(peer, "recv"), stream);
+  }
+
+  template <class T>
+  void all_gather(const T* send_data, T* recv_data, std::size_t count, cudaStream_t stream) {
+    whole_->all_gather(send_data, recv_data, count, stream);
+  }
+  template <class T>
+  void all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op, cudaStream_t stream) {
+    whole_->all_reduce(send_data, recv_data, count, op, stream);
+  }
+  template <class T>
+  void broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) {
+    whole_->broadcast(data, count, root, stream);
+  }
+
+ private:
+  static index_t checked_cards(const nccl& whole, index_t nodes, index_t cards) {
+    if (nodes < 1 || cards < 1 || nodes * cards != whole.world_size())
+      throw invalid_argument("nodes x cards", std::to_string(nodes) + " x " + std::to_string(cards),
+                             "must equal the communicator's " + std::to_string(whole.world_size()) + " ranks");
+    return cards;
+  }
+  /// A peer on the inner ring shares this rank's node; on the outer ring, its card.
+  index_t inner_rank(index_t peer, const char* what) const {
+    if (peer < 0 || peer >= world_size() || peer / cards_ != rank() / cards_)
+      throw invalid_argument(std::string(what) + " peer", peer, "is not on this rank's node: inner transfers stay within a node");
+    return peer % cards_;
+  }
+  index_t outer_rank(index_t peer, const char* what) const {
+    if (peer < 0 || peer >= world_size() || peer % cards_ != rank() % cards_)
+      throw invalid_argument(std::string(what) + " peer", peer, "holds another card position: outer transfers link the same card of each node");
+    return peer / cards_;
+  }
+
+  nccl* whole_;
+  index_t cards_;
+  nccl inner_, outer_;
+};
 
 /// One process driving the GPUs `devices`: creates their communicators (ncclCommInitAll), runs
 /// body(comm) on one thread per GPU (rank r on devices[r], made current), joins them, and rethrows

@@ -38,4 +38,8 @@ constexpr int ring_message_tag(const ring_transfer& t, bool gradient) {
   return (gradient ? 2 : 0) + (t.channel == ring_channel::outer ? 1 : 0);
 }
 
+/// The link a message tag of ring_message_tag travels on (a communicator with separate inner and
+/// outer rings routes by it).
+constexpr ring_channel ring_message_channel(int tag) { return tag % 2 == 1 ? ring_channel::outer : ring_channel::inner; }
+
 }  // namespace stria
