@@ -29,6 +29,7 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
+#include "stria/solver/dynamic_solver.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
 #include "stria/version.hpp"

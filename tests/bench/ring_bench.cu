@@ -17,7 +17,6 @@
 #include <chrono>
 #include <cstdio>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +33,7 @@
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "timing.cuh"
+#include "args.hpp"
 
 using namespace stria;
 using T = __nv_bfloat16;
@@ -139,12 +139,6 @@ double time_ring(const global_selection& g, const Sharding& sharding, index_t wo
   return wall[wall.size() / 2];
 }
 
-std::vector<index_t> parse_list(const std::string& text) {
-  std::vector<index_t> out;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) out.push_back(static_cast<index_t>(std::stoll(item)));
-  return out;
-}
 
 }  // namespace
 
@@ -154,7 +148,7 @@ int main(int argc, char** argv) try {
   int repeats = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--seq-len") seq_lens = parse_list(value);
+    if (flag == "--seq-len") seq_lens = bench::parse_list(value);
     else if (flag == "--world") world = static_cast<index_t>(std::stoll(value));
     else if (flag == "--repeats") repeats = std::stoi(value);
     else throw invalid_argument("flag", flag, "must be --seq-len, --world or --repeats");

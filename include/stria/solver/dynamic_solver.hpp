@@ -1,0 +1,440 @@
+// SPDX-License-Identifier: Apache-2.0
+// The dynamic attention solver (DESIGN 9, after MagiAttention's dispatch solver). Sharding is
+// sequential: rank r owns chunks [r m, (r + 1) m) of the sequence (m chunks per rank), as query/output
+// chunks and as key/value chunks. A task (i, j) is query chunk i against KV chunk j, weighted by its
+// active entries; it runs on a rank that holds both, which for a task of two ranks' chunks means a
+// move: KV chunk j to the owner of i, or QO chunk i to the owner of j (its partial O comes back).
+// The solver picks the moves (edges) and each task's rank so that every load stays within mu x the
+// mean while the busiest rank's traffic stays small:
+//  1. binary search over the per-rank budget K (what a rank may send, and receive), feasible when
+//     the loads fit and the total stays within the flat ring's volume;
+//  2. greedy edge selection by unlocked work / cost within K (an edge unlocks the tasks it makes
+//     runnable somewhere; a task unlocked by one edge no longer counts for its other edge);
+//  3. assignment by (fewest candidate ranks, largest area): on the query's owner when it has room,
+//     else on the least loaded candidate;
+//  4. refinement: tasks leave ranks above mu x mean, largest first, for their other owner when it
+//     has room, adding the edge that allows it if it fits within K.
+// Candidate ranks are a task's two owners (a third rank would need two moves for one task). A
+// feasible plan never moves more than the flat ring in total. Deterministic.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <queue>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "stria/core/config.hpp"
+#include "stria/core/error.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/index/global_selection.hpp"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/topology/flat_ring.hpp"
+
+namespace stria::solver {
+
+/// What the solver balances: task areas [C, C] over C = world_size x chunks_per_rank chunks (active
+/// entries of query chunk i against KV chunk j), and what a chunk costs to move.
+struct problem {
+  index_t world_size = 0;
+  index_t chunks_per_rank = 1;
+  index_t chunk_tokens = 0;
+  index_t heads_q = 0;
+  index_t heads_kv = 0;
+  std::vector<std::int64_t> area;  // [C, C], row = query chunk
+
+  [[nodiscard]] index_t num_chunks() const { return world_size * chunks_per_rank; }
+  [[nodiscard]] index_t owner(index_t chunk) const { return chunk / chunks_per_rank; }
+  [[nodiscard]] std::int64_t at(index_t i, index_t j) const {
+    return area[static_cast<std::size_t>(i) * static_cast<std::size_t>(num_chunks()) + static_cast<std::size_t>(j)];
+  }
+  /// Moving a KV chunk: its K and V (tokens x 2 Hkv elements).
+  [[nodiscard]] std::int64_t kv_cost() const { return std::int64_t{chunk_tokens} * 2 * heads_kv; }
+  /// Moving a QO chunk: Q there, and the partial O back (tokens x Hq elements each way).
+  [[nodiscard]] std::int64_t qo_cost() const { return std::int64_t{chunk_tokens} * heads_q; }
+  /// What the flat ring sends in total: every KV chunk to every other rank.
+  [[nodiscard]] std::int64_t ring_volume() const { return std::int64_t{world_size} * (world_size - 1) * chunks_per_rank * kv_cost(); }
+
+  void validate() const {
+    if (world_size < 1) throw invalid_argument("problem.world_size", world_size, "must be at least 1");
+    if (chunks_per_rank < 1) throw invalid_argument("problem.chunks_per_rank", chunks_per_rank, "must be at least 1");
+    if (chunk_tokens < 1) throw invalid_argument("problem.chunk_tokens", chunk_tokens, "must be at least 1");
+    if (heads_q < 1 || heads_kv < 1 || heads_q % heads_kv != 0)
+      throw invalid_argument("problem.heads_kv", heads_kv, "must be >= 1 and divide heads_q = " + std::to_string(heads_q));
+    const auto c = static_cast<std::size_t>(num_chunks());
+    if (area.size() != c * c) throw invalid_argument("problem.area.size()", area.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(c * c));
+    for (const std::int64_t a : area)
+      if (a < 0) throw invalid_argument("problem.area", a, "task areas must be >= 0");
+  }
+};
+
+/// The task areas of a global selection with `chunks_per_rank` chunks per rank (sequential sharding).
+inline problem problem_from_selection(const global_selection& g, index_t world_size, index_t chunks_per_rank, index_t heads_kv) {
+  const index_t chunks = world_size * chunks_per_rank;
+  if (chunks < 1 || g.seq_len % (chunks * block_tokens) != 0)
+    throw invalid_argument("world_size x chunks_per_rank", chunks,
+                           "must divide seq_len / 64 = " + std::to_string(g.seq_len / block_tokens) + " (whole blocks per chunk)");
+  // Chunk c is rank c of a sequential ring over all chunks: the workload counter gives every pair.
+  const ring_workload w = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(chunks));
+  problem p{world_size, chunks_per_rank, g.seq_len / chunks, g.num_heads(), heads_kv, {}};
+  p.area.resize(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
+  for (index_t i = 0; i < chunks; ++i)
+    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
+      p.area[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = w.at(i, s);
+  p.validate();
+  return p;
+}
+
+struct options {
+  double mu = 1.10;  // feasible: every rank's load <= mu x the mean
+};
+
+/// One chunk moved from its owner to another rank.
+struct chunk_move {
+  enum class kind : unsigned char { kv, qo };
+  kind what;
+  index_t chunk;
+  index_t to;
+  friend bool operator==(const chunk_move&, const chunk_move&) = default;
+  friend auto operator<=>(const chunk_move&, const chunk_move&) = default;
+};
+
+/// One task placed on a rank.
+struct task {
+  index_t query_chunk, kv_chunk;
+  std::int64_t area;
+  friend bool operator==(const task&, const task&) = default;
+};
+
+/// The solver's output. calc_meta: per rank, stage 0 runs its local tasks (both chunks its own)
+/// while the moves arrive, stage 1 its remote tasks. comm_meta: the moves (a QO move returns a
+/// partial O/LSE to the query's owner after stage 1).
+struct plan {
+  bool feasible = false;
+  std::int64_t budget = 0;                      // the per-rank budget K of the plan
+  std::vector<std::vector<task>> local_tasks;   // [W]
+  std::vector<std::vector<task>> remote_tasks;  // [W]
+  std::vector<chunk_move> moves;                // sorted, unique
+  std::vector<std::int64_t> load;               // [W] active entries per rank
+
+  [[nodiscard]] double max_load_over_mean() const {
+    const std::int64_t total = std::accumulate(load.begin(), load.end(), std::int64_t{0});
+    if (total == 0) return 1.0;
+    return double(*std::max_element(load.begin(), load.end())) / (double(total) / double(load.size()));
+  }
+};
+
+/// Total volume a plan moves: the sum of what ranks send (a QO move counts Q there and O back).
+inline std::int64_t comm_volume(const problem& p, const plan& x) {
+  std::int64_t volume = 0;
+  for (const chunk_move& m : x.moves) volume += m.what == chunk_move::kind::kv ? p.kv_cost() : 2 * p.qo_cost();
+  return volume;
+}
+
+namespace detail {
+
+/// The solver's working state at one budget K.
+class attempt {
+ public:
+  attempt(const problem& p, std::int64_t budget, double mu)
+      : p_(p), c_(p.num_chunks()), w_(p.world_size), budget_(budget),
+        kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_), 0), qo_at_(kv_at_.size(), 0),
+        kv_use_(kv_at_.size(), 0), qo_use_(kv_at_.size(), 0), send_(static_cast<std::size_t>(w_), 0), recv_(send_.size(), 0),
+        load_(send_.size(), 0),
+        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1) {
+    const std::int64_t total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
+    limit_ = mu * double(total) / double(w_);
+  }
+
+  plan run() {
+    select_edges();
+    assign();
+    refine();
+    return finish();
+  }
+
+ private:
+  struct edge {
+    chunk_move::kind what;
+    index_t chunk, rank;
+  };
+
+  [[nodiscard]] std::size_t task_at(index_t i, index_t j) const { return static_cast<std::size_t>(i) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(j); }
+  [[nodiscard]] std::size_t slot(index_t chunk, index_t rank) const { return static_cast<std::size_t>(chunk) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(rank); }
+  [[nodiscard]] bool has_kv(index_t j, index_t r) const { return p_.owner(j) == r || kv_at_[slot(j, r)]; }
+  [[nodiscard]] bool has_qo(index_t i, index_t r) const { return p_.owner(i) == r || qo_at_[slot(i, r)]; }
+  [[nodiscard]] bool runnable(index_t i, index_t j, index_t r) const { return has_qo(i, r) && has_kv(j, r); }
+
+  /// Per-rank volumes of an edge: the owner sends the chunk (and receives the O back for QO).
+  void edge_costs(const edge& e, std::int64_t& owner_send, std::int64_t& owner_recv, std::int64_t& dest_send, std::int64_t& dest_recv) const {
+    if (e.what == chunk_move::kind::kv) {
+      owner_send = dest_recv = p_.kv_cost();
+      owner_recv = dest_send = 0;
+    } else {
+      owner_send = owner_recv = dest_send = dest_recv = p_.qo_cost();
+    }
+  }
+  [[nodiscard]] bool fits(const edge& e) const {
+    std::int64_t os, orc, ds, dr;
+    edge_costs(e, os, orc, ds, dr);
+    const auto o = static_cast<std::size_t>(p_.owner(e.chunk)), d = static_cast<std::size_t>(e.rank);
+    return send_[o] + os <= budget_ && recv_[o] + orc <= budget_ && send_[d] + ds <= budget_ && recv_[d] + dr <= budget_;
+  }
+  void add_edge(const edge& e, int sign = +1) {
+    std::int64_t os, orc, ds, dr;
+    edge_costs(e, os, orc, ds, dr);
+    const auto o = static_cast<std::size_t>(p_.owner(e.chunk)), d = static_cast<std::size_t>(e.rank);
+    send_[o] += sign * os;
+    recv_[o] += sign * orc;
+    send_[d] += sign * ds;
+    recv_[d] += sign * dr;
+    (e.what == chunk_move::kind::kv ? kv_at_ : qo_at_)[slot(e.chunk, e.rank)] = sign > 0;
+  }
+  [[nodiscard]] std::int64_t cost(const edge& e) const { return e.what == chunk_move::kind::kv ? p_.kv_cost() : 2 * p_.qo_cost(); }
+
+  /// The tasks an edge makes runnable on its rank: a KV edge (j -> r) the tasks (i, j) with i owned
+  /// by r; a QO edge (i -> r) the tasks (i, j) with j owned by r.
+  template <class F>
+  void for_each_task(const edge& e, F&& f) const {
+    const index_t first = e.rank * p_.chunks_per_rank, last = first + p_.chunks_per_rank;
+    for (index_t k = first; k < last; ++k) {
+      if (e.what == chunk_move::kind::kv) f(k, e.chunk);
+      else f(e.chunk, k);
+    }
+  }
+
+  [[nodiscard]] double room(index_t r) const { return limit_ - double(load_[static_cast<std::size_t>(r)]); }
+
+  /// Steps 2 and 3 together: greedy edges by the work they unlock where it fits (unplaced tasks that
+  /// the edge makes runnable, up to the rank's room below mu x mean) per unit of cost, within K; an
+  /// accepted edge's tasks are placed on its rank, largest first, while there is room. Both the work
+  /// and the room only shrink, so a max-heap with lazy re-scoring is exact. Local tasks are placed
+  /// first (they have one candidate).
+  void select_edges() {
+    for (index_t i = 0; i < c_; ++i)
+      for (index_t j = 0; j < c_; ++j)
+        if (p_.at(i, j) > 0 && p_.owner(i) == p_.owner(j)) place(i, j, p_.owner(i));
+    // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
+    // ranks come first, so the busy ranks' chunks travel to where there is room.
+    auto work = [&](const edge& e) {
+      std::int64_t sum = 0;
+      for_each_task(e, [&](index_t i, index_t j) {
+        if (where_[task_at(i, j)] < 0) sum += p_.at(i, j);
+      });
+      const double free = std::max(0.0, room(e.rank));
+      return std::min(double(sum), free) * (free / limit_);
+    };
+    struct entry {
+      double score;
+      int kind;
+      index_t chunk, rank;
+      bool operator<(const entry& o) const {  // max-heap: higher score first, then the smaller (kind, chunk, rank)
+        return score != o.score ? score < o.score : std::tie(kind, chunk, rank) > std::tie(o.kind, o.chunk, o.rank);
+      }
+    };
+    std::priority_queue<entry> heap;
+    for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
+      for (index_t chunk = 0; chunk < c_; ++chunk)
+        for (index_t r = 0; r < w_; ++r) {
+          if (r == p_.owner(chunk)) continue;
+          const edge e{what, chunk, r};
+          if (const double u = work(e); u > 0) heap.push({u / double(cost(e)), static_cast<int>(what), chunk, r});
+        }
+    std::vector<std::pair<std::int64_t, std::size_t>> order;
+    while (!heap.empty()) {
+      const entry top = heap.top();
+      heap.pop();
+      const edge e{static_cast<chunk_move::kind>(top.kind), top.chunk, top.rank};
+      const double u = work(e);
+      if (u <= 0) continue;
+      const double score = u / double(cost(e));
+      // Stale (its work or its rank's room shrank since it was scored): back in at its current score,
+      // unless it is still within a quarter of it and ahead of the next (an approximate greedy that
+      // spares most re-scorings; still deterministic).
+      if (score < top.score && !heap.empty() && heap.top().score > score && score < 0.75 * top.score) {
+        heap.push({score, top.kind, top.chunk, top.rank});
+        continue;
+      }
+      if (!fits(e)) continue;  // budgets only fill up: it never fits later
+      add_edge(e);
+      order.clear();
+      for_each_task(e, [&](index_t i, index_t j) {
+        if (where_[task_at(i, j)] < 0 && p_.at(i, j) > 0) order.push_back({p_.at(i, j), task_at(i, j)});
+      });
+      std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+      for (const auto& [a, t] : order)
+        if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank);
+    }
+  }
+
+  /// Step 3 for what is left: each unplaced task, by (fewest candidates, largest area), on the least
+  /// loaded rank that can run it, adding the cheaper edge that fits within K if none can yet.
+  void assign() {
+    struct pending {
+      int candidates;
+      std::int64_t area;
+      index_t i, j;
+    };
+    std::vector<pending> tasks;
+    for (index_t i = 0; i < c_; ++i)
+      for (index_t j = 0; j < c_; ++j)
+        if (p_.at(i, j) > 0 && where_[task_at(i, j)] < 0)
+          tasks.push_back({int(runnable(i, j, p_.owner(i))) + int(runnable(i, j, p_.owner(j))), p_.at(i, j), i, j});
+    std::stable_sort(tasks.begin(), tasks.end(), [](const pending& a, const pending& b) {
+      return a.candidates != b.candidates ? a.candidates < b.candidates : a.area > b.area;
+    });
+    for (const pending& t : tasks) {
+      index_t best = -1;
+      for (const index_t r : {p_.owner(t.i), p_.owner(t.j)}) {
+        const bool can = runnable(t.i, t.j, r) || fits(needed_edge(t.i, t.j, r));
+        if (can && (best < 0 || load_[static_cast<std::size_t>(r)] < load_[static_cast<std::size_t>(best)])) best = r;
+      }
+      if (best < 0) continue;  // unplaced: the plan is infeasible at this K
+      if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
+      place(t.i, t.j, best);
+    }
+  }
+
+  void place(index_t i, index_t j, index_t r) {
+    where_[task_at(i, j)] = r;
+    load_[static_cast<std::size_t>(r)] += p_.at(i, j);
+    if (p_.owner(j) != r) ++kv_use_[slot(j, r)];
+    if (p_.owner(i) != r) ++qo_use_[slot(i, r)];
+  }
+
+  /// Takes (i, j) off its rank; a moved chunk no placed task uses any more goes back (its budget is free).
+  void unplace(index_t i, index_t j) {
+    const index_t r = where_[task_at(i, j)];
+    where_[task_at(i, j)] = -1;
+    load_[static_cast<std::size_t>(r)] -= p_.at(i, j);
+    if (p_.owner(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
+    if (p_.owner(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
+  }
+
+  /// Step 4: off ranks above the limit, largest task first, to its other owner when that has room;
+  /// the edge it needs is added if it fits within K.
+  void refine() {
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (index_t r = 0; r < w_; ++r) {
+        if (double(load_[static_cast<std::size_t>(r)]) <= limit_) continue;
+        // r's tasks of two ranks (its chunks' rows and columns), largest first, each tried once.
+        std::vector<std::pair<std::int64_t, std::size_t>> mine;
+        for (index_t k = r * p_.chunks_per_rank; k < (r + 1) * p_.chunks_per_rank; ++k)
+          for (index_t x = 0; x < c_; ++x) {
+            if (p_.owner(x) == r) continue;
+            for (const std::size_t t : {task_at(k, x), task_at(x, k)})
+              if (where_[t] == r && p_.area[t] > 0) mine.push_back({p_.area[t], t});
+          }
+        std::stable_sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+        for (const auto& [a, t] : mine) {
+          if (double(load_[static_cast<std::size_t>(r)]) <= limit_) break;
+          const auto i = static_cast<index_t>(t / static_cast<std::size_t>(c_)), j = static_cast<index_t>(t % static_cast<std::size_t>(c_));
+          const index_t other = p_.owner(i) == r ? p_.owner(j) : p_.owner(i);
+          if (double(load_[static_cast<std::size_t>(other)] + a) > limit_) continue;
+          if (!runnable(i, j, other) && !fits_after_leaving(i, j, r, needed_edge(i, j, other))) continue;
+          unplace(i, j);
+          if (!runnable(i, j, other)) add_edge(needed_edge(i, j, other));
+          place(i, j, other);
+          moved = true;
+        }
+      }
+    }
+  }
+
+  /// Whether `e` fits within K once (i, j) has left r (freeing the move it used there, if only it did).
+  [[nodiscard]] bool fits_after_leaving(index_t i, index_t j, index_t r, const edge& e) {
+    const bool frees = p_.owner(i) == r ? kv_use_[slot(j, r)] == 1 : qo_use_[slot(i, r)] == 1;
+    const edge old = p_.owner(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
+    if (frees) add_edge(old, -1);
+    const bool ok = fits(e);
+    if (frees) add_edge(old, +1);
+    return ok;
+  }
+
+  /// The edge that makes (i, j) runnable on one of its owners `r`.
+  [[nodiscard]] edge needed_edge(index_t i, index_t j, index_t r) const {
+    return p_.owner(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
+  }
+
+  /// The plan: tasks per rank and stage, the moves the placement uses (edges nobody uses are
+  /// dropped), the loads; feasible when every task is placed within the limit.
+  plan finish() const {
+    plan out;
+    out.budget = budget_;
+    out.local_tasks.assign(static_cast<std::size_t>(w_), {});
+    out.remote_tasks.assign(static_cast<std::size_t>(w_), {});
+    out.load.assign(static_cast<std::size_t>(w_), 0);
+    bool placed = true;
+    for (index_t i = 0; i < c_; ++i)
+      for (index_t j = 0; j < c_; ++j) {
+        const std::int64_t a = p_.at(i, j);
+        if (a == 0) continue;
+        const index_t r = where_[task_at(i, j)];
+        if (r < 0) {
+          placed = false;
+          continue;
+        }
+        const bool local = p_.owner(i) == r && p_.owner(j) == r;
+        (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
+        out.load[static_cast<std::size_t>(r)] += a;
+        if (p_.owner(j) != r) out.moves.push_back({chunk_move::kind::kv, j, r});
+        if (p_.owner(i) != r) out.moves.push_back({chunk_move::kind::qo, i, r});
+      }
+    std::sort(out.moves.begin(), out.moves.end());
+    out.moves.erase(std::unique(out.moves.begin(), out.moves.end()), out.moves.end());
+    out.feasible = placed && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
+    return out;
+  }
+
+  const problem& p_;
+  index_t c_, w_;
+  std::int64_t budget_;
+  double limit_ = 0;
+  std::vector<char> kv_at_, qo_at_;            // [C, W]: the chunk is on that rank (moved there)
+  std::vector<index_t> kv_use_, qo_use_;       // [C, W]: placed tasks that use the moved chunk there
+  std::vector<std::int64_t> send_, recv_, load_;  // [W]
+  std::vector<index_t> where_;                 // [C, C]: the task's rank, -1 unplaced
+};
+
+}  // namespace detail
+
+/// The plan at the smallest per-rank budget K at which every task is placed with loads within
+/// mu x mean and the total volume is at most the flat ring's (a busy rank may use more than its ring
+/// share when others use less). K is searched up to twice the ring's per-rank volume; if no K there
+/// gives such a plan, the best effort at the ring's own per-rank volume, with feasible = false (so
+/// no plan ever moves more than the ring).
+inline plan solve(const problem& p, const options& o = {}) {
+  p.validate();
+  if (!(o.mu >= 1.0)) throw invalid_argument("options.mu", o.mu, "must be >= 1 (loads within mu x the mean)");
+  const std::int64_t ring_budget = std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost();
+  auto attempt = [&](std::int64_t budget) {
+    plan x = detail::attempt(p, budget, o.mu).run();
+    x.feasible = x.feasible && comm_volume(p, x) <= p.ring_volume();
+    return x;
+  };
+  std::int64_t hi = 2 * ring_budget;
+  plan best = attempt(hi);
+  if (!best.feasible) {  // the best effort within the ring's per-rank volume (so never more in total)
+    plan capped = detail::attempt(p, ring_budget, o.mu).run();
+    capped.feasible = false;
+    return capped;
+  }
+  std::int64_t lo = 0;  // hi: feasible
+  while (hi - lo > std::max<std::int64_t>(1, p.kv_cost() / 4)) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    plan candidate = attempt(mid);
+    if (candidate.feasible) {
+      hi = mid;
+      best = std::move(candidate);
+    } else {
+      lo = mid;
+    }
+  }
+  return best;
+}
+
+}  // namespace stria::solver
