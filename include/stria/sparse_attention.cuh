@@ -17,6 +17,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -29,6 +30,7 @@
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/estimator/window_statistics.cuh"
 #include "stria/index/local_index.cuh"
+#include "stria/topology/ring_steps.hpp"
 
 namespace stria {
 
@@ -97,13 +99,10 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     auto& host = detail::host_surface(comm);
-    selection_.reset();
-    indices_.clear();
-    selection_.emplace(estimator::estimate_device(estimator_, host, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),
-                                                  config_.heads_q, config_.heads_kv, Tile::head_dim, config_.softmax_scale, stream));
-    for (index_t s = 0; s < topology_.num_steps(); ++s)
-      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), comm.rank(),
-                                                  topology_.kv_source_rank(comm.rank(), s), {0, 0, 0, s, 0}, stream));
+    forget();  // a failed estimate leaves no earlier layer's index behind
+    adopt(comm.rank(), estimator::estimate_device(estimator_, host, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),
+                                                  config_.heads_q, config_.heads_kv, Tile::head_dim, config_.softmax_scale, stream),
+          stream);
   }
 
   /// Uses a given global selection instead of estimating one (a user block mask, a recorded index).
@@ -114,12 +113,8 @@ class sparse_attention {
       throw invalid_argument("selection", "(seq_len " + std::to_string(g.seq_len) + ", " + std::to_string(g.num_heads()) + " heads)",
                              "was built for another configuration: this layer has seq_len " + std::to_string(config_.seq_len) + " and " +
                                  std::to_string(config_.heads_q) + " query heads");
-    selection_.reset();
-    indices_.clear();
-    selection_.emplace(g, stream);
-    for (index_t s = 0; s < topology_.num_steps(); ++s)
-      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), comm.rank(),
-                                                  topology_.kv_source_rank(comm.rank(), s), {0, 0, 0, s, 0}, stream));
+    forget();
+    adopt(comm.rank(), device_selection(g, stream), stream);
   }
 
   /// out [S_local, Hq, D] and lse [Hq, S_local] (fp32, natural log) of the rank's queries.
@@ -151,9 +146,20 @@ class sparse_attention {
  private:
   template <class Comm>
   void check_comm(const Comm& comm) const {
-    if (comm.world_size() != topology_.world_size())
-      throw invalid_argument("comm.world_size()", comm.world_size(),
-                             "does not match the topology's " + std::to_string(topology_.world_size()) + " ranks");
+    check_ring_world(comm.world_size(), topology_);
+  }
+
+  void forget() {
+    indices_.clear();
+    selection_.reset();
+  }
+
+  /// This layer's selection and the rank's index for every ring step.
+  void adopt(index_t rank, device_selection selection, cudaStream_t stream) {
+    selection_.emplace(std::move(selection));
+    for (index_t s = 0; s < topology_.num_steps(); ++s)
+      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), rank, topology_.kv_source_rank(rank, s),
+                                                  {0, 0, 0, s, 0}, stream));
   }
 
   template <class Comm>

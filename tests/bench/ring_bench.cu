@@ -56,8 +56,7 @@ balance time_steps(const global_selection& g, const Sharding& sharding, index_t 
   const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 1, 2.0f), k = bench::random_buffer(std::size_t(local) * hkv * dim, 2, 2.0f),
              v = bench::random_buffer(std::size_t(local) * hkv * dim, 3, 1.0f), d_out = bench::random_buffer(q.size(), 4, 1.0f);
   device_buffer<float> out(q.size()), lse(std::size_t(hq) * local), delta(lse.size()), dq(q.size()), dk(k.size()), dv(v.size());
-  for (auto* b : {&lse, &delta}) b->fill_bytes(0);
-  for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0);
+  for (auto* b : {&out, &lse, &delta, &dq, &dk, &dv}) b->fill_bytes(0);
   const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
       dov(d_out.data(), {local, hq, dim});
   const device_selection selection(g);

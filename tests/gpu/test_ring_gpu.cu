@@ -74,7 +74,7 @@ TEST_CASE("sparse_attention on local_device: estimate, forward and backward equa
       sparse_attention<top_p, sharding::striped<64>, topology::flat_ring> layer({}, {}, topology::flat_ring(3), {3 * 64 * 4, 4, 2});
       layer.estimate(c, tensor_view<const __nv_bfloat16, 3>(nullptr, {0, 0, 0}), tensor_view<const __nv_bfloat16, 3>(nullptr, {0, 0, 0}), nullptr);
     }),
-                         doctest::Contains("comm.world_size() = 2: does not match the topology's 3 ranks"), stria::invalid_argument);
+                         doctest::Contains("comm.world_size() = 2: must equal the topology's world size 3"), stria::invalid_argument);
   }
 }
 

@@ -27,15 +27,23 @@ struct rounded_tensor {
   device_buffer<T> device;
 };
 
+/// Random values in [-magnitude, magnitude] rounded to T, never zero; `exact` gets them as float.
+template <class T>
+std::vector<T> random_values(seeded_rng& rng, std::size_t n, float magnitude, std::vector<float>& exact) {
+  std::vector<T> values(n);
+  exact.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    do values[i] = from_float<T>(rng.uniform(-magnitude, magnitude));
+    while (to_float(values[i]) == 0.0f);
+    exact[i] = to_float(values[i]);
+  }
+  return values;
+}
+
 template <class T>
 rounded_tensor<T> random_tensor(test::seeded_rng& rng, std::size_t count, float magnitude) {
-  std::vector<T> values(count);
-  std::vector<float> host(count);
-  for (std::size_t i = 0; i < count; ++i) {
-    do values[i] = from_float<T>(rng.uniform(-magnitude, magnitude));
-    while (to_float(values[i]) == 0.0f);  // never zero
-    host[i] = to_float(values[i]);
-  }
+  std::vector<float> host;
+  const std::vector<T> values = random_values<T>(rng, count, magnitude, host);
   return {std::move(host), device_buffer<T>(std::span<const T>(values))};
 }
 

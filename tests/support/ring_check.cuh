@@ -41,18 +41,6 @@ struct global_problem {
 };
 
 template <class T>
-std::vector<T> random_values(seeded_rng& rng, std::size_t n, float magnitude, std::vector<float>& exact) {
-  std::vector<T> values(n);
-  exact.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    do values[i] = from_float<T>(rng.uniform(-magnitude, magnitude));
-    while (to_float(values[i]) == 0.0f);
-    exact[i] = to_float(values[i]);
-  }
-  return values;
-}
-
-template <class T>
 std::vector<float> as_float(const std::vector<T>& x) {
   std::vector<float> y(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) y[i] = to_float(x[i]);

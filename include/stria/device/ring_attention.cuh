@@ -118,13 +118,6 @@ inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t strea
   thrust::transform(thrust::cuda::par.on(stream), x, x + n, y, x, thrust::plus<float>());
 }
 
-template <class Comm, ring_topology Topology>
-void check_ring_world(const Comm& comm, const Topology& topology) {
-  if (comm.world_size() != topology.world_size())
-    throw invalid_argument("comm.world_size()", comm.world_size(),
-                           "must equal the topology's world size " + std::to_string(topology.world_size()));
-}
-
 }  // namespace detail
 
 /// This rank's ring forward on `stream` (the transfers run on `transfer_stream`, which the call
@@ -136,7 +129,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
                   tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out,
                   tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
                   forward_kernel which = forward_kernel::automatic) {
-  detail::check_ring_world(comm, topology);
+  check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
@@ -163,7 +156,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
                    tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream) {
-  detail::check_ring_world(comm, topology);
+  check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -221,8 +214,8 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
       finish_receives(s);
       auto it = partial.find(t.sent_origin);
       if (it == partial.end())
-        throw comm_error("rank " + std::to_string(rank) + " has no dK/dV partial of rank " + std::to_string(t.sent_origin) +
-                         "'s chunk to send at step " + std::to_string(s) + " (inconsistent gradient schedule)");
+        throw gradient_schedule_error(rank, "has no dK/dV partial of rank " + std::to_string(t.sent_origin) + "'s chunk to send at step " +
+                                                std::to_string(s));
       device_buffer<float> into(2 * kv_elems, stream);
       wait_for(transfer_stream, stream);  // the partial is complete; `into` is allocated
       comm.group_start();
@@ -240,7 +233,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   finish_receives(topology.num_steps());
   wait_for(stream, transfer_stream);  // every send is done before `sent` is released in compute order
   if (partial.size() != 1 || partial.begin()->first != rank)
-    throw comm_error("rank " + std::to_string(rank) + " ended the backward ring without exactly its own dK/dV (inconsistent gradient schedule)");
+    throw gradient_schedule_error(rank, "ended the backward ring without exactly its own dK/dV");
   const float* own = partial.begin()->second.data();
   write_output(tensor_view<const float, 3>(dq32.data(), q_extents), dq, stream);
   write_output(tensor_view<const float, 3>(own, kv_extents), dk, stream);

@@ -99,9 +99,7 @@ template <class Comm, ring_topology Topology, class T>
 void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
                   tensor_view<const T, 3> v, std::span<const step_index> indices, double softmax_scale,
                   tensor_view<T, 3> out, tensor_view<float, 2> lse) {
-  if (comm.world_size() != topology.world_size())
-    throw invalid_argument("comm.world_size()", comm.world_size(),
-                           "must equal the topology's world size " + std::to_string(topology.world_size()));
+  check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
@@ -147,9 +145,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
                    tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, std::span<const step_index> indices, double softmax_scale,
                    tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv) {
-  if (comm.world_size() != topology.world_size())
-    throw invalid_argument("comm.world_size()", comm.world_size(),
-                           "must equal the topology's world size " + std::to_string(topology.world_size()));
+  check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -205,8 +201,8 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
       finish_receives(s);
       auto it = partial.find(t.sent_origin);
       if (it == partial.end())
-        throw comm_error("rank " + std::to_string(rank) + " has no dK/dV partial of rank " + std::to_string(t.sent_origin) +
-                         "'s chunk to send at step " + std::to_string(s) + " (inconsistent gradient schedule)");
+        throw gradient_schedule_error(rank, "has no dK/dV partial of rank " + std::to_string(t.sent_origin) + "'s chunk to send at step " +
+                                                std::to_string(s));
       comm.send(it->second.data(), it->second.size(), t.send_to, ring_message_tag(t, true));
       partial.erase(it);
       pending.push_back(t);
@@ -216,7 +212,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
   mover.finish();
   finish_receives(topology.num_steps());
   if (partial.size() != 1 || partial.begin()->first != rank)
-    throw comm_error("rank " + std::to_string(rank) + " ended the backward ring without exactly its own dK/dV (inconsistent gradient schedule)");
+    throw gradient_schedule_error(rank, "ended the backward ring without exactly its own dK/dV");
 
   const std::vector<float>& own = partial.begin()->second;
   for (index_t t = 0, i = 0; t < shape.kv_tokens; ++t)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// What every ring engine (host and device) shares: the check that a rank's per-step indices fit
-// the schedule, and the message tags of the schedule's transfers.
+// What every ring engine (host and device) shares: the checks that the communicator and a rank's
+// per-step indices fit the schedule, its error for a broken gradient schedule, and the message tags
+// of the schedule's transfers.
 #pragma once
 
 #include <span>
@@ -10,6 +11,18 @@
 #include "stria/core/error.hpp"
 
 namespace stria {
+
+/// Throws unless the communicator has the topology's number of ranks.
+template <ring_topology Topology>
+void check_ring_world(index_t comm_world_size, const Topology& topology) {
+  if (comm_world_size != topology.world_size())
+    throw invalid_argument("comm.world_size()", comm_world_size, "must equal the topology's world size " + std::to_string(topology.world_size()));
+}
+
+/// A backward ring whose gradient schedule broke its promise: `what` happened on `rank`.
+inline comm_error gradient_schedule_error(index_t rank, const std::string& what) {
+  return comm_error("rank " + std::to_string(rank) + " " + what + " (inconsistent gradient schedule)");
+}
 
 /// Throws unless `indices` holds one index per step of `topology`, each built for this rank and
 /// that step's KV source (an index built for another configuration is never used silently).
