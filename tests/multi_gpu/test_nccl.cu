@@ -57,6 +57,12 @@ auto hierarchy_runner(index_t nodes, index_t cards) {
 TEST_CASE("comm::nccl collectives, send/recv groups, host-array surface and split on every GPU") {
   const index_t world = device_count();
   on_gpus(world, [&](comm::nccl& c) {
+    // Every wrapper was made on the main thread (ncclCommInitAll): its own stream must still live
+    // on its rank's GPU.
+    CHECK(c.device() == c.rank());
+    int stream_device = -1;
+    STRIA_CUDA_CHECK(cudaStreamGetDevice(c.own_stream(), &stream_device));
+    CHECK(stream_device == c.device());
     const cuda_stream stream;
     {
       const cudaStream_t st = stream.get();

@@ -16,8 +16,8 @@
 
 #include <chrono>
 #include <cstdint>
-#include <exception>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <span>
@@ -131,7 +131,7 @@ class nccl {
 
   nccl(nccl&& other) noexcept
       : comm_(std::exchange(other.comm_, nullptr)), owned_(other.owned_), rank_(other.rank_), world_(other.world_), stream_(std::exchange(other.stream_, nullptr)),
-        host_(*this) {}
+        device_(other.device_), host_(*this) {}
   nccl& operator=(nccl&&) = delete;
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
@@ -143,6 +143,8 @@ class nccl {
   [[nodiscard]] ncclComm_t get() const { return comm_; }
   [[nodiscard]] index_t rank() const { return rank_; }
   [[nodiscard]] index_t world_size() const { return world_; }
+  /// The CUDA device this rank's communicator drives.
+  [[nodiscard]] int device() const { return device_; }
   /// Host-array collectives over this communicator (the estimator's statistics).
   [[nodiscard]] nccl_host_surface& host() { return host_; }
   /// The stream the host-array collectives use.
@@ -214,7 +216,16 @@ class nccl {
     STRIA_NCCL_CHECK(ncclCommCount(comm, &world));
     rank_ = rank;
     world_ = world;
-    STRIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    // The own stream lives on the communicator's GPU, whichever device is current here:
+    // create_all makes every rank's wrapper from one thread.
+    int comm_device = 0, current = 0;
+    STRIA_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device));
+    STRIA_CUDA_CHECK(cudaGetDevice(&current));
+    STRIA_CUDA_CHECK(cudaSetDevice(comm_device));
+    const cudaError_t created = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    STRIA_CUDA_CHECK(cudaSetDevice(current));
+    STRIA_CUDA_CHECK(created);
+    device_ = comm_device;
   }
 
   void check_peer(index_t peer, const char* what) const {
@@ -226,6 +237,7 @@ class nccl {
   bool owned_ = false;
   index_t rank_ = 0, world_ = 1;
   cudaStream_t stream_ = nullptr;
+  int device_ = 0;
   nccl_host_surface host_;
 };
 
@@ -356,7 +368,13 @@ void run_on_devices(std::span<const int> devices, const Body& body) {
       try {
         STRIA_CUDA_CHECK(cudaSetDevice(devices[r]));
         body(comms[r]);
+      } catch (const std::exception& failure) {
+        // Said at once: the other ranks may now wait for this one inside a collective, as in any
+        // NCCL program whose peer failed, and the join below would never report it.
+        std::fprintf(stderr, "stria::comm::run_on_devices: rank %zu (device %d) failed: %s\n", r, devices[r], failure.what());
+        errors[r] = std::current_exception();
       } catch (...) {
+        std::fprintf(stderr, "stria::comm::run_on_devices: rank %zu (device %d) failed\n", r, devices[r]);
         errors[r] = std::current_exception();
       }
     });
