@@ -16,9 +16,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <numeric>
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -110,6 +110,35 @@ single_rank_result single_rank(const global_selection& g, const std::vector<T>& 
   return result;
 }
 
+/// This rank's transfers of one layer with no compute, as the ring moves them: the forward's KV
+/// chunks (bf16, K and V packed), or the backward's KV chunks and fp32 dK/dV partials; each step's
+/// sends and receives posted in one group, the step's transfers done before the next step's.
+/// Timed alone, they show how much communication the steps have to hide.
+template <class Comm, class Topology>
+void transfers_alone(Comm& c, const Topology& topology, std::size_t kv_elements, bool backward, cudaStream_t st) {
+  std::vector<device_buffer<T>> kv;
+  std::vector<device_buffer<float>> partials;
+  for (int slot = 0; slot < 4; ++slot) {
+    kv.emplace_back(2 * kv_elements, st);
+    if (backward) partials.emplace_back(2 * kv_elements, st);
+  }
+  const auto at = [](auto& slots, int i) { return slots[static_cast<std::size_t>(i) % slots.size()].data(); };
+  for (index_t step = 0; step < topology.num_steps(); ++step) {
+    c.group_start();
+    for (const ring_transfer& t : topology.transfers(c.rank(), step)) {
+      c.send(at(kv, t.send_buffer), 2 * kv_elements, t.send_to, st, ring_message_tag(t, false));
+      c.recv(at(kv, t.receive_buffer), 2 * kv_elements, t.receive_from, st, ring_message_tag(t, false));
+    }
+    if (backward)
+      for (const ring_transfer& t : topology.gradient_transfers(c.rank(), step)) {
+        c.send(at(partials, t.send_buffer), 2 * kv_elements, t.send_to, st, ring_message_tag(t, true));
+        c.recv(at(partials, t.receive_buffer), 2 * kv_elements, t.receive_from, st, ring_message_tag(t, true));
+      }
+    c.group_end();
+  }
+  STRIA_CUDA_CHECK(cudaStreamSynchronize(st));  // the buffers go back to the pool on this stream
+}
+
 /// Runs body(comm) on every rank: W ranks sharing GPU 0 (local_device), or one rank per GPU over NCCL.
 template <class Body>
 void run_ranks(index_t world, bool use_nccl, const Body& body) {
@@ -168,7 +197,7 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
 
   std::printf("  running %d layer(s) (1 warm-up)...\n", o.repeats + 1);
   std::fflush(stdout);
-  std::vector<double> estimate_ms, forward_ms, backward_ms;
+  std::vector<double> estimate_ms, forward_ms, backward_ms, forward_transfers_ms, backward_transfers_ms;
   std::vector<std::vector<T>> out_s(static_cast<std::size_t>(w)), dq_s(out_s.size()), dk_s(out_s.size()), dv_s(out_s.size());
   std::vector<std::vector<float>> lse_s(out_s.size());
   global_selection selection;
@@ -198,10 +227,16 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
         layer.backward(c, in(q_d, hq), in(k_d, hkv), in(v_d, hkv), in(out, hq), in(d_out_d, hq),
                        tensor_view<const float, 2>(lse.data(), {hq, local}), to(dq, hq), to(dk, hkv), to(dv, hkv), st);
         const auto t3 = phase_end();
+        transfers_alone(c, topology, k_d.size(), false, st);
+        const auto t4 = phase_end();
+        transfers_alone(c, topology, k_d.size(), true, st);
+        const auto t5 = phase_end();
         if (r == 0 && i > 0) {
           estimate_ms.push_back(ms_between(t0, t1));
           forward_ms.push_back(ms_between(t1, t2));
           backward_ms.push_back(ms_between(t2, t3));
+          forward_transfers_ms.push_back(ms_between(t3, t4));
+          backward_transfers_ms.push_back(ms_between(t4, t5));
         }
       }
       if (r == 0) selection = layer.selection().to_host(st);
@@ -230,10 +265,11 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
   std::printf("    estimate %.2f ms (window statistics, top-p selection, every rank's step indices)\n", median(estimate_ms));
   std::printf("    forward  %.2f ms (%.0f effective TFLOPS)\n", fwd, 4.0 * d * entries / (fwd * 1e9));
   std::printf("    backward %.2f ms (%.0f effective TFLOPS)\n", bwd, 10.0 * d * entries / (bwd * 1e9));
-  std::printf("    communication per rank: %.1f MiB of KV forward, %.1f MiB of KV + fp32 dK/dV backward (%s,\n"
-              "      overlapped with the steps on a transfer stream)\n",
-              kv_moves * kv_bytes / 1048576.0, (kv_moves * kv_bytes + gradient_moves * 2.0 * kv_bytes) / 1048576.0,
-              o.use_nccl ? "NCCL send/recv" : "device copies on one GPU");
+  std::printf("    communication %.2f ms forward, %.2f ms backward, timed alone (the same transfers with no compute; in\n"
+              "      the layer they overlap the steps on a transfer stream): per rank %.1f MiB of KV forward, %.1f MiB of\n"
+              "      KV + fp32 dK/dV backward, %s\n",
+              median(forward_transfers_ms), median(backward_transfers_ms), kv_moves * kv_bytes / 1048576.0,
+              (kv_moves * kv_bytes + gradient_moves * 2.0 * kv_bytes) / 1048576.0, o.use_nccl ? "NCCL send/recv" : "device copies on one GPU");
 
   std::printf("  checking against the same sparse attention as one step on one rank...\n");
   std::fflush(stdout);

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,24 @@
 #include "support/oracle.hpp"
 
 namespace stria::test {
+
+/// Set by a program that runs one rank per process (tests/multi_gpu/one_process_per_gpu.cu): its
+/// runner calls the body once, for its own rank, and share_shards hands every rank's results to
+/// every process through the communicator, so each process checks the whole joined result.
+inline bool one_process_per_rank = false;
+
+/// With one process per rank, fills the other ranks' entries of `shards` (equal sizes on every rank)
+/// by an all-gather of this rank's; otherwise every rank filled its own entry in this process.
+template <class Comm, class V>
+void share_shards(Comm& c, std::vector<std::vector<V>>& shards) {
+  if (!one_process_per_rank) return;
+  const auto mine = static_cast<std::size_t>(c.rank());
+  const std::size_t n = shards[mine].size();
+  std::vector<V> everyone(n * shards.size());
+  c.host().all_gather(shards[mine].data(), everyone.data(), n);
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    shards[r].assign(everyone.begin() + static_cast<std::ptrdiff_t>(r * n), everyone.begin() + static_cast<std::ptrdiff_t>((r + 1) * n));
+}
 
 /// One global problem: inputs rounded to T, and the double reference of the whole sequence.
 template <class T>
@@ -164,6 +183,7 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
       dk_s[r] = dk.download(st);
       dv_s[r] = dv.download(st);
     }  // buffers go before their streams
+    share_shards(c, out_s), share_shards(c, lse_s), share_shards(c, dq_s), share_shards(c, dk_s), share_shards(c, dv_s);
   });
   check_joined(p, sharding, name, as_float(sharding::join(sharding, out_s, q_extents)),
                sharding::join(sharding, lse_s, std::array<index_t, 2>{hq, s}, 1), dq_s, dk_s, dv_s);
@@ -214,6 +234,19 @@ void check_front_template(seeded_rng& rng, const typename Attention::topology_ty
       dq_s[r] = dq.download(st);
       dk_s[r] = dk.download(st);
       dv_s[r] = dv.download(st);
+    }
+    share_shards(c, out_s), share_shards(c, lse_s), share_shards(c, dq_s), share_shards(c, dk_s), share_shards(c, dv_s);
+    if (one_process_per_rank) {  // every rank estimated the same index: compare a digest of it
+      const global_selection& mine = selections[r];
+      std::vector<std::uint64_t> digest{std::uint64_t(mine.seq_len), std::uint64_t(mine.num_heads()), 0, 0};
+      for (const head_selection& head : mine.heads) {
+        for (const index_t token : head.vertical_tokens) digest[2] = digest[2] * 1000003 + std::uint64_t(token) + 1;
+        for (const index_t delta : head.slash_deltas) digest[3] = digest[3] * 1000003 + std::uint64_t(delta + 1);
+      }
+      std::vector<std::uint64_t> rank0 = digest;
+      c.host().broadcast(rank0.data(), rank0.size(), 0);
+      CHECK(digest == rank0);
+      for (auto& g : selections) g = mine;
     }
   });
   for (const global_selection& g : selections) CHECK(g == selections[0]);  // every rank estimated the same index
