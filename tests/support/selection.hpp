@@ -32,4 +32,29 @@ inline global_selection random_selection(seeded_rng& rng, index_t seq_len, index
   return g;
 }
 
+/// Every block diagonal in [first_delta, last_delta] (causal, full, sliding-window masks).
+inline global_selection band_selection(index_t seq_len, index_t heads, index_t first_delta, index_t last_delta, bool causal) {
+  global_selection g{seq_len, causal, {}};
+  head_selection h;
+  for (index_t d = first_delta; d <= last_delta; ++d) h.slash_deltas.push_back(d);
+  g.heads.assign(static_cast<std::size_t>(heads), h);
+  return g;
+}
+
+/// Causal attention within documents of random block lengths (explicit tiles).
+inline global_selection document_selection(seeded_rng& rng, index_t seq_len, index_t heads) {
+  const index_t nb = seq_len / block_tokens;
+  global_selection g{seq_len, true, {}};
+  head_selection h;
+  h.slash_deltas.push_back(0);
+  for (index_t start = 0; start < nb;) {
+    const index_t end = std::min(nb, start + rng.integer(1, std::max<index_t>(1, nb / 3)));
+    for (index_t q = start; q < end; ++q)
+      for (index_t k = start; k < q; ++k) h.blocks.push_back({q, k});
+    start = end;
+  }
+  g.heads.assign(static_cast<std::size_t>(heads), h);
+  return g;
+}
+
 }  // namespace stria::test

@@ -271,7 +271,8 @@ class attempt {
   }
 
   /// Step 3 for what is left: each unplaced task, by (fewest candidates, largest area), on the least
-  /// loaded rank that can run it, adding the cheaper edge that fits within K if none can yet.
+  /// loaded rank that can run it, adding the cheaper edge that fits within K if none can yet; if no
+  /// edge fits, on its query's owner with its KV moved beyond K (the plan is then infeasible).
   void assign() {
     struct pending {
       int candidates;
@@ -292,7 +293,10 @@ class attempt {
         const bool can = runnable(t.i, t.j, r) || fits(needed_edge(t.i, t.j, r));
         if (can && (best < 0 || load_[static_cast<std::size_t>(r)] < load_[static_cast<std::size_t>(best)])) best = r;
       }
-      if (best < 0) continue;  // unplaced: the plan is infeasible at this K
+      if (best < 0) {  // nothing fits within K: where its query lives, its KV moved over the budget
+        best = p_.owner(t.i);
+        over_budget_ = true;
+      }
       if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
       place(t.i, t.j, best);
     }
@@ -386,7 +390,7 @@ class attempt {
       }
     std::sort(out.moves.begin(), out.moves.end());
     out.moves.erase(std::unique(out.moves.begin(), out.moves.end()), out.moves.end());
-    out.feasible = placed && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
+    out.feasible = placed && !over_budget_ && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
     return out;
   }
 
@@ -398,6 +402,7 @@ class attempt {
   std::vector<index_t> kv_use_, qo_use_;       // [C, W]: placed tasks that use the moved chunk there
   std::vector<std::int64_t> send_, recv_, load_;  // [W]
   std::vector<index_t> where_;                 // [C, C]: the task's rank, -1 unplaced
+  bool over_budget_ = false;                   // a task was placed with a move beyond K
 };
 
 }  // namespace detail
@@ -405,8 +410,9 @@ class attempt {
 /// The plan at the smallest per-rank budget K at which every task is placed with loads within
 /// mu x mean and the total volume is at most the flat ring's (a busy rank may use more than its ring
 /// share when others use less). K is searched up to twice the ring's per-rank volume; if no K there
-/// gives such a plan, the best effort at the ring's own per-rank volume, with feasible = false (so
-/// no plan ever moves more than the ring).
+/// gives such a plan, the best effort at the ring's own per-rank volume, with feasible = false. Any
+/// plan places every active task exactly once (it can be executed) and never moves more than the
+/// ring in total.
 inline plan solve(const problem& p, const options& o = {}) {
   p.validate();
   if (!(o.mu >= 1.0)) throw invalid_argument("options.mu", o.mu, "must be >= 1 (loads within mu x the mean)");
@@ -418,8 +424,11 @@ inline plan solve(const problem& p, const options& o = {}) {
   };
   std::int64_t hi = 2 * ring_budget;
   plan best = attempt(hi);
-  if (!best.feasible) {  // the best effort within the ring's per-rank volume (so never more in total)
+  if (!best.feasible) {  // the best effort within the ring's per-rank volume
     plan capped = detail::attempt(p, ring_budget, o.mu).run();
+    // Moves forced beyond K can push the total over the ring's; then every task runs where its
+    // query lives (budget 0: KV moves only, a subset of the ring's).
+    if (comm_volume(p, capped) > p.ring_volume()) capped = detail::attempt(p, 0, o.mu).run();
     capped.feasible = false;
     return capped;
   }

@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: Apache-2.0
+// What a rank needs to execute a solver plan, on the host or the device: its chunks' geometry
+// (sequential sharding, m chunks of `chunk_tokens` per rank), the checks that the plan, the
+// selection and the rank's tensors belong together, and the tags that name the plan's messages.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "stria/core/config.hpp"
+#include "stria/core/error.hpp"
+#include "stria/solver/dynamic_solver.hpp"
+
+namespace stria::solver {
+
+/// What a message of a plan's execution carries; with the chunk it names the message (its tag).
+enum class message : int { kv, query, query_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
+
+/// One rank's chunks in a plan's execution.
+class rank_chunks {
+ public:
+  /// Checks that `p`/`x` are a plan for this communicator, that the selection (seq_len, its query
+  /// heads) is the one the problem was made from, and the rank's tensor shapes.
+  rank_chunks(const problem& p, const plan& x, index_t selection_seq_len, index_t selection_heads, index_t rank, index_t world,
+              index_t query_tokens, index_t kv_tokens, index_t heads_q, index_t heads_kv)
+      : p_(p), rank_(rank) {
+    if (world != p.world_size) throw invalid_argument("comm.world_size()", world, "must equal the plan's world size " + std::to_string(p.world_size));
+    if (x.local_tasks.size() != static_cast<std::size_t>(world) || x.remote_tasks.size() != static_cast<std::size_t>(world))
+      throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(),
+                             "must equal the world size " + std::to_string(world) + " (a plan of another problem?)");
+    if (selection_seq_len != p.num_chunks() * p.chunk_tokens)
+      throw invalid_argument("selection.seq_len", selection_seq_len,
+                             "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens));
+    if (selection_heads != heads_q || heads_q != p.heads_q)
+      throw invalid_argument("q.extent(1)", heads_q, "must equal the selection's and the problem's query heads " + std::to_string(p.heads_q));
+    if (heads_kv != p.heads_kv) throw invalid_argument("k.extent(1)", heads_kv, "must equal the problem's KV heads " + std::to_string(p.heads_kv));
+    const index_t local = p.chunks_per_rank * p.chunk_tokens;
+    if (query_tokens != local) throw invalid_argument("q.extent(0)", query_tokens, "must equal the rank's chunks x chunk tokens = " + std::to_string(local));
+    if (kv_tokens != local) throw invalid_argument("k.extent(0)", kv_tokens, "must equal the rank's chunks x chunk tokens = " + std::to_string(local));
+  }
+
+  [[nodiscard]] index_t rank() const { return rank_; }
+  [[nodiscard]] index_t tokens() const { return p_.chunk_tokens; }
+  [[nodiscard]] index_t first_chunk() const { return rank_ * p_.chunks_per_rank; }
+  [[nodiscard]] index_t end_chunk() const { return (rank_ + 1) * p_.chunks_per_rank; }
+  [[nodiscard]] bool owns(index_t chunk) const { return p_.owner(chunk) == rank_; }
+  [[nodiscard]] index_t owner(index_t chunk) const { return p_.owner(chunk); }
+  /// The first local token of one of this rank's chunks.
+  [[nodiscard]] index_t first_token(index_t chunk) const { return (chunk - first_chunk()) * p_.chunk_tokens; }
+  [[nodiscard]] int tag(message what, index_t chunk) const {
+    return static_cast<int>(what) * static_cast<int>(p_.num_chunks()) + static_cast<int>(chunk);
+  }
+  /// Elements of one chunk of a [tokens, heads, dim] tensor.
+  [[nodiscard]] std::size_t elements(index_t heads, index_t dim) const { return static_cast<std::size_t>(p_.chunk_tokens) * heads * dim; }
+
+  /// The refusal of a remote task whose chunk no move brings here.
+  [[nodiscard]] invalid_argument missing_move(const char* what, index_t chunk) const {
+    return invalid_argument("plan.remote_tasks", chunk, std::string("names a ") + what + " chunk that no move brings to rank " + std::to_string(rank_));
+  }
+
+ private:
+  const problem& p_;
+  index_t rank_;
+};
+
+}  // namespace stria::solver

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+// Attention executed as the dynamic solver plans it (query/output and key/value chunks both move)
+// equals single-rank attention in double on the same selection, forward and backward, for full,
+// causal, causal-document, sliding-window and VS masks, world sizes 1-5 (odd ones too), 1 and 2
+// chunks per rank, GQA 1/2, D 64/128; plans that do not fit the call are refused by name.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/host/reference_attention.hpp"
+#include "stria/host/solver_attention.hpp"
+#include "stria/index/local_index.hpp"
+#include "stria/solver/dynamic_solver.hpp"
+#include "support/oracle.hpp"
+#include "support/selection.hpp"
+
+using namespace stria;
+using test::view2;
+using test::view3;
+
+namespace {
+
+struct solver_errors {
+  double out, lse, dq, dk, dv;
+  [[nodiscard]] double max() const { return std::max({out, lse, dq, dk, dv}); }
+};
+
+/// Runs the plan on `world` threads and compares with single-rank attention in double.
+solver_errors compare_solver(test::seeded_rng& rng, const global_selection& g, index_t world, index_t chunks_per_rank, index_t heads_kv,
+                             index_t dim, std::size_t* moves = nullptr) {
+  const index_t seq = g.seq_len, hq = g.num_heads(), local = seq / world;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const std::vector<float> q = rng.values<float>(static_cast<std::size_t>(seq) * hq * dim);
+  const std::vector<float> k = rng.values<float>(static_cast<std::size_t>(seq) * heads_kv * dim);
+  const std::vector<float> v = rng.values<float>(k.size());
+  const std::vector<float> d_out = rng.values<float>(q.size());
+
+  const step_index whole = build_local_index(g, sharding::sequential{}, 1, 0, 0);
+  const std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), d_out64(d_out.begin(), d_out.end());
+  std::vector<double> out64(q.size()), lse64(static_cast<std::size_t>(hq) * seq), dq64(q.size(), 0.0), dk64(k.size(), 0.0), dv64(k.size(), 0.0);
+  host::reference_forward<double>(view3(q64, seq, hq, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim), whole.view(), scale,
+                                  view3(out64, seq, hq, dim), view2(lse64, hq, seq));
+  host::reference_backward<double>(view3(q64, seq, hq, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim),
+                                   view3(std::as_const(out64), seq, hq, dim), view3(d_out64, seq, hq, dim), view2(std::as_const(lse64), hq, seq),
+                                   whole.view(), scale, view3(dq64, seq, hq, dim), view3(dk64, seq, heads_kv, dim), view3(dv64, seq, heads_kv, dim));
+
+  const solver::problem p = solver::problem_from_selection(g, world, chunks_per_rank, heads_kv);
+  const solver::plan plan = solver::solve(p);
+  if (moves) *moves = plan.moves.size();
+  // Sequential sharding: rank r's shard is rows [r local, (r + 1) local) of every tensor, LSE columns likewise.
+  std::vector<float> out(q.size()), lse(lse64.size()), dq(q.size()), dk(k.size()), dv(k.size());
+  comm::host_world host(world, std::chrono::seconds(120));
+  host.run([&](comm::host_threads& c) {
+    const index_t first = c.rank() * local;
+    const auto shard = [&](const std::vector<float>& x, index_t heads) {
+      return tensor_view<const float, 3>(x.data() + static_cast<std::size_t>(first) * heads * dim, {local, heads, dim});
+    };
+    const auto shard_out = [&](std::vector<float>& x, index_t heads) {
+      return tensor_view<float, 3>(x.data() + static_cast<std::size_t>(first) * heads * dim, {local, heads, dim});
+    };
+    std::vector<float> my_lse(static_cast<std::size_t>(hq) * local);
+    host::solver_forward(c, p, plan, g, shard(q, hq), shard(k, heads_kv), shard(v, heads_kv), scale, shard_out(out, hq), view2(my_lse, hq, local));
+    for (index_t h = 0; h < hq; ++h)
+      std::copy_n(my_lse.begin() + static_cast<std::ptrdiff_t>(h * local), local, lse.begin() + static_cast<std::ptrdiff_t>(h * seq + first));
+    host::solver_backward(c, p, plan, g, shard(q, hq), shard(k, heads_kv), shard(v, heads_kv), shard(std::as_const(out), hq), shard(d_out, hq),
+                          view2(std::as_const(my_lse), hq, local), scale, shard_out(dq, hq), shard_out(dk, heads_kv), shard_out(dv, heads_kv));
+  });
+  return {test::relative_error(out, out64), test::relative_error(lse, lse64), test::relative_error(dq, dq64), test::relative_error(dk, dk64),
+          test::relative_error(dv, dv64)};
+}
+
+}  // namespace
+
+TEST_CASE("attention run as the solver plans it equals single-rank attention, every mask, W 1-5") {
+  STRIA_SEEDED_RNG(rng);
+  int variant = 0;
+  std::size_t plans_with_moves = 0;
+  for (const index_t world : {1, 2, 3, 4, 5})
+    for (const index_t chunks_per_rank : {1, 2}) {
+      const index_t seq = world * chunks_per_rank * 64 * (world <= 2 ? 2 : 1);
+      const index_t nb = seq / block_tokens;
+      const std::pair<std::string, global_selection> masks[] = {
+          {"VS", test::random_selection(rng, seq, 4, true, 0.3, 0.03)},
+          {"causal", test::band_selection(seq, 4, 0, nb - 1, true)},
+          {"full", test::band_selection(seq, 4, -(nb - 1), nb - 1, false)},
+          {"sliding window", test::band_selection(seq, 4, 0, 1, true)},
+          {"causal documents", test::document_selection(rng, seq, 4)},
+      };
+      for (const auto& [name, g] : masks) {
+        if (!test::in_sweep(variant++, 3)) continue;
+        const index_t heads_kv = variant % 2 ? 4 : 2, dim = variant % 5 == 0 ? 128 : 64;
+        CAPTURE(name);
+        CAPTURE(world);
+        CAPTURE(chunks_per_rank);
+        CAPTURE(heads_kv);
+        CAPTURE(dim);
+        std::size_t moves = 0;
+        const solver_errors e = compare_solver(rng, g, world, chunks_per_rank, heads_kv, dim, &moves);
+        plans_with_moves += moves > 0;
+        CAPTURE(e.out);
+        CAPTURE(e.lse);
+        CAPTURE(e.dq);
+        CAPTURE(e.dk);
+        CAPTURE(e.dv);
+        CHECK(e.max() < 1e-5);
+      }
+    }
+  CHECK(plans_with_moves > 0);  // the sweep exercised moved chunks, not only local tasks
+}
+
+TEST_CASE("solver execution refuses a plan or tensors that do not fit") {
+  STRIA_SEEDED_RNG(rng);
+  const global_selection g = test::band_selection(4 * 64, 2, 0, 3, true);
+  const solver::problem p = solver::problem_from_selection(g, 2, 2, 1);
+  const solver::plan plan = solver::solve(p);
+  std::vector<float> q(4 * 64 * 2 * 64, 0.5f), kv(4 * 64 * 64, 0.5f), out(q.size()), lse(2 * 128);
+  const auto run_with = [&](index_t world, index_t local_tokens) {
+    comm::host_world host(world, std::chrono::seconds(10));
+    host.run([&](comm::host_threads& c) {
+      host::solver_forward(c, p, plan, g, view3(std::as_const(q), local_tokens, 2, 64), view3(std::as_const(kv), local_tokens, 1, 64),
+                           view3(std::as_const(kv), local_tokens, 1, 64), 0.125, view3(out, local_tokens, 2, 64), view2(lse, 2, local_tokens));
+    });
+  };
+  CHECK_THROWS_WITH_AS(run_with(3, 128), doctest::Contains("comm.world_size() = 3: must equal the plan's world size 2"), invalid_argument);
+  CHECK_THROWS_WITH_AS(run_with(2, 64), doctest::Contains("q.extent(0) = 64: must equal the rank's chunks x chunk tokens = 128"), invalid_argument);
+}
