@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // One process per GPU, as a job started by a launcher (srun, torchrun, mpirun) runs: each process
 // is one NCCL rank made from a unique id that travels through a shared file. The device ring
-// (every sharding x flat, hierarchical with split links) and the front template against the double
-// reference; every process checks the joined result of all ranks. launch_ranks.sh starts one
+// (every sharding x flat, hierarchical with split links), a dynamic solver plan and the front
+// template against the double reference; every process checks the joined result of all ranks. launch_ranks.sh starts one
 // process per GPU with --rank r --world W --id-file F and the same STRIA_TEST_SEED; with fewer GPUs
 // than --world a process exits 77 (skipped).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -71,6 +71,13 @@ TEST_CASE("one process per GPU: the device ring over NCCL equals the whole-seque
   if (world % 2 == 0 && world >= 4)
     check_every_sharding(vs, topology::hierarchical_ring(2, world / 2), "VS, hierarchical 2x" + std::to_string(world / 2) + ", split links",
                          hierarchy_runner(2, world / 2));
+}
+
+TEST_CASE("one process per GPU: a dynamic solver plan equals the whole-sequence reference") {
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = this_rank->world_size();
+  using T = __nv_bfloat16;
+  check_solver(make_problem<T>(rng, random_selection(rng, world * 2 * 256, 4, true, 0.2, 0.03), 2, 64), world, 2, "VS, m2", process_runner);
 }
 
 TEST_CASE("one process per GPU: sparse_attention estimates, runs forward and backward, equal to the reference") {

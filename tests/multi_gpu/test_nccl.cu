@@ -2,7 +2,8 @@
 // comm::nccl on every GPU of the machine (one thread per GPU, communicators from ncclCommInitAll):
 // its collectives, its host-array surface, split(), and the device ring and the front template over
 // it (hierarchical rings also with their links on split communicators, comm::nccl_hierarchy), for
-// every sharding x topology that fits the GPU count, against the double reference.
+// every sharding x topology that fits the GPU count, and a dynamic solver plan, against the double
+// reference.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
@@ -118,6 +119,16 @@ TEST_CASE("the device ring over NCCL equals the whole-sequence reference, every 
                          hierarchy_runner(2, world / 2));
   const global_problem<T> dense = make_problem<T>(rng, random_selection(rng, seq_len, 8, true, 1.0, 0.0), 1, 128);
   check_ring(dense, sharding::striped<64>{}, topology::flat_ring(world), "dense, flat striped", gpu_runner);
+}
+
+TEST_CASE("a dynamic solver plan over NCCL (Q and KV chunks moving between GPUs) equals the whole-sequence reference") {
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = device_count();
+  using T = __nv_bfloat16;
+  const index_t seq_len = world * 2 * 256;
+  std::size_t moved = check_solver(make_problem<T>(rng, random_selection(rng, seq_len, 4, true, 0.2, 0.03), 2, 64), world, 2, "VS, m2", gpu_runner).moves.size();
+  moved += check_solver(make_problem<T>(rng, document_selection(rng, seq_len, 4), 1, 128), world, 2, "causal documents, m2, D128", gpu_runner).moves.size();
+  if (world > 1) CHECK(moved > 0);
 }
 
 TEST_CASE("sparse_attention over NCCL: estimate, forward and backward equal the reference on the estimated index") {

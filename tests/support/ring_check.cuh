@@ -18,6 +18,7 @@
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/device/ring_attention.cuh"
+#include "stria/device/solver_attention.cuh"
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/index/local_index.hpp"
@@ -25,6 +26,7 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
+#include "stria/solver/dynamic_solver.hpp"
 #include "support/device_tensors.cuh"
 #include "support/oracle.hpp"
 
@@ -187,6 +189,63 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
   });
   check_joined(p, sharding, name, as_float(sharding::join(sharding, out_s, q_extents)),
                sharding::join(sharding, lse_s, std::array<index_t, 2>{hq, s}, 1), dq_s, dk_s, dv_s);
+}
+
+/// Runs the dynamic solver's plan for p's selection (W ranks, m chunks each) on the device and
+/// checks the joined results. Returns the plan.
+template <class T, class Runner>
+solver::plan check_solver(const global_problem<T>& p, index_t world, index_t chunks_per_rank, const std::string& name, Runner run_world) {
+  const index_t s = p.seq_len, hq = p.hq, hkv = p.hkv, dim = p.dim, local = s / world;
+  CAPTURE(name);
+  const solver::problem problem = solver::problem_from_selection(p.selection, world, chunks_per_rank, hkv);
+  const solver::plan plan = solver::solve(problem);
+  const sharding::sequential sharding;
+  const std::array<index_t, 3> q_extents{s, hq, dim}, kv_extents{s, hkv, dim};
+  const auto split3 = [&](const std::vector<T>& x, std::array<index_t, 3> e) { return sharding::split(sharding, std::span<const T>(x), e, world); };
+  const auto q_s = split3(p.q, q_extents), k_s = split3(p.k, kv_extents), v_s = split3(p.v, kv_extents), d_out_s = split3(p.d_out, q_extents),
+             out_in_s = split3(p.out_rounded, q_extents);
+  const auto lse_in_s = sharding::split(sharding, std::span<const float>(p.lse), std::array<index_t, 2>{hq, s}, world, 1);
+  std::vector<std::vector<T>> out_s(static_cast<std::size_t>(world)), dq_s(out_s.size()), dk_s(out_s.size()), dv_s(out_s.size());
+  std::vector<std::vector<float>> lse_s(out_s.size());
+  run_world(world, [&](auto& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    const cuda_stream compute, transfer;
+    {
+      const cudaStream_t st = compute.get();
+      auto up = [&](const auto& x) { return device_buffer<std::decay_t<decltype(x[0])>>(std::span(x), st); };
+      const device_buffer<T> q = up(q_s[r]), k = up(k_s[r]), v = up(v_s[r]), d_out = up(d_out_s[r]), out_in = up(out_in_s[r]);
+      const device_buffer<float> lse_in = up(lse_in_s[r]);
+      device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
+      device_buffer<float> lse(lse_in.size(), st);
+      for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0xff, st);  // NaN: every element must be written
+      lse.fill_bytes(0xff, st);
+      const device_selection selection(p.selection, st);
+      const device::solver_task_indices indices = device::build_solver_indices(selection, problem, plan, c.rank(), st);
+      const auto view = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {local, heads, dim}); };
+      const auto out_view = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {local, heads, dim}); };
+      device::solver_forward(c, problem, plan, indices, view(q, hq), view(k, hkv), view(v, hkv), p.scale, out_view(out, hq),
+                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get());
+      device::solver_backward(c, problem, plan, indices, view(q, hq), view(k, hkv), view(v, hkv), view(out_in, hq), view(d_out, hq),
+                              tensor_view<const float, 2>(lse_in.data(), {hq, local}), p.scale, out_view(dq, hq), out_view(dk, hkv),
+                              out_view(dv, hkv), device::determinism::atomic, st, transfer.get());
+      out_s[r] = out.download(st);
+      lse_s[r] = lse.download(st);
+      dq_s[r] = dq.download(st);
+      dk_s[r] = dk.download(st);
+      dv_s[r] = dv.download(st);
+    }
+    share_shards(c, out_s), share_shards(c, lse_s), share_shards(c, dq_s), share_shards(c, dk_s), share_shards(c, dv_s);
+  });
+  check_joined(p, sharding, name, as_float(sharding::join(sharding, out_s, q_extents)),
+               sharding::join(sharding, lse_s, std::array<index_t, 2>{hq, s}, 1), dq_s, dk_s, dv_s);
+  return plan;
+}
+
+/// Whether some chunk of the plan moves to two or more ranks (its partial results come back from each).
+inline bool moves_a_chunk_twice(const solver::plan& plan) {
+  for (std::size_t i = 1; i < plan.moves.size(); ++i)
+    if (plan.moves[i].what == plan.moves[i - 1].what && plan.moves[i].chunk == plan.moves[i - 1].chunk) return true;
+  return false;
 }
 
 template <class T, class Topology, class Runner>

@@ -14,7 +14,7 @@
 namespace stria::solver {
 
 /// What a message of a plan's execution carries; with the chunk it names the message (its tag).
-enum class message : int { kv, query, query_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
+enum class message : int { kv, kv_values, query, query_backward, d_out_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
 
 /// One rank's chunks in a plan's execution.
 class rank_chunks {
