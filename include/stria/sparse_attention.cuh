@@ -2,8 +2,10 @@
 // stria::sparse_attention: the front template on the device (DESIGN 3). Policies chosen at compile
 // time (estimator, sharding, ring topology, tile); per layer: estimate() finds the sparse index from
 // this rank's data and builds the rank's step indices, forward() and backward() run the ring on the
-// caller's stream with the KV transfers on the object's own transfer stream. One object per rank,
-// over any device communicator (comm::local_device, comm::nccl).
+// caller's stream with the KV transfers on the object's own transfer stream. With topology::solver
+// (sequential sharding only) estimate() also solves the layer's task placement, and forward() and
+// backward() move query and KV chunks as the plan says (device/solver_attention.cuh). One object
+// per rank, over any device communicator (comm::local_device, comm::nccl).
 //
 //   using attention = stria::sparse_attention<stria::estimator::vertical_slash_top_p,
 //                                             stria::sharding::striped<64>, stria::topology::flat_ring>;
@@ -27,10 +29,14 @@
 #include "stria/core/tensor_view.hpp"
 #include "stria/core/tile.hpp"
 #include "stria/device/ring_attention.cuh"
+#include "stria/device/solver_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/estimator/window_statistics.cuh"
 #include "stria/index/local_index.cuh"
+#include "stria/sharding/sequential.hpp"
+#include "stria/solver/dynamic_solver.hpp"
 #include "stria/topology/ring_steps.hpp"
+#include "stria/topology/solver.hpp"
 
 namespace stria {
 
@@ -56,10 +62,14 @@ decltype(auto) host_surface(Comm& c) {
 
 }  // namespace detail
 
-template <index_estimator Estimator, sharding_policy Sharding, ring_topology Topology, tile_traits Tile = tile<64, 64, 128>>
+template <index_estimator Estimator, sharding_policy Sharding, class Topology, tile_traits Tile = tile<64, 64, 128>>
+  requires ring_topology<Topology> || topology::is_dynamic_solver<Topology>
 class sparse_attention {
   static_assert(Tile::block_q == block_tokens && Tile::block_kv == block_tokens,
                 "stria's kernels run 64x64 tiles: use stria::tile<64, 64, HeadDim>");
+  static constexpr bool dynamic = topology::is_dynamic_solver<Topology>;
+  static_assert(!dynamic || std::is_same_v<Sharding, sharding::sequential>,
+                "topology::solver needs sharding::sequential: its plan moves the query and KV chunks of a sequential layout");
 
  public:
   using estimator_type = Estimator;
@@ -76,6 +86,7 @@ class sparse_attention {
     if (config_.seq_len <= 0 || config_.seq_len % block_tokens != 0)
       throw invalid_argument("config.seq_len", config_.seq_len, "must be a positive multiple of 64 (the block size)");
     sharding_.validate({config_.seq_len / block_tokens, topology_.world_size()});
+    if constexpr (dynamic) topology_.check_seq_len(config_.seq_len);
     estimator_.validate(config_.seq_len, config_.heads_q);
     if (config_.softmax_scale == 0) config_.softmax_scale = 1.0 / std::sqrt(double(Tile::head_dim));
   }
@@ -85,6 +96,14 @@ class sparse_attention {
   [[nodiscard]] const Sharding& sharding() const { return sharding_; }
   /// Tokens each rank holds.
   [[nodiscard]] index_t local_tokens() const { return config_.seq_len / topology_.world_size(); }
+  /// This layer's task placement (after estimate(); topology::solver only): tasks per rank and stage
+  /// (calc meta), chunk moves (comm meta), loads.
+  [[nodiscard]] const solver::plan& plan() const
+    requires dynamic
+  {
+    if (!plan_) throw invalid_argument("plan()", "(none)", "call estimate() or use_selection() first");
+    return *plan_;
+  }
   /// This layer's selection (after estimate()), on the device.
   [[nodiscard]] const device_selection& selection() const {
     if (!selection_) throw invalid_argument("selection()", "(none)", "call estimate() first");
@@ -125,8 +144,11 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
-    device::ring_forward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
-                         transfer_.get());
+    if constexpr (dynamic)
+      device::solver_forward(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream, transfer_.get());
+    else
+      device::ring_forward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
+                           transfer_.get());
   }
 
   /// dq [S_local, Hq, D] of the rank's queries, and dk, dv [S_local, Hkv, D] of its own keys and
@@ -139,33 +161,55 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
-    device::ring_backward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
-                          dk, dv, config_.backward_mode, stream, transfer_.get());
+    if constexpr (dynamic)
+      device::solver_backward(comm, *problem_, *plan_, solver_indices_, q, k, v, out, d_out, lse, config_.softmax_scale, dq, dk, dv,
+                              config_.backward_mode, stream, transfer_.get());
+    else
+      device::ring_backward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
+                            dk, dv, config_.backward_mode, stream, transfer_.get());
   }
 
  private:
   template <class Comm>
   void check_comm(const Comm& comm) const {
-    check_ring_world(comm.world_size(), topology_);
+    if constexpr (dynamic) {
+      if (comm.world_size() != topology_.world_size())
+        throw invalid_argument("comm.world_size()", comm.world_size(),
+                               "must equal topology::solver's world size " + std::to_string(topology_.world_size()));
+    } else {
+      check_ring_world(comm.world_size(), topology_);
+    }
   }
 
   void forget() {
     indices_.clear();
     selection_.reset();
+    plan_.reset();
+    problem_.reset();
+    solver_indices_ = {};
   }
 
-  /// This layer's selection and the rank's index for every ring step.
+  /// This layer's selection and the rank's index for every ring step; with topology::solver, the
+  /// layer's plan (the same on every rank: the selection and the solver are) and the indices of
+  /// this rank's tasks. The plan is solved on the host from the selection's task areas.
   void adopt(index_t rank, device_selection selection, cudaStream_t stream) {
     selection_.emplace(std::move(selection));
-    for (index_t s = 0; s < topology_.num_steps(); ++s)
-      indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), rank, topology_.kv_source_rank(rank, s),
-                                                  {0, 0, 0, s, 0}, stream));
+    if constexpr (dynamic) {
+      problem_.emplace(solver::problem_from_selection(selection_->to_host(stream), topology_.world_size(), topology_.chunks_per_rank(),
+                                                      config_.heads_kv));
+      plan_.emplace(solver::solve(*problem_, topology_.options()));
+      solver_indices_ = device::build_solver_indices(*selection_, *problem_, *plan_, rank, stream);
+    } else {
+      for (index_t s = 0; s < topology_.num_steps(); ++s)
+        indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), rank, topology_.kv_source_rank(rank, s),
+                                                    {0, 0, 0, s, 0}, stream));
+    }
   }
 
   template <class Comm>
   void check_ready(const Comm& comm) const {
     check_comm(comm);
-    if (indices_.empty()) throw invalid_argument("forward/backward", "(no index)", "call estimate() or use_selection() first");
+    if (!selection_) throw invalid_argument("forward/backward", "(no index)", "call estimate() or use_selection() first");
   }
 
   template <class T>
@@ -179,7 +223,10 @@ class sparse_attention {
   attention_config config_;
   cuda_stream transfer_;
   std::optional<device_selection> selection_;
-  std::vector<device_step_index> indices_;
+  std::vector<device_step_index> indices_;  // ring topologies: one per step
+  std::optional<solver::problem> problem_;  // topology::solver: the layer's problem, plan and task indices
+  std::optional<solver::plan> plan_;
+  device::solver_task_indices solver_indices_;
 };
 
 }  // namespace stria

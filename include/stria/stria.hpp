@@ -20,6 +20,7 @@
 #include "stria/host/recall.hpp"
 #include "stria/host/reference_attention.hpp"
 #include "stria/host/ring_attention.hpp"
+#include "stria/host/solver_attention.hpp"
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/global_selection.hpp"
 #include "stria/index/local_index.hpp"
@@ -30,8 +31,10 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/solver/dynamic_solver.hpp"
+#include "stria/solver/execution.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
+#include "stria/topology/solver.hpp"
 #include "stria/version.hpp"
 
 // Under nvcc the device layer comes too; NCCL parts only where nccl.h is reachable.

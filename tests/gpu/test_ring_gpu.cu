@@ -19,6 +19,7 @@
 #include "stria/sparse_attention.cuh"
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
+#include "stria/topology/solver.hpp"
 #include "support/ring_check.cuh"
 #include "support/selection.hpp"
 
@@ -69,6 +70,9 @@ TEST_CASE("sparse_attention on local_device: estimate, forward and backward equa
                                                                                                             "striped, flat W4, D64", local_device_runner);
   check_front_template<sparse_attention<top_p, sharding::zigzag, topology::hierarchical_ring, tile<64, 64, 128>>>(
       rng, topology::hierarchical_ring(2, 2), "zigzag, hierarchical 2x2, D128", local_device_runner);
+  // The dynamic solver in place of a ring: the plan is solved from the estimated index.
+  check_front_template<sparse_attention<top_p, sharding::sequential, topology::solver, tile<64, 64, 64>>>(
+      rng, topology::solver(4, 2), "sequential, solver W4 m2, D64", local_device_runner);
   SUBCASE("a communicator of another size is refused") {
     comm::local_device_world two(2, 0, std::chrono::seconds(60));
     CHECK_THROWS_WITH_AS(two.run([](comm::local_device& c) {

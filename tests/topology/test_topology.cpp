@@ -10,6 +10,7 @@
 
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
+#include "stria/topology/solver.hpp"
 
 using namespace stria;
 
@@ -213,4 +214,18 @@ TEST_CASE("topologies reject world sizes that do not match") {
   CHECK_THROWS_WITH_AS(topology::flat_ring(4).check_world(3), doctest::Contains("does not match flat_ring(4)"), stria::invalid_argument);
   CHECK_THROWS_AS(topology::hierarchical_ring(0, 4), stria::invalid_argument);
   CHECK_THROWS_AS(topology::flat_ring(0), stria::invalid_argument);
+}
+
+TEST_CASE("topology::solver refuses bad sizes, naming the argument and the rule") {
+  CHECK_THROWS_WITH_AS(topology::solver(0), doctest::Contains("world_size = 0: must be at least 1"), invalid_argument);
+  CHECK_THROWS_WITH_AS(topology::solver(4, 0), doctest::Contains("chunks_per_rank = 0: must be at least 1"), invalid_argument);
+  CHECK_THROWS_WITH_AS(topology::solver(4, 2, {0.9}), doctest::Contains("options.mu = 0.9: must be >= 1"), invalid_argument);
+  const topology::solver t(4, 2);
+  CHECK(t.world_size() == 4);
+  CHECK(t.chunks_per_rank() == 2);
+  CHECK_NOTHROW(t.check_seq_len(4 * 2 * 64 * 3));
+  CHECK_THROWS_WITH_AS(t.check_seq_len(4 * 2 * 64 * 3 + 64), doctest::Contains("seq_len = 1600: must be divisible by world_size x chunks_per_rank x 64 = 512"),
+                       invalid_argument);
+  static_assert(topology::is_dynamic_solver<topology::solver>);
+  static_assert(!topology::is_dynamic_solver<topology::flat_ring>);
 }

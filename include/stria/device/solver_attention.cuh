@@ -228,7 +228,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   for (auto& [i, r] : returned) {  // plan order: deterministic
     const auto [o, l] = own_state(plan.moves[i].chunk);
     const std::int64_t rows = static_cast<std::int64_t>(ct) * hq;
-    kernel::merge_partial<<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(o.data(), l.data(), r.out.data(), r.lse.data(), ct, hq, dim);
+    kernel::merge_partial<float><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(o.data(), l.data(), r.out.data(), r.lse.data(), ct, hq, dim);
     STRIA_CUDA_CHECK_LAUNCH("merge_partial");
   }
   write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);

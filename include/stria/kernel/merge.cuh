@@ -16,19 +16,21 @@ namespace stria::kernel {
 /// LSE-weighted sum, lse the merged LSE. One warp per (token, head) row: every lane reads the two
 /// LSEs before lane 0 overwrites the running one. A side with zero weight is dropped entirely, so
 /// an empty row (lse = -inf) never injects 0 * inf = NaN.
-__global__ void merge_partial(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ part_out,
-                              const float* __restrict__ part_lse, index_t tokens, index_t heads, index_t dim) {
+/// (A template, as every kernel in a header is: one definition however many files include it.)
+template <class Real = float>
+__global__ void merge_partial(Real* __restrict__ out, Real* __restrict__ lse, const Real* __restrict__ part_out,
+                              const Real* __restrict__ part_lse, index_t tokens, index_t heads, index_t dim) {
   const std::int64_t warp = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (warp >= static_cast<std::int64_t>(tokens) * heads) return;
   const auto token = static_cast<index_t>(warp / heads), head = static_cast<index_t>(warp % heads);
   const std::int64_t at = static_cast<std::int64_t>(head) * tokens + token;
-  const lse_merge<float> m = merge_lse(lse[at], part_lse[at]);
-  float* row = out + warp * dim;
-  const float* part_row = part_out + warp * dim;
+  const lse_merge<Real> m = merge_lse(lse[at], part_lse[at]);
+  Real* row = out + warp * dim;
+  const Real* part_row = part_out + warp * dim;
   for (index_t d = lane; d < dim; d += 32) {
-    const float a = m.weight_a == 0.0f ? 0.0f : m.weight_a * row[d];
-    const float b = m.weight_b == 0.0f ? 0.0f : m.weight_b * part_row[d];
+    const Real a = m.weight_a == Real(0) ? Real(0) : m.weight_a * row[d];
+    const Real b = m.weight_b == Real(0) ? Real(0) : m.weight_b * part_row[d];
     row[d] = a + b;
   }
   __syncwarp();

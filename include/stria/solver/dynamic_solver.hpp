@@ -19,7 +19,9 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <queue>
 #include <string>
@@ -144,9 +146,11 @@ class attempt {
         kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_), 0), qo_at_(kv_at_.size(), 0),
         kv_use_(kv_at_.size(), 0), qo_use_(kv_at_.size(), 0), send_(static_cast<std::size_t>(w_), 0), recv_(send_.size(), 0),
         load_(send_.size(), 0),
-        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1) {
+        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1), unplaced_(2 * kv_at_.size(), 0) {
     const std::int64_t total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
     limit_ = mu * double(total) / double(w_);
+    for (index_t i = 0; i < c_; ++i)
+      for (index_t j = 0; j < c_; ++j) count_unplaced(i, j, +1);
   }
 
   plan run() {
@@ -208,6 +212,22 @@ class attempt {
 
   [[nodiscard]] double room(index_t r) const { return limit_ - double(load_[static_cast<std::size_t>(r)]); }
 
+  /// An edge's position among all edges, (kind, chunk, rank) in order.
+  [[nodiscard]] std::size_t edge_id(const edge& e) const {
+    return (static_cast<std::size_t>(e.what) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(e.chunk)) * static_cast<std::size_t>(w_) +
+           static_cast<std::size_t>(e.rank);
+  }
+  /// A task of two ranks' chunks is unlocked by two edges (its KV to the query's owner, its QO to
+  /// the KV's owner); each edge keeps the sum of its unplaced tasks' areas, updated as tasks are
+  /// placed and taken off, so scoring an edge costs O(1).
+  void count_unplaced(index_t i, index_t j, int sign) {
+    const index_t qi = p_.owner(i), kj = p_.owner(j);
+    if (qi == kj) return;
+    const std::int64_t a = sign * p_.at(i, j);
+    unplaced_[edge_id({chunk_move::kind::kv, j, qi})] += a;
+    unplaced_[edge_id({chunk_move::kind::qo, i, kj})] += a;
+  }
+
   /// Steps 2 and 3 together: greedy edges by the work they unlock where it fits (unplaced tasks that
   /// the edge makes runnable, up to the rank's room below mu x mean) per unit of cost, within K; an
   /// accepted edge's tasks are placed on its rank, largest first, while there is room. Both the work
@@ -220,42 +240,44 @@ class attempt {
     // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
     // ranks come first, so the busy ranks' chunks travel to where there is room.
     auto work = [&](const edge& e) {
-      std::int64_t sum = 0;
-      for_each_task(e, [&](index_t i, index_t j) {
-        if (where_[task_at(i, j)] < 0) sum += p_.at(i, j);
-      });
       const double free = std::max(0.0, room(e.rank));
-      return std::min(double(sum), free) * (free / limit_);
+      return std::min(double(unplaced_[edge_id(e)]), free) * (free / limit_);
     };
-    struct entry {
-      double score;
-      int kind;
-      index_t chunk, rank;
-      bool operator<(const entry& o) const {  // max-heap: higher score first, then the smaller (kind, chunk, rank)
-        return score != o.score ? score < o.score : std::tie(kind, chunk, rank) > std::tie(o.kind, o.chunk, o.rank);
-      }
+    // Heap entries packed in 64 bits, compared as integers: the score's float bits (non-negative
+    // floats order like their bit patterns) above the complement of the edge's id, so the max-heap
+    // yields the highest score first, then the smallest (kind, chunk, rank).
+    const auto id_of = [&](const edge& e) { return static_cast<std::uint32_t>(edge_id(e)); };
+    const auto pack = [](double score, std::uint32_t id) {
+      return (std::uint64_t{std::bit_cast<std::uint32_t>(static_cast<float>(score))} << 32) | (0xffffffffu - id);
     };
-    std::priority_queue<entry> heap;
+    const auto score_of = [](std::uint64_t key) { return double(std::bit_cast<float>(static_cast<std::uint32_t>(key >> 32))); };
+    const auto edge_of = [&](std::uint64_t key) {
+      const std::uint32_t id = 0xffffffffu - static_cast<std::uint32_t>(key);
+      const auto w = static_cast<std::uint32_t>(w_), c = static_cast<std::uint32_t>(c_);
+      return edge{static_cast<chunk_move::kind>(id / (w * c)), static_cast<index_t>(id / w % c), static_cast<index_t>(id % w)};
+    };
+    std::vector<std::uint64_t> initial;
     for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
       for (index_t chunk = 0; chunk < c_; ++chunk)
         for (index_t r = 0; r < w_; ++r) {
           if (r == p_.owner(chunk)) continue;
           const edge e{what, chunk, r};
-          if (const double u = work(e); u > 0) heap.push({u / double(cost(e)), static_cast<int>(what), chunk, r});
+          if (const double u = work(e); u > 0) initial.push_back(pack(u / double(cost(e)), id_of(e)));
         }
+    std::priority_queue<std::uint64_t> heap(std::less<std::uint64_t>{}, std::move(initial));
     std::vector<std::pair<std::int64_t, std::size_t>> order;
     while (!heap.empty()) {
-      const entry top = heap.top();
+      const std::uint64_t top = heap.top();
       heap.pop();
-      const edge e{static_cast<chunk_move::kind>(top.kind), top.chunk, top.rank};
+      const edge e = edge_of(top);
       const double u = work(e);
       if (u <= 0) continue;
-      const double score = u / double(cost(e));
+      const double score = double(static_cast<float>(u / double(cost(e)))), top_score = score_of(top);
       // Stale (its work or its rank's room shrank since it was scored): back in at its current score,
       // unless it is still within a quarter of it and ahead of the next (an approximate greedy that
       // spares most re-scorings; still deterministic).
-      if (score < top.score && !heap.empty() && heap.top().score > score && score < 0.75 * top.score) {
-        heap.push({score, top.kind, top.chunk, top.rank});
+      if (score < top_score && !heap.empty() && score_of(heap.top()) > score && score < 0.75 * top_score) {
+        heap.push(pack(score, id_of(e)));
         continue;
       }
       if (!fits(e)) continue;  // budgets only fill up: it never fits later
@@ -305,6 +327,7 @@ class attempt {
   void place(index_t i, index_t j, index_t r) {
     where_[task_at(i, j)] = r;
     load_[static_cast<std::size_t>(r)] += p_.at(i, j);
+    count_unplaced(i, j, -1);
     if (p_.owner(j) != r) ++kv_use_[slot(j, r)];
     if (p_.owner(i) != r) ++qo_use_[slot(i, r)];
   }
@@ -314,6 +337,7 @@ class attempt {
     const index_t r = where_[task_at(i, j)];
     where_[task_at(i, j)] = -1;
     load_[static_cast<std::size_t>(r)] -= p_.at(i, j);
+    count_unplaced(i, j, +1);
     if (p_.owner(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
     if (p_.owner(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
   }
@@ -385,11 +409,12 @@ class attempt {
         const bool local = p_.owner(i) == r && p_.owner(j) == r;
         (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
         out.load[static_cast<std::size_t>(r)] += a;
-        if (p_.owner(j) != r) out.moves.push_back({chunk_move::kind::kv, j, r});
-        if (p_.owner(i) != r) out.moves.push_back({chunk_move::kind::qo, i, r});
       }
-    std::sort(out.moves.begin(), out.moves.end());
-    out.moves.erase(std::unique(out.moves.begin(), out.moves.end()), out.moves.end());
+    // The moves placed tasks use, in (kind, chunk, rank) order: sorted and unique by construction.
+    for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
+      for (index_t chunk = 0; chunk < c_; ++chunk)
+        for (index_t r = 0; r < w_; ++r)
+          if ((what == chunk_move::kind::kv ? kv_use_ : qo_use_)[slot(chunk, r)] > 0) out.moves.push_back({what, chunk, r});
     out.feasible = placed && !over_budget_ && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
     return out;
   }
@@ -402,6 +427,7 @@ class attempt {
   std::vector<index_t> kv_use_, qo_use_;       // [C, W]: placed tasks that use the moved chunk there
   std::vector<std::int64_t> send_, recv_, load_;  // [W]
   std::vector<index_t> where_;                 // [C, C]: the task's rank, -1 unplaced
+  std::vector<std::int64_t> unplaced_;         // [2, C, W]: per edge, the area of its unplaced tasks
   bool over_budget_ = false;                   // a task was placed with a move beyond K
 };
 
@@ -432,8 +458,10 @@ inline plan solve(const problem& p, const options& o = {}) {
     capped.feasible = false;
     return capped;
   }
+  // To within a quarter of a KV chunk or 1/32 of the budget, whichever is coarser: at most about
+  // six attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget.
   std::int64_t lo = 0;  // hi: feasible
-  while (hi - lo > std::max<std::int64_t>(1, p.kv_cost() / 4)) {
+  while (hi - lo > std::max<std::int64_t>(std::max<std::int64_t>(1, p.kv_cost() / 4), hi / 32)) {
     const std::int64_t mid = lo + (hi - lo) / 2;
     plan candidate = attempt(mid);
     if (candidate.feasible) {
