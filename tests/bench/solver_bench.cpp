@@ -4,7 +4,8 @@
 // chunks of 1K tokens (8 per rank), W = 8 to 128, for full, causal and causal-document masks
 // (task areas computed exactly in closed form), and VS selections where their task areas are cheap
 // to count (S <= 128K); plus, at S = 128K and W = 8 on a VS input, the flat striped ring's imbalance.
-//   solver_bench [--world 8,16,32,64,128] [--mask full,causal,document,vs] [--json]
+//   solver_bench [--world 8,16,32,64,128] [--mask full,causal,document,vs] [--volume-cap X] [--json]
+// (--volume-cap: a plan may move X times the flat ring's volume; default 1)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -79,12 +80,14 @@ struct row {
   bool feasible;
 };
 
+solver::options solve_options;
+
 row run(const solver::problem& p, const std::string& mask) {
   std::vector<double> times;
   solver::plan x;
   for (int i = 0; i < 3; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    x = solver::solve(p);
+    x = solver::solve(p, solve_options);
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(times.begin(), times.end());
@@ -103,7 +106,8 @@ int main(int argc, char** argv) try {
     if (flag == "--json") json = true;
     else if (flag == "--world" && i + 1 < argc) worlds = bench::parse_list(argv[++i]);
     else if (flag == "--mask" && i + 1 < argc) masks = argv[++i];
-    else throw invalid_argument("flag", flag, "must be --world LIST, --mask LIST (of full, causal, document, vs) or --json");
+    else if (flag == "--volume-cap" && i + 1 < argc) solve_options.volume_cap = std::stod(argv[++i]);
+    else throw invalid_argument("flag", flag, "must be --world LIST, --mask LIST (of full, causal, document, vs), --volume-cap X or --json");
   }
   const auto wanted = [&](const std::string& mask) { return ("," + masks + ",").find("," + mask + ",") != std::string::npos; };
   std::vector<row> rows;
@@ -147,7 +151,7 @@ int main(int argc, char** argv) try {
   const global_selection g = host::plant_vs_selection(o);
   const imbalance_degrees ring = measure_imbalance(count_ring_workload(g, sharding::striped<64>{}, topology::flat_ring(8)));
   const solver::problem p = solver::problem_from_selection(g, 8, chunks_per_rank, 2);
-  const solver::plan x = solver::solve(p);
+  const solver::plan x = solver::solve(p, solve_options);
   std::printf("VS, S = 128K, W = 8 (Hq 16, Hkv 2): solver max/mean %.3f with %.3f of the ring's volume (feasible: %s); "
               "flat striped ring: worker imbalance %.3f (mean over steps), rank totals max/mean %.3f, all of the ring's volume\n",
               x.max_load_over_mean(), double(solver::comm_volume(p, x)) / double(p.ring_volume()), x.feasible ? "yes" : "no",

@@ -21,7 +21,7 @@ using namespace stria;
 
 namespace {
 
-void check_plan(const solver::problem& p, const solver::plan& x, const std::string& name) {
+void check_plan(const solver::problem& p, const solver::plan& x, const std::string& name, double volume_cap = 1.0) {
   CAPTURE(name);
   CAPTURE(p.world_size);
   CAPTURE(p.chunks_per_rank);
@@ -73,7 +73,7 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
     CHECK(m.to < w);
     CHECK(m.to != p.owner(m.chunk));
   }
-  CHECK(solver::comm_volume(p, x) <= p.ring_volume());  // feasible or not
+  CHECK(double(solver::comm_volume(p, x)) <= std::max(1.0, volume_cap) * double(p.ring_volume()));  // feasible or not
   CHECK(complete);  // every active task runs exactly once, feasible or not (the plan can be executed)
   if (x.feasible) CHECK(x.max_load_over_mean() <= 1.10 + 1e-9);
 }
@@ -119,12 +119,30 @@ TEST_CASE("the solver balances causal attention with multi-head attention, withi
   }
 }
 
+TEST_CASE("with a volume cap above the ring's, the solver balances causal grouped-query attention") {
+  // GQA 8:1: a QO move costs 4x a KV move, so balancing a causal mask needs more than the ring moves.
+  for (const index_t world : {8, 16}) {
+    CAPTURE(world);
+    const index_t seq_len = world * 8 * block_tokens, nb = seq_len / block_tokens;
+    const solver::problem p = solver::problem_from_selection(test::band_selection(seq_len, 8, 0, nb - 1, true), world, 8, 1);
+    CHECK_FALSE(solver::solve(p).feasible);  // within the ring's volume: not balanced
+    const solver::plan x = solver::solve(p, {1.10, 4.0});
+    check_plan(p, x, "causal, GQA 8:1, volume cap 4", 4.0);
+    CHECK(x.feasible);
+    CHECK(double(solver::comm_volume(p, x)) <= 4.0 * double(p.ring_volume()));
+    MESSAGE("W ", world, ": max load / mean ", x.max_load_over_mean(), ", volume / ring ",
+            double(solver::comm_volume(p, x)) / double(p.ring_volume()));
+  }
+}
+
 TEST_CASE("the solver refuses bad problems with the field, the value and the rule") {
   solver::problem p{2, 1, 64, 4, 2, std::vector<std::int64_t>(3, 1)};
   CHECK_THROWS_WITH_AS(solver::solve(p), doctest::Contains("problem.area.size() = 3: must be (world_size x chunks_per_rank)^2 = 4"),
                        stria::invalid_argument);
   p.area.assign(4, 1);
   CHECK_THROWS_WITH_AS(solver::solve(p, {0.9}), doctest::Contains("options.mu = 0.9: must be >= 1"), stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(solver::solve(p, {1.1, 0.0}), doctest::Contains("options.volume_cap = 0: must be positive and finite"),
+                       stria::invalid_argument);
   p.heads_kv = 3;
   CHECK_THROWS_WITH_AS(solver::solve(p), doctest::Contains("problem.heads_kv = 3: must be >= 1 and divide heads_q = 4"), stria::invalid_argument);
   const global_selection g = test::band_selection(64 * 6, 2, 0, 5, true);

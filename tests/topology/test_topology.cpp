@@ -220,6 +220,7 @@ TEST_CASE("topology::solver refuses bad sizes, naming the argument and the rule"
   CHECK_THROWS_WITH_AS(topology::solver(0), doctest::Contains("world_size = 0: must be at least 1"), invalid_argument);
   CHECK_THROWS_WITH_AS(topology::solver(4, 0), doctest::Contains("chunks_per_rank = 0: must be at least 1"), invalid_argument);
   CHECK_THROWS_WITH_AS(topology::solver(4, 2, {0.9}), doctest::Contains("options.mu = 0.9: must be >= 1"), invalid_argument);
+  CHECK_THROWS_WITH_AS(topology::solver(4, 2, {1.1, -1.0}), doctest::Contains("options.volume_cap = -1: must be positive and finite"), invalid_argument);
   const topology::solver t(4, 2);
   CHECK(t.world_size() == 4);
   CHECK(t.chunks_per_rank() == 2);

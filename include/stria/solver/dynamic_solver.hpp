@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <bit>
 #include <cstdint>
 #include <functional>
@@ -91,7 +92,9 @@ inline problem problem_from_selection(const global_selection& g, index_t world_s
 }
 
 struct options {
-  double mu = 1.10;  // feasible: every rank's load <= mu x the mean
+  double mu = 1.10;          // feasible: every rank's load <= mu x the mean
+  double volume_cap = 1.0;   // feasible: the total volume <= volume_cap x the flat ring's (above 1: more
+                             // traffic than the ring for balance, e.g. GQA, where a QO move costs more)
 };
 
 /// One chunk moved from its owner to another rank.
@@ -442,19 +445,22 @@ class attempt {
 inline plan solve(const problem& p, const options& o = {}) {
   p.validate();
   if (!(o.mu >= 1.0)) throw invalid_argument("options.mu", o.mu, "must be >= 1 (loads within mu x the mean)");
-  const std::int64_t ring_budget = std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost();
+  if (!(o.volume_cap > 0.0) || !std::isfinite(o.volume_cap))
+    throw invalid_argument("options.volume_cap", o.volume_cap, "must be positive and finite (a multiple of the flat ring's volume)");
+  const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
+  const auto ring_budget = static_cast<std::int64_t>(o.volume_cap * double(std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost()));
   auto attempt = [&](std::int64_t budget) {
     plan x = detail::attempt(p, budget, o.mu).run();
-    x.feasible = x.feasible && comm_volume(p, x) <= p.ring_volume();
+    x.feasible = x.feasible && comm_volume(p, x) <= cap;
     return x;
   };
   std::int64_t hi = 2 * ring_budget;
   plan best = attempt(hi);
-  if (!best.feasible) {  // the best effort within the ring's per-rank volume
+  if (!best.feasible) {  // the best effort within the ring's per-rank volume (times the cap)
     plan capped = detail::attempt(p, ring_budget, o.mu).run();
-    // Moves forced beyond K can push the total over the ring's; then every task runs where its
-    // query lives (budget 0: KV moves only, a subset of the ring's).
-    if (comm_volume(p, capped) > p.ring_volume()) capped = detail::attempt(p, 0, o.mu).run();
+    // Moves forced beyond K can push the total over the cap; then every task runs where its query
+    // lives (budget 0: KV moves only, a subset of the ring's).
+    if (comm_volume(p, capped) > std::max(cap, p.ring_volume())) capped = detail::attempt(p, 0, o.mu).run();
     capped.feasible = false;
     return capped;
   }
