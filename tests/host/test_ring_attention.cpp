@@ -17,6 +17,7 @@
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
 #include "support/oracle.hpp"
+#include "support/whole_reference.hpp"
 #include "support/selection.hpp"
 
 using namespace stria;
@@ -25,39 +26,18 @@ using test::view3;
 
 namespace {
 
-struct ring_errors {
-  double out, lse, dq, dk, dv;
-  [[nodiscard]] double max() const { return std::max({out, lse, dq, dk, dv}); }
-};
-
 /// Runs the ring on `world` threads and compares with single-rank attention in double on the same selection.
 template <class Sharding, class Topology>
-ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const Topology& topology, const global_selection& selection,
-                         index_t heads_kv, index_t dim) {
-  const index_t world = topology.world_size(), seq = selection.seq_len, heads_q = selection.num_heads();
-  const double scale = 1.0 / std::sqrt(double(dim));
+test::attention_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const Topology& topology, const global_selection& selection,
+                                    index_t heads_kv, index_t dim) {
+  const test::whole_problem p(rng, selection, heads_kv, dim);
+  const index_t world = topology.world_size(), seq = p.seq, heads_q = p.hq;
   const std::array<index_t, 3> q_ext{seq, heads_q, dim}, kv_ext{seq, heads_kv, dim};
   const std::array<index_t, 2> lse_ext{heads_q, seq};
-  const std::vector<float> q = rng.values<float>(static_cast<std::size_t>(seq) * heads_q * dim);
-  const std::vector<float> k = rng.values<float>(static_cast<std::size_t>(seq) * heads_kv * dim);
-  const std::vector<float> v = rng.values<float>(k.size());
-  const std::vector<float> d_out = rng.values<float>(q.size());
-
-  // Single rank, double precision throughout.
-  const step_index whole = build_local_index(selection, sharding::sequential{}, 1, 0, 0);
-  const std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), d_out64(d_out.begin(), d_out.end());
-  std::vector<double> out64(q.size()), lse64(static_cast<std::size_t>(heads_q) * seq), dq64(q.size(), 0.0), dk64(k.size(), 0.0), dv64(k.size(), 0.0);
-  host::reference_forward<double>(view3(q64, seq, heads_q, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim), whole.view(),
-                                  scale, view3(out64, seq, heads_q, dim), view2(lse64, heads_q, seq));
-  host::reference_backward<double>(view3(q64, seq, heads_q, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim),
-                                   view3(std::as_const(out64), seq, heads_q, dim), view3(d_out64, seq, heads_q, dim),
-                                   view2(std::as_const(lse64), heads_q, seq), whole.view(), scale, view3(dq64, seq, heads_q, dim),
-                                   view3(dk64, seq, heads_kv, dim), view3(dv64, seq, heads_kv, dim));
-
-  const auto q_s = stria::sharding::split(sharding, std::span<const float>(q), q_ext, world), k_s = stria::sharding::split(sharding, std::span<const float>(k), kv_ext, world),
-             v_s = stria::sharding::split(sharding, std::span<const float>(v), kv_ext, world);
-  const auto d_out_s = stria::sharding::split(sharding, std::span<const float>(d_out), q_ext, world);
-  std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(world), std::vector<float>(lse64.size() / static_cast<std::size_t>(world)));
+  const auto q_s = stria::sharding::split(sharding, std::span<const float>(p.q), q_ext, world), k_s = stria::sharding::split(sharding, std::span<const float>(p.k), kv_ext, world),
+             v_s = stria::sharding::split(sharding, std::span<const float>(p.v), kv_ext, world);
+  const auto d_out_s = stria::sharding::split(sharding, std::span<const float>(p.d_out), q_ext, world);
+  std::vector<std::vector<float>> out_s(q_s), lse_s(static_cast<std::size_t>(world), std::vector<float>(p.lse.size() / static_cast<std::size_t>(world)));
   std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
   const index_t sq = seq / world;
   comm::host_world host(world, std::chrono::seconds(120));
@@ -65,16 +45,15 @@ ring_errors compare_ring(test::seeded_rng& rng, const Sharding& sharding, const 
     const auto r = static_cast<std::size_t>(c.rank());
     const std::vector<step_index> indices = build_ring_indices(selection, sharding, topology, c.rank());
     host::ring_forward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
-                       std::span<const step_index>(indices), scale, view3(out_s[r], sq, heads_q, dim), view2(lse_s[r], heads_q, sq));
+                       std::span<const step_index>(indices), p.scale, view3(out_s[r], sq, heads_q, dim), view2(lse_s[r], heads_q, sq));
     host::ring_backward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
                         view3(std::as_const(out_s[r]), sq, heads_q, dim), view3(d_out_s[r], sq, heads_q, dim),
-                        view2(std::as_const(lse_s[r]), heads_q, sq), std::span<const step_index>(indices), scale,
+                        view2(std::as_const(lse_s[r]), heads_q, sq), std::span<const step_index>(indices), p.scale,
                         view3(dq_s[r], sq, heads_q, dim), view3(dk_s[r], sq, heads_kv, dim), view3(dv_s[r], sq, heads_kv, dim));
   });
   using stria::sharding::join;
-  return {test::relative_error(join(sharding, out_s, q_ext), out64), test::relative_error(join(sharding, lse_s, lse_ext, 1), lse64),
-          test::relative_error(join(sharding, dq_s, q_ext), dq64), test::relative_error(join(sharding, dk_s, kv_ext), dk64),
-          test::relative_error(join(sharding, dv_s, kv_ext), dv64)};
+  return test::errors_against(p, join(sharding, out_s, q_ext), join(sharding, lse_s, lse_ext, 1), join(sharding, dq_s, q_ext),
+                              join(sharding, dk_s, kv_ext), join(sharding, dv_s, kv_ext));
 }
 
 template <class Sharding>
@@ -103,14 +82,9 @@ void check_all_topologies(test::seeded_rng& rng, const Sharding& sharding) {
     CAPTURE(group);
     CAPTURE(dim);
     CAPTURE(causal);
-    const ring_errors e = rc.nodes == 0 ? compare_ring(rng, sharding, topology::flat_ring(world), selection, 8 / group, dim)
+    const test::attention_errors e = rc.nodes == 0 ? compare_ring(rng, sharding, topology::flat_ring(world), selection, 8 / group, dim)
                                         : compare_ring(rng, sharding, topology::hierarchical_ring(rc.nodes, rc.cards), selection, 8 / group, dim);
-    CAPTURE(e.out);
-    CAPTURE(e.lse);
-    CAPTURE(e.dq);
-    CAPTURE(e.dk);
-    CAPTURE(e.dv);
-    CHECK(e.max() < 1e-5);
+    test::check_errors(e, 1e-5);
   }
 }
 

@@ -18,6 +18,7 @@
 #include "stria/solver/dynamic_solver.hpp"
 #include "support/oracle.hpp"
 #include "support/selection.hpp"
+#include "support/whole_reference.hpp"
 
 using namespace stria;
 using test::view2;
@@ -25,35 +26,16 @@ using test::view3;
 
 namespace {
 
-struct solver_errors {
-  double out, lse, dq, dk, dv;
-  [[nodiscard]] double max() const { return std::max({out, lse, dq, dk, dv}); }
-};
-
 /// Runs the plan on `world` threads and compares with single-rank attention in double.
-solver_errors compare_solver(test::seeded_rng& rng, const global_selection& g, index_t world, index_t chunks_per_rank, index_t heads_kv,
-                             index_t dim, std::size_t* moves = nullptr) {
-  const index_t seq = g.seq_len, hq = g.num_heads(), local = seq / world;
-  const double scale = 1.0 / std::sqrt(double(dim));
-  const std::vector<float> q = rng.values<float>(static_cast<std::size_t>(seq) * hq * dim);
-  const std::vector<float> k = rng.values<float>(static_cast<std::size_t>(seq) * heads_kv * dim);
-  const std::vector<float> v = rng.values<float>(k.size());
-  const std::vector<float> d_out = rng.values<float>(q.size());
-
-  const step_index whole = build_local_index(g, sharding::sequential{}, 1, 0, 0);
-  const std::vector<double> q64(q.begin(), q.end()), k64(k.begin(), k.end()), v64(v.begin(), v.end()), d_out64(d_out.begin(), d_out.end());
-  std::vector<double> out64(q.size()), lse64(static_cast<std::size_t>(hq) * seq), dq64(q.size(), 0.0), dk64(k.size(), 0.0), dv64(k.size(), 0.0);
-  host::reference_forward<double>(view3(q64, seq, hq, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim), whole.view(), scale,
-                                  view3(out64, seq, hq, dim), view2(lse64, hq, seq));
-  host::reference_backward<double>(view3(q64, seq, hq, dim), view3(k64, seq, heads_kv, dim), view3(v64, seq, heads_kv, dim),
-                                   view3(std::as_const(out64), seq, hq, dim), view3(d_out64, seq, hq, dim), view2(std::as_const(lse64), hq, seq),
-                                   whole.view(), scale, view3(dq64, seq, hq, dim), view3(dk64, seq, heads_kv, dim), view3(dv64, seq, heads_kv, dim));
-
-  const solver::problem p = solver::problem_from_selection(g, world, chunks_per_rank, heads_kv);
-  const solver::plan plan = solver::solve(p);
+test::attention_errors compare_solver(test::seeded_rng& rng, const global_selection& g, index_t world, index_t chunks_per_rank, index_t heads_kv,
+                                      index_t dim, std::size_t* moves = nullptr) {
+  const test::whole_problem p(rng, g, heads_kv, dim);
+  const index_t seq = p.seq, hq = p.hq, local = seq / world;
+  const solver::problem problem = solver::problem_from_selection(g, world, chunks_per_rank, heads_kv);
+  const solver::plan plan = solver::solve(problem);
   if (moves) *moves = plan.moves.size();
   // Sequential sharding: rank r's shard is rows [r local, (r + 1) local) of every tensor, LSE columns likewise.
-  std::vector<float> out(q.size()), lse(lse64.size()), dq(q.size()), dk(k.size()), dv(k.size());
+  std::vector<float> out(p.q.size()), lse(p.lse.size()), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
   comm::host_world host(world, std::chrono::seconds(120));
   host.run([&](comm::host_threads& c) {
     const index_t first = c.rank() * local;
@@ -64,14 +46,15 @@ solver_errors compare_solver(test::seeded_rng& rng, const global_selection& g, i
       return tensor_view<float, 3>(x.data() + static_cast<std::size_t>(first) * heads * dim, {local, heads, dim});
     };
     std::vector<float> my_lse(static_cast<std::size_t>(hq) * local);
-    host::solver_forward(c, p, plan, g, shard(q, hq), shard(k, heads_kv), shard(v, heads_kv), scale, shard_out(out, hq), view2(my_lse, hq, local));
+    host::solver_forward(c, problem, plan, g, shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), p.scale, shard_out(out, hq),
+                         view2(my_lse, hq, local));
     for (index_t h = 0; h < hq; ++h)
       std::copy_n(my_lse.begin() + static_cast<std::ptrdiff_t>(h * local), local, lse.begin() + static_cast<std::ptrdiff_t>(h * seq + first));
-    host::solver_backward(c, p, plan, g, shard(q, hq), shard(k, heads_kv), shard(v, heads_kv), shard(std::as_const(out), hq), shard(d_out, hq),
-                          view2(std::as_const(my_lse), hq, local), scale, shard_out(dq, hq), shard_out(dk, heads_kv), shard_out(dv, heads_kv));
+    host::solver_backward(c, problem, plan, g, shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), shard(std::as_const(out), hq),
+                          shard(p.d_out, hq), view2(std::as_const(my_lse), hq, local), p.scale, shard_out(dq, hq), shard_out(dk, heads_kv),
+                          shard_out(dv, heads_kv));
   });
-  return {test::relative_error(out, out64), test::relative_error(lse, lse64), test::relative_error(dq, dq64), test::relative_error(dk, dk64),
-          test::relative_error(dv, dv64)};
+  return test::errors_against(p, out, lse, dq, dk, dv);
 }
 
 }  // namespace
@@ -100,14 +83,9 @@ TEST_CASE("attention run as the solver plans it equals single-rank attention, ev
         CAPTURE(heads_kv);
         CAPTURE(dim);
         std::size_t moves = 0;
-        const solver_errors e = compare_solver(rng, g, world, chunks_per_rank, heads_kv, dim, &moves);
+        const test::attention_errors e = compare_solver(rng, g, world, chunks_per_rank, heads_kv, dim, &moves);
         plans_with_moves += moves > 0;
-        CAPTURE(e.out);
-        CAPTURE(e.lse);
-        CAPTURE(e.dq);
-        CAPTURE(e.dk);
-        CAPTURE(e.dv);
-        CHECK(e.max() < 1e-5);
+        test::check_errors(e, 1e-5);
       }
     }
   CHECK(plans_with_moves > 0);  // the sweep exercised moved chunks, not only local tasks

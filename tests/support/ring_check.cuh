@@ -142,10 +142,28 @@ void check_joined(const global_problem<T>& p, const Sharding& sharding, const st
   CHECK(dv_error < tolerance<T>());
 }
 
-/// Runs the device ring on W ranks (`run_world`) and checks the joined results.
-template <class T, class Sharding, class Topology, class Runner>
-void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topology& topology, const std::string& name, Runner run_world) {
-  const index_t world = topology.world_size(), s = p.seq_len, hq = p.hq, hkv = p.hkv, dim = p.dim, local = s / world;
+/// One rank's device tensors in a check: its shards of the inputs (and of the reference output and
+/// LSE the backward takes), and outputs poisoned with NaN so that every element must be written.
+template <class T>
+struct rank_tensors {
+  index_t local, hq, hkv, dim;
+  device_buffer<T> q, k, v, d_out, out_in;
+  device_buffer<float> lse_in;
+  device_buffer<T> out, dq, dk, dv;
+  device_buffer<float> lse;
+
+  [[nodiscard]] tensor_view<const T, 3> in(const device_buffer<T>& b, index_t heads) const { return {b.data(), {local, heads, dim}}; }
+  [[nodiscard]] tensor_view<T, 3> to(device_buffer<T>& b, index_t heads) const { return {b.data(), {local, heads, dim}}; }
+  [[nodiscard]] tensor_view<float, 2> lse_out() { return {lse.data(), {hq, local}}; }
+  [[nodiscard]] tensor_view<const float, 2> lse_for_backward() const { return {lse_in.data(), {hq, local}}; }
+};
+
+/// Splits p over W ranks by `sharding`, runs run_rank(comm, tensors, stream, transfer_stream) on
+/// every rank (`run_world`), and checks the joined results against p's references.
+template <class T, class Sharding, class Runner, class RunRank>
+void check_distributed(const global_problem<T>& p, const Sharding& sharding, index_t world, const std::string& name, Runner run_world,
+                       const RunRank& run_rank) {
+  const index_t s = p.seq_len, hq = p.hq, hkv = p.hkv, dim = p.dim, local = s / world;
   CAPTURE(name);
   const std::array<index_t, 3> q_extents{s, hq, dim}, kv_extents{s, hkv, dim};
   const auto split3 = [&](const std::vector<T>& x, std::array<index_t, 3> e) { return sharding::split(sharding, std::span<const T>(x), e, world); };
@@ -160,30 +178,17 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
     {
       const cudaStream_t st = compute.get();
       auto up = [&](const auto& x) { return device_buffer<std::decay_t<decltype(x[0])>>(std::span(x), st); };
-      const device_buffer<T> q = up(q_s[r]), k = up(k_s[r]), v = up(v_s[r]), d_out = up(d_out_s[r]), out_in = up(out_in_s[r]);
-      const device_buffer<float> lse_in = up(lse_in_s[r]);
-      device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
-      device_buffer<float> lse(lse_in.size(), st);
-      for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0xff, st);  // NaN: every element must be written
-      lse.fill_bytes(0xff, st);
-      const device_selection selection(p.selection, st);
-      std::vector<device_step_index> indices;
-      for (index_t step = 0; step < topology.num_steps(); ++step)
-        indices.push_back(build_local_index_device(selection, sharding, world, c.rank(), topology.kv_source_rank(c.rank(), step),
-                                                   {0, 0, 0, step, 0}, st));
-      const auto view = [&](const device_buffer<T>& b, index_t tokens, index_t heads) { return tensor_view<const T, 3>(b.data(), {tokens, heads, dim}); };
-      const auto out_view = [&](device_buffer<T>& b, index_t tokens, index_t heads) { return tensor_view<T, 3>(b.data(), {tokens, heads, dim}); };
-      device::ring_forward(c, topology, std::span<const device_step_index>(indices), view(q, local, hq), view(k, local, hkv), view(v, local, hkv),
-                           p.scale, out_view(out, local, hq), tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get());
-      device::ring_backward(c, topology, std::span<const device_step_index>(indices), view(q, local, hq), view(k, local, hkv),
-                            view(v, local, hkv), view(out_in, local, hq), view(d_out, local, hq),
-                            tensor_view<const float, 2>(lse_in.data(), {hq, local}), p.scale, out_view(dq, local, hq),
-                            out_view(dk, local, hkv), out_view(dv, local, hkv), device::determinism::atomic, st, transfer.get());
-      out_s[r] = out.download(st);
-      lse_s[r] = lse.download(st);
-      dq_s[r] = dq.download(st);
-      dk_s[r] = dk.download(st);
-      dv_s[r] = dv.download(st);
+      rank_tensors<T> t{local, hq, hkv, dim, up(q_s[r]), up(k_s[r]), up(v_s[r]), up(d_out_s[r]), up(out_in_s[r]), up(lse_in_s[r]),
+                        device_buffer<T>(q_s[r].size(), st), device_buffer<T>(q_s[r].size(), st), device_buffer<T>(k_s[r].size(), st),
+                        device_buffer<T>(v_s[r].size(), st), device_buffer<float>(lse_in_s[r].size(), st)};
+      for (auto* b : {&t.out, &t.dq, &t.dk, &t.dv}) b->fill_bytes(0xff, st);  // NaN: every element must be written
+      t.lse.fill_bytes(0xff, st);
+      run_rank(c, t, st, transfer.get());
+      out_s[r] = t.out.download(st);
+      lse_s[r] = t.lse.download(st);
+      dq_s[r] = t.dq.download(st);
+      dk_s[r] = t.dk.download(st);
+      dv_s[r] = t.dv.download(st);
     }  // buffers go before their streams
     share_shards(c, out_s), share_shards(c, lse_s), share_shards(c, dq_s), share_shards(c, dk_s), share_shards(c, dv_s);
   });
@@ -191,53 +196,39 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
                sharding::join(sharding, lse_s, std::array<index_t, 2>{hq, s}, 1), dq_s, dk_s, dv_s);
 }
 
+/// Runs the device ring on W ranks (`run_world`) and checks the joined results.
+template <class T, class Sharding, class Topology, class Runner>
+void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topology& topology, const std::string& name, Runner run_world) {
+  const index_t world = topology.world_size();
+  check_distributed(p, sharding, world, name, run_world, [&](auto& c, rank_tensors<T>& t, cudaStream_t st, cudaStream_t transfer) {
+    const device_selection selection(p.selection, st);
+    std::vector<device_step_index> indices;
+    for (index_t step = 0; step < topology.num_steps(); ++step)
+      indices.push_back(build_local_index_device(selection, sharding, world, c.rank(), topology.kv_source_rank(c.rank(), step), {0, 0, 0, step, 0}, st));
+    const std::span<const device_step_index> steps(indices);
+    device::ring_forward(c, topology, steps, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), p.scale, t.to(t.out, p.hq), t.lse_out(), st,
+                         transfer);
+    device::ring_backward(c, topology, steps, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), t.in(t.out_in, p.hq), t.in(t.d_out, p.hq),
+                          t.lse_for_backward(), p.scale, t.to(t.dq, p.hq), t.to(t.dk, p.hkv), t.to(t.dv, p.hkv), device::determinism::atomic,
+                          st, transfer);
+  });
+}
+
 /// Runs the dynamic solver's plan for p's selection (W ranks, m chunks each) on the device and
 /// checks the joined results. Returns the plan.
 template <class T, class Runner>
 solver::plan check_solver(const global_problem<T>& p, index_t world, index_t chunks_per_rank, const std::string& name, Runner run_world) {
-  const index_t s = p.seq_len, hq = p.hq, hkv = p.hkv, dim = p.dim, local = s / world;
-  CAPTURE(name);
-  const solver::problem problem = solver::problem_from_selection(p.selection, world, chunks_per_rank, hkv);
+  const solver::problem problem = solver::problem_from_selection(p.selection, world, chunks_per_rank, p.hkv);
   const solver::plan plan = solver::solve(problem);
-  const sharding::sequential sharding;
-  const std::array<index_t, 3> q_extents{s, hq, dim}, kv_extents{s, hkv, dim};
-  const auto split3 = [&](const std::vector<T>& x, std::array<index_t, 3> e) { return sharding::split(sharding, std::span<const T>(x), e, world); };
-  const auto q_s = split3(p.q, q_extents), k_s = split3(p.k, kv_extents), v_s = split3(p.v, kv_extents), d_out_s = split3(p.d_out, q_extents),
-             out_in_s = split3(p.out_rounded, q_extents);
-  const auto lse_in_s = sharding::split(sharding, std::span<const float>(p.lse), std::array<index_t, 2>{hq, s}, world, 1);
-  std::vector<std::vector<T>> out_s(static_cast<std::size_t>(world)), dq_s(out_s.size()), dk_s(out_s.size()), dv_s(out_s.size());
-  std::vector<std::vector<float>> lse_s(out_s.size());
-  run_world(world, [&](auto& c) {
-    const auto r = static_cast<std::size_t>(c.rank());
-    const cuda_stream compute, transfer;
-    {
-      const cudaStream_t st = compute.get();
-      auto up = [&](const auto& x) { return device_buffer<std::decay_t<decltype(x[0])>>(std::span(x), st); };
-      const device_buffer<T> q = up(q_s[r]), k = up(k_s[r]), v = up(v_s[r]), d_out = up(d_out_s[r]), out_in = up(out_in_s[r]);
-      const device_buffer<float> lse_in = up(lse_in_s[r]);
-      device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
-      device_buffer<float> lse(lse_in.size(), st);
-      for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0xff, st);  // NaN: every element must be written
-      lse.fill_bytes(0xff, st);
-      const device_selection selection(p.selection, st);
-      const device::solver_task_indices indices = device::build_solver_indices(selection, problem, plan, c.rank(), st);
-      const auto view = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {local, heads, dim}); };
-      const auto out_view = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {local, heads, dim}); };
-      device::solver_forward(c, problem, plan, indices, view(q, hq), view(k, hkv), view(v, hkv), p.scale, out_view(out, hq),
-                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get());
-      device::solver_backward(c, problem, plan, indices, view(q, hq), view(k, hkv), view(v, hkv), view(out_in, hq), view(d_out, hq),
-                              tensor_view<const float, 2>(lse_in.data(), {hq, local}), p.scale, out_view(dq, hq), out_view(dk, hkv),
-                              out_view(dv, hkv), device::determinism::atomic, st, transfer.get());
-      out_s[r] = out.download(st);
-      lse_s[r] = lse.download(st);
-      dq_s[r] = dq.download(st);
-      dk_s[r] = dk.download(st);
-      dv_s[r] = dv.download(st);
-    }
-    share_shards(c, out_s), share_shards(c, lse_s), share_shards(c, dq_s), share_shards(c, dk_s), share_shards(c, dv_s);
+  check_distributed(p, sharding::sequential{}, world, name, run_world, [&](auto& c, rank_tensors<T>& t, cudaStream_t st, cudaStream_t transfer) {
+    const device_selection selection(p.selection, st);
+    const device::solver_task_indices indices = device::build_solver_indices(selection, problem, plan, c.rank(), st);
+    device::solver_forward(c, problem, plan, indices, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), p.scale, t.to(t.out, p.hq),
+                           t.lse_out(), st, transfer);
+    device::solver_backward(c, problem, plan, indices, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), t.in(t.out_in, p.hq),
+                            t.in(t.d_out, p.hq), t.lse_for_backward(), p.scale, t.to(t.dq, p.hq), t.to(t.dk, p.hkv), t.to(t.dv, p.hkv),
+                            device::determinism::atomic, st, transfer);
   });
-  check_joined(p, sharding, name, as_float(sharding::join(sharding, out_s, q_extents)),
-               sharding::join(sharding, lse_s, std::array<index_t, 2>{hq, s}, 1), dq_s, dk_s, dv_s);
   return plan;
 }
 

@@ -41,6 +41,15 @@ std::vector<float> chunk_rows(const solver::rank_chunks& me, tensor_view<const T
   return y;
 }
 
+/// K then V of one of this rank's chunks, in fp32 and one buffer ([2, tokens, Hkv, D]: one message).
+template <class T>
+std::vector<float> chunk_kv(const solver::rank_chunks& me, tensor_view<const T, 3> k, tensor_view<const T, 3> v, index_t chunk) {
+  std::vector<float> x = chunk_rows(me, k, chunk);
+  const std::vector<float> values = chunk_rows(me, v, chunk);
+  x.insert(x.end(), values.begin(), values.end());
+  return x;
+}
+
 /// The LSE columns of one of this rank's chunks: [Hq, tokens].
 inline std::vector<float> chunk_lse(const solver::rank_chunks& me, tensor_view<const float, 2> lse, index_t chunk) {
   std::vector<float> y;
@@ -83,12 +92,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   check_extents(lse, {hq, q.extent(0)}, "lse");
   const index_t ct = me.tokens();
   const std::size_t q_elems = me.elements(hq, dim), kv_elems = me.elements(hkv, dim), lse_elems = static_cast<std::size_t>(hq) * ct;
-  const auto packed_kv = [&](index_t chunk) {
-    std::vector<float> x = detail::chunk_rows(me, k, chunk);
-    const std::vector<float> vv = detail::chunk_rows(me, v, chunk);
-    x.insert(x.end(), vv.begin(), vv.end());
-    return x;
-  };
+  const auto packed_kv = [&](index_t chunk) { return detail::chunk_kv(me, k, v, chunk); };
   // 1. What this rank's chunks owe other ranks.
   for (const solver::chunk_move& move : plan.moves) {
     if (!me.owns(move.chunk)) continue;
@@ -199,12 +203,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     }
     return s;
   };
-  const auto packed_kv = [&](index_t chunk) {
-    std::vector<float> x = detail::chunk_rows(me, k, chunk);
-    const std::vector<float> vv = detail::chunk_rows(me, v, chunk);
-    x.insert(x.end(), vv.begin(), vv.end());
-    return x;
-  };
+  const auto packed_kv = [&](index_t chunk) { return detail::chunk_kv(me, k, v, chunk); };
   // 1. What this rank's chunks owe other ranks.
   for (const solver::chunk_move& move : plan.moves) {
     if (!me.owns(move.chunk)) continue;
