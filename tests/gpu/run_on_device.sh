@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (the device tool): the `gpu` tests, compute-sanitizer memcheck and
-# racecheck over them, then the benchmarks; prints a short table last and leaves logs in $OUT.
+# Runs on the GPU machine (the device tool): the `gpu` tests (and the `multi_gpu` tests where there
+# are two or more GPUs), compute-sanitizer memcheck and racecheck over the `gpu` tests, then the
+# benchmarks; prints a short table last and leaves logs in $OUT.
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
@@ -39,6 +40,13 @@ run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and tim
 }
 
 run gpu_tests "$bin/stria_gpu_tests"
+# With two or more GPUs: the multi-GPU tests, one process driving every GPU and one process per GPU
+# (NVLink multicast stays off).
+if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_tests" ]; then
+  export NCCL_NVLS_ENABLE=0
+  run multi_gpu_tests "$bin/stria_multi_gpu_tests"
+  [ -x "$bin/stria_one_process_per_gpu" ] && run one_process_per_gpu tests/multi_gpu/launch_ranks.sh "$bin/stria_one_process_per_gpu"
+fi
 if [ "$mode" != quick ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/stria_gpu_tests"
   # racecheck is slow: by default it covers the window-statistics kernels and one small problem through
