@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // plan: how evenly each sharding x ring topology spreads a Vertical-Slash pattern over the ranks.
 // For a synthetic VS input (or a recorded selection) it prints, per combination, the worker- and
-// step-level imbalance degrees and the busiest rank's attention FLOPs. Runs on any machine.
+// step-level imbalance degrees and the busiest rank's attention FLOPs; with --solver, the dynamic
+// solver's plan of the same selection. Runs on any machine.
 #include <stria/comm/host_threads.hpp>
 #include <stria/estimator/vertical_slash_top_p.hpp>
 #include <stria/estimator/window_statistics.hpp>
@@ -12,6 +13,7 @@
 #include <stria/sharding/sequential.hpp>
 #include <stria/sharding/striped.hpp>
 #include <stria/sharding/zigzag.hpp>
+#include <stria/solver/dynamic_solver.hpp>
 #include <stria/topology/flat_ring.hpp>
 #include <stria/topology/hierarchical_ring.hpp>
 
@@ -19,10 +21,10 @@
 #include <array>
 #include <chrono>
 #include <cmath>
-#include <span>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -48,6 +50,9 @@ constexpr const char* usage =
     "                   recall_mean and recall_min (exact attention, when --seq-len <= 16384)\n"
     "  --selection F    plan a recorded selection instead: JSON {\"seq_len\": S, \"causal\": true,\n"
     "                   \"heads\": [{\"vertical\": [token, ...], \"slash_blocks\": [delta, ...]}, ...]}\n"
+    "  --solver M       also plan the dynamic solver (sequential sharding, M chunks per rank): its\n"
+    "                   busiest rank against the mean and its volume against the flat ring's\n"
+    "  --volume-cap X   with --solver: a plan may move X times the flat ring's volume (default 1)\n"
     "  --json           print one JSON object instead of the table\n"
     "  --help           this text\n";
 
@@ -64,6 +69,8 @@ struct options {
   std::string selection_file;
   bool estimate = false;
   bool json = false;
+  stria::index_t solver_chunks = 0;  // 0: no solver plan
+  double volume_cap = 1.0;
 };
 
 options parse(int argc, char** argv) {
@@ -99,6 +106,8 @@ options parse(int argc, char** argv) {
     else if (arg == "--seed") o.seed = static_cast<unsigned long long>(integer());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;
+    else if (arg == "--solver") o.solver_chunks = static_cast<stria::index_t>(integer());
+    else if (arg == "--volume-cap") o.volume_cap = real();
     else if (arg == "--estimate") o.estimate = true;
     else if (arg == "--help") {
       std::fputs(usage, stdout);
@@ -106,6 +115,7 @@ options parse(int argc, char** argv) {
     } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
   }
   if (o.world < 1) throw stria::invalid_argument("--world", o.world, "must be at least 1");
+  if (o.solver_chunks < 0) throw stria::invalid_argument("--solver", o.solver_chunks, "must be at least 1 chunk per rank");
   if (o.nodes < 1 || o.world % o.nodes != 0)
     throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
   if (!(o.sparsity >= 0.0 && o.sparsity < 1.0)) throw stria::invalid_argument("--sparsity", o.sparsity, "must lie in [0, 1)");
@@ -243,6 +253,20 @@ int main(int argc, char** argv) try {
   plan_sharding(stria::sharding::zigzag{});
   plan_sharding(stria::sharding::striped<64>{});
 
+  // The dynamic solver's plan of the same selection (sequential sharding, M chunks per rank).
+  struct solver_row {
+    double max_load_over_mean = 0, volume_over_ring = 0, solve_ms = 0;
+    bool feasible = false;
+    std::size_t moves = 0;
+  } solved;
+  if (o.solver_chunks > 0) {
+    const stria::solver::problem p = stria::solver::problem_from_selection(g, o.world, o.solver_chunks, o.heads_kv);
+    const auto t0 = std::chrono::steady_clock::now();
+    const stria::solver::plan x = stria::solver::solve(p, {1.10, o.volume_cap});
+    solved = {x.max_load_over_mean(), double(stria::solver::comm_volume(p, x)) / double(p.ring_volume()),
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(), x.feasible, x.moves.size()};
+  }
+
   const double causal_entries = double(g.seq_len) * (double(g.seq_len) + 1.0) / 2.0 * g.num_heads();
   const double density = rows.front().total_flops / (4.0 * o.head_dim) / causal_entries;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -263,7 +287,13 @@ int main(int argc, char** argv) try {
                   i ? "," : "", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean, r.imbalance.worker_max,
                   r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops);
     }
-    std::printf("\n]}\n");
+    std::printf("\n]");
+    if (o.solver_chunks > 0)
+      std::printf(",\n \"solver\": {\"chunks_per_rank\": %d, \"volume_cap\": %.3f, \"max_load_over_mean\": %.4f, \"volume_over_ring\": %.4f, "
+                  "\"feasible\": %s, \"moves\": %zu, \"solve_ms\": %.3f}",
+                  o.solver_chunks, o.volume_cap, solved.max_load_over_mean, solved.volume_over_ring, solved.feasible ? "true" : "false",
+                  solved.moves, solved.solve_ms);
+    std::printf("}\n");
     return 0;
   }
   std::printf("plan: seq_len %d, world %d (%d node%s), heads %d, head_dim %d, %s pattern, density %.2f%% of causal entries\n",
@@ -281,6 +311,11 @@ int main(int argc, char** argv) try {
   for (const row& r : rows)
     std::printf("%-11s %-26s %8.3f /%7.3f %8.3f /%7.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
                 r.imbalance.worker_max, r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops * 1e-9);
+  if (o.solver_chunks > 0)
+    std::printf("\ndynamic solver (sequential, %d chunks per rank, mu 1.10, volume cap %.2f): busiest rank / mean %.3f, volume %.3f of the\n"
+                "flat ring's, %zu chunk moves, %s (solved in %.1f ms)\n",
+                o.solver_chunks, o.volume_cap, solved.max_load_over_mean, solved.volume_over_ring, solved.moves,
+                solved.feasible ? "balanced within mu" : "not balanced within mu under the cap", solved.solve_ms);
   std::printf("\n(%.2f s)\n", seconds);
   return 0;
 } catch (const std::exception& e) {
