@@ -7,26 +7,24 @@
 // The solver picks the moves (edges) and each task's rank so that every load stays within mu x the
 // mean while the busiest rank's traffic stays small:
 //  1. binary search over the per-rank budget K (what a rank may send, and receive), feasible when
-//     the loads fit and the total stays within the flat ring's volume;
+//     the loads fit and the total stays within the flat ring's volume (times options.volume_cap);
 //  2. greedy edge selection by unlocked work / cost within K (an edge unlocks the tasks it makes
 //     runnable somewhere; a task unlocked by one edge no longer counts for its other edge);
 //  3. assignment by (fewest candidate ranks, largest area): on the query's owner when it has room,
 //     else on the least loaded candidate;
 //  4. refinement: tasks leave ranks above mu x mean, largest first, for their other owner when it
 //     has room, adding the edge that allows it if it fits within K.
-// Candidate ranks are a task's two owners (a third rank would need two moves for one task). A
-// feasible plan never moves more than the flat ring in total. Deterministic.
+// Candidate ranks are a task's two owners (a third rank would need two moves for one task). Every
+// plan places every task; none moves more than the cap allows (by default the flat ring's volume).
+// Deterministic.
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <cstdint>
-#include <functional>
 #include <numeric>
-#include <queue>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "stria/core/config.hpp"
@@ -149,7 +147,9 @@ class attempt {
         kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_), 0), qo_at_(kv_at_.size(), 0),
         kv_use_(kv_at_.size(), 0), qo_use_(kv_at_.size(), 0), send_(static_cast<std::size_t>(w_), 0), recv_(send_.size(), 0),
         load_(send_.size(), 0),
-        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1), unplaced_(2 * kv_at_.size(), 0) {
+        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1), unplaced_(2 * kv_at_.size(), 0),
+        owner_(static_cast<std::size_t>(c_)) {
+    for (index_t chunk = 0; chunk < c_; ++chunk) owner_[static_cast<std::size_t>(chunk)] = p.owner(chunk);
     const std::int64_t total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
     limit_ = mu * double(total) / double(w_);
     for (index_t i = 0; i < c_; ++i)
@@ -169,10 +169,11 @@ class attempt {
     index_t chunk, rank;
   };
 
+  [[nodiscard]] index_t owner_of(index_t chunk) const { return owner_[static_cast<std::size_t>(chunk)]; }
   [[nodiscard]] std::size_t task_at(index_t i, index_t j) const { return static_cast<std::size_t>(i) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(j); }
   [[nodiscard]] std::size_t slot(index_t chunk, index_t rank) const { return static_cast<std::size_t>(chunk) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(rank); }
-  [[nodiscard]] bool has_kv(index_t j, index_t r) const { return p_.owner(j) == r || kv_at_[slot(j, r)]; }
-  [[nodiscard]] bool has_qo(index_t i, index_t r) const { return p_.owner(i) == r || qo_at_[slot(i, r)]; }
+  [[nodiscard]] bool has_kv(index_t j, index_t r) const { return owner_of(j) == r || kv_at_[slot(j, r)]; }
+  [[nodiscard]] bool has_qo(index_t i, index_t r) const { return owner_of(i) == r || qo_at_[slot(i, r)]; }
   [[nodiscard]] bool runnable(index_t i, index_t j, index_t r) const { return has_qo(i, r) && has_kv(j, r); }
 
   /// Per-rank volumes of an edge: the owner sends the chunk (and receives the O back for QO).
@@ -187,13 +188,13 @@ class attempt {
   [[nodiscard]] bool fits(const edge& e) const {
     std::int64_t os, orc, ds, dr;
     edge_costs(e, os, orc, ds, dr);
-    const auto o = static_cast<std::size_t>(p_.owner(e.chunk)), d = static_cast<std::size_t>(e.rank);
+    const auto o = static_cast<std::size_t>(owner_of(e.chunk)), d = static_cast<std::size_t>(e.rank);
     return send_[o] + os <= budget_ && recv_[o] + orc <= budget_ && send_[d] + ds <= budget_ && recv_[d] + dr <= budget_;
   }
   void add_edge(const edge& e, int sign = +1) {
     std::int64_t os, orc, ds, dr;
     edge_costs(e, os, orc, ds, dr);
-    const auto o = static_cast<std::size_t>(p_.owner(e.chunk)), d = static_cast<std::size_t>(e.rank);
+    const auto o = static_cast<std::size_t>(owner_of(e.chunk)), d = static_cast<std::size_t>(e.rank);
     send_[o] += sign * os;
     recv_[o] += sign * orc;
     send_[d] += sign * ds;
@@ -224,7 +225,7 @@ class attempt {
   /// the KV's owner); each edge keeps the sum of its unplaced tasks' areas, updated as tasks are
   /// placed and taken off, so scoring an edge costs O(1).
   void count_unplaced(index_t i, index_t j, int sign) {
-    const index_t qi = p_.owner(i), kj = p_.owner(j);
+    const index_t qi = owner_of(i), kj = owner_of(j);
     if (qi == kj) return;
     const std::int64_t a = sign * p_.at(i, j);
     unplaced_[edge_id({chunk_move::kind::kv, j, qi})] += a;
@@ -237,61 +238,69 @@ class attempt {
   /// and the room only shrink, so a max-heap with lazy re-scoring is exact. Local tasks are placed
   /// first (they have one candidate).
   void select_edges() {
-    for (index_t i = 0; i < c_; ++i)
-      for (index_t j = 0; j < c_; ++j)
-        if (p_.at(i, j) > 0 && p_.owner(i) == p_.owner(j)) place(i, j, p_.owner(i));
+    for (index_t r = 0; r < w_; ++r)  // the local tasks: both chunks rank r's
+      for (index_t i = r * p_.chunks_per_rank; i < (r + 1) * p_.chunks_per_rank; ++i)
+        for (index_t j = r * p_.chunks_per_rank; j < (r + 1) * p_.chunks_per_rank; ++j)
+          if (p_.at(i, j) > 0) place(i, j, r);
     // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
     // ranks come first, so the busy ranks' chunks travel to where there is room.
     auto work = [&](const edge& e) {
       const double free = std::max(0.0, room(e.rank));
       return std::min(double(unplaced_[edge_id(e)]), free) * (free / limit_);
     };
-    // Heap entries packed in 64 bits, compared as integers: the score's float bits (non-negative
-    // floats order like their bit patterns) above the complement of the edge's id, so the max-heap
-    // yields the highest score first, then the smallest (kind, chunk, rank).
-    const auto id_of = [&](const edge& e) { return static_cast<std::uint32_t>(edge_id(e)); };
-    const auto pack = [](double score, std::uint32_t id) {
-      return (std::uint64_t{std::bit_cast<std::uint32_t>(static_cast<float>(score))} << 32) | (0xffffffffu - id);
+    // Edges in score buckets, highest first: a bucket is a float score's exponent and its top two
+    // mantissa bits (four buckets an octave, neighbours 14-25% apart). Scores only fall (the
+    // unplaced work and the rank's room only shrink), so a popped edge is re-scored and either taken
+    // (still in its bucket: near the best) or moved down to its new bucket: O(1) per move instead of
+    // a heap's O(log n). Deterministic (ids enter in order, each bucket is a stack).
+    constexpr int depth = 400;  // 100 octaves below the best initial score; lower scores share the last
+    const auto bucket_of = [&](double score, int top_bucket) {
+      const int b = static_cast<int>(std::bit_cast<std::uint32_t>(static_cast<float>(score)) >> 21);
+      return std::max(b, top_bucket - depth + 1);
     };
-    const auto score_of = [](std::uint64_t key) { return double(std::bit_cast<float>(static_cast<std::uint32_t>(key >> 32))); };
-    const auto edge_of = [&](std::uint64_t key) {
-      const std::uint32_t id = 0xffffffffu - static_cast<std::uint32_t>(key);
-      const auto w = static_cast<std::uint32_t>(w_), c = static_cast<std::uint32_t>(c_);
-      return edge{static_cast<chunk_move::kind>(id / (w * c)), static_cast<index_t>(id / w % c), static_cast<index_t>(id % w)};
-    };
-    std::vector<std::uint64_t> initial;
+    std::vector<std::uint32_t> ids;
+    std::vector<double> scores;
     for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
       for (index_t chunk = 0; chunk < c_; ++chunk)
         for (index_t r = 0; r < w_; ++r) {
-          if (r == p_.owner(chunk)) continue;
+          if (r == owner_of(chunk)) continue;
           const edge e{what, chunk, r};
-          if (const double u = work(e); u > 0) initial.push_back(pack(u / double(cost(e)), id_of(e)));
+          if (const double u = work(e); u > 0) {
+            ids.push_back(static_cast<std::uint32_t>(edge_id(e)));
+            scores.push_back(u / double(cost(e)));
+          }
         }
-    std::priority_queue<std::uint64_t> heap(std::less<std::uint64_t>{}, std::move(initial));
+    if (ids.empty()) return;
+    const int top_bucket = static_cast<int>(std::bit_cast<std::uint32_t>(static_cast<float>(*std::max_element(scores.begin(), scores.end()))) >> 21);
+    std::vector<std::vector<std::uint32_t>> buckets(depth);  // buckets[top_bucket - b]
+    for (std::size_t i = ids.size(); i-- > 0;) buckets[static_cast<std::size_t>(top_bucket - bucket_of(scores[i], top_bucket))].push_back(ids[i]);
+    const auto edge_of = [&](std::uint32_t id) {
+      const auto w = static_cast<std::uint32_t>(w_), c = static_cast<std::uint32_t>(c_);
+      return edge{static_cast<chunk_move::kind>(id / (w * c)), static_cast<index_t>(id / w % c), static_cast<index_t>(id % w)};
+    };
     std::vector<std::pair<std::int64_t, std::size_t>> order;
-    while (!heap.empty()) {
-      const std::uint64_t top = heap.top();
-      heap.pop();
-      const edge e = edge_of(top);
-      const double u = work(e);
-      if (u <= 0) continue;
-      const double score = double(static_cast<float>(u / double(cost(e)))), top_score = score_of(top);
-      // Stale (its work or its rank's room shrank since it was scored): back in at its current score,
-      // unless it is still within a quarter of it and ahead of the next (an approximate greedy that
-      // spares most re-scorings; still deterministic).
-      if (score < top_score && !heap.empty() && score_of(heap.top()) > score && score < 0.75 * top_score) {
-        heap.push(pack(score, id_of(e)));
-        continue;
+    for (std::size_t level = 0; level < buckets.size(); ++level) {
+      std::vector<std::uint32_t>& here = buckets[level];
+      while (!here.empty()) {
+        const std::uint32_t id = here.back();
+        here.pop_back();
+        const edge e = edge_of(id);
+        const double u = work(e);
+        if (u <= 0 || !fits(e)) continue;  // budgets only fill up: an edge that does not fit never will
+        const auto now = static_cast<std::size_t>(top_bucket - bucket_of(u / double(cost(e)), top_bucket));
+        if (now > level) {  // fell below this bucket: wait there
+          buckets[now].push_back(id);
+          continue;
+        }
+        add_edge(e);
+        order.clear();
+        for_each_task(e, [&](index_t i, index_t j) {
+          if (where_[task_at(i, j)] < 0 && p_.at(i, j) > 0) order.push_back({p_.at(i, j), task_at(i, j)});
+        });
+        std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+        for (const auto& [a, t] : order)
+          if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank);
       }
-      if (!fits(e)) continue;  // budgets only fill up: it never fits later
-      add_edge(e);
-      order.clear();
-      for_each_task(e, [&](index_t i, index_t j) {
-        if (where_[task_at(i, j)] < 0 && p_.at(i, j) > 0) order.push_back({p_.at(i, j), task_at(i, j)});
-      });
-      std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
-      for (const auto& [a, t] : order)
-        if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank);
     }
   }
 
@@ -308,18 +317,18 @@ class attempt {
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j)
         if (p_.at(i, j) > 0 && where_[task_at(i, j)] < 0)
-          tasks.push_back({int(runnable(i, j, p_.owner(i))) + int(runnable(i, j, p_.owner(j))), p_.at(i, j), i, j});
+          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), p_.at(i, j), i, j});
     std::stable_sort(tasks.begin(), tasks.end(), [](const pending& a, const pending& b) {
       return a.candidates != b.candidates ? a.candidates < b.candidates : a.area > b.area;
     });
     for (const pending& t : tasks) {
       index_t best = -1;
-      for (const index_t r : {p_.owner(t.i), p_.owner(t.j)}) {
+      for (const index_t r : {owner_of(t.i), owner_of(t.j)}) {
         const bool can = runnable(t.i, t.j, r) || fits(needed_edge(t.i, t.j, r));
         if (can && (best < 0 || load_[static_cast<std::size_t>(r)] < load_[static_cast<std::size_t>(best)])) best = r;
       }
       if (best < 0) {  // nothing fits within K: where its query lives, its KV moved over the budget
-        best = p_.owner(t.i);
+        best = owner_of(t.i);
         over_budget_ = true;
       }
       if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
@@ -331,8 +340,8 @@ class attempt {
     where_[task_at(i, j)] = r;
     load_[static_cast<std::size_t>(r)] += p_.at(i, j);
     count_unplaced(i, j, -1);
-    if (p_.owner(j) != r) ++kv_use_[slot(j, r)];
-    if (p_.owner(i) != r) ++qo_use_[slot(i, r)];
+    if (owner_of(j) != r) ++kv_use_[slot(j, r)];
+    if (owner_of(i) != r) ++qo_use_[slot(i, r)];
   }
 
   /// Takes (i, j) off its rank; a moved chunk no placed task uses any more goes back (its budget is free).
@@ -341,8 +350,8 @@ class attempt {
     where_[task_at(i, j)] = -1;
     load_[static_cast<std::size_t>(r)] -= p_.at(i, j);
     count_unplaced(i, j, +1);
-    if (p_.owner(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
-    if (p_.owner(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
+    if (owner_of(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
+    if (owner_of(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
   }
 
   /// Step 4: off ranks above the limit, largest task first, to its other owner when that has room;
@@ -356,7 +365,7 @@ class attempt {
         std::vector<std::pair<std::int64_t, std::size_t>> mine;
         for (index_t k = r * p_.chunks_per_rank; k < (r + 1) * p_.chunks_per_rank; ++k)
           for (index_t x = 0; x < c_; ++x) {
-            if (p_.owner(x) == r) continue;
+            if (owner_of(x) == r) continue;
             for (const std::size_t t : {task_at(k, x), task_at(x, k)})
               if (where_[t] == r && p_.area[t] > 0) mine.push_back({p_.area[t], t});
           }
@@ -364,7 +373,7 @@ class attempt {
         for (const auto& [a, t] : mine) {
           if (double(load_[static_cast<std::size_t>(r)]) <= limit_) break;
           const auto i = static_cast<index_t>(t / static_cast<std::size_t>(c_)), j = static_cast<index_t>(t % static_cast<std::size_t>(c_));
-          const index_t other = p_.owner(i) == r ? p_.owner(j) : p_.owner(i);
+          const index_t other = owner_of(i) == r ? owner_of(j) : owner_of(i);
           if (double(load_[static_cast<std::size_t>(other)] + a) > limit_) continue;
           if (!runnable(i, j, other) && !fits_after_leaving(i, j, r, needed_edge(i, j, other))) continue;
           unplace(i, j);
@@ -378,8 +387,8 @@ class attempt {
 
   /// Whether `e` fits within K once (i, j) has left r (freeing the move it used there, if only it did).
   [[nodiscard]] bool fits_after_leaving(index_t i, index_t j, index_t r, const edge& e) {
-    const bool frees = p_.owner(i) == r ? kv_use_[slot(j, r)] == 1 : qo_use_[slot(i, r)] == 1;
-    const edge old = p_.owner(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
+    const bool frees = owner_of(i) == r ? kv_use_[slot(j, r)] == 1 : qo_use_[slot(i, r)] == 1;
+    const edge old = owner_of(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
     if (frees) add_edge(old, -1);
     const bool ok = fits(e);
     if (frees) add_edge(old, +1);
@@ -388,7 +397,7 @@ class attempt {
 
   /// The edge that makes (i, j) runnable on one of its owners `r`.
   [[nodiscard]] edge needed_edge(index_t i, index_t j, index_t r) const {
-    return p_.owner(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
+    return owner_of(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
   }
 
   /// The plan: tasks per rank and stage, the moves the placement uses (edges nobody uses are
@@ -409,7 +418,7 @@ class attempt {
           placed = false;
           continue;
         }
-        const bool local = p_.owner(i) == r && p_.owner(j) == r;
+        const bool local = owner_of(i) == r && owner_of(j) == r;
         (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
         out.load[static_cast<std::size_t>(r)] += a;
       }
@@ -431,6 +440,7 @@ class attempt {
   std::vector<std::int64_t> send_, recv_, load_;  // [W]
   std::vector<index_t> where_;                 // [C, C]: the task's rank, -1 unplaced
   std::vector<std::int64_t> unplaced_;         // [2, C, W]: per edge, the area of its unplaced tasks
+  std::vector<index_t> owner_;                 // [C]: each chunk's rank (no division in the loops)
   bool over_budget_ = false;                   // a task was placed with a move beyond K
 };
 
