@@ -17,8 +17,8 @@
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
 #include "support/oracle.hpp"
-#include "support/whole_reference.hpp"
 #include "support/selection.hpp"
+#include "support/whole_reference.hpp"
 
 using namespace stria;
 using test::view2;

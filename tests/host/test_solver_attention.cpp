@@ -6,15 +6,12 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
-#include "stria/host/reference_attention.hpp"
 #include "stria/host/solver_attention.hpp"
-#include "stria/index/local_index.hpp"
 #include "stria/solver/dynamic_solver.hpp"
 #include "support/oracle.hpp"
 #include "support/selection.hpp"

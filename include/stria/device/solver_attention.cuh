@@ -47,8 +47,7 @@ struct solver_task_indices {
 inline solver_task_indices build_solver_indices(const device_selection& selection, const solver::problem& p, const solver::plan& plan,
                                                 index_t rank, cudaStream_t stream) {
   if (rank < 0 || rank >= p.world_size) throw invalid_argument("rank", rank, "must lie in [0, " + std::to_string(p.world_size) + ")");
-  if (plan.local_tasks.size() != static_cast<std::size_t>(p.world_size) || plan.remote_tasks.size() != static_cast<std::size_t>(p.world_size))
-    throw invalid_argument("plan.local_tasks.size()", plan.local_tasks.size(), "must equal the problem's world size " + std::to_string(p.world_size));
+  solver::check_plan_of(p, plan);
   solver_task_indices out{rank, selection.seq_len(), selection.num_heads(), {}, {}};
   const auto build = [&](const solver::task& t) {
     return build_local_index_device(selection, sharding::sequential{}, p.num_chunks(), t.query_chunk, t.kv_chunk, {}, stream);
@@ -172,15 +171,16 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   arrived.record(transfer_stream);
 
   // 2. Stage 0: this rank's own tasks, while the moves travel.
-  const auto kv_of = [&](index_t chunk, bool moved) {
-    const T* base = moved ? moved_kv.at(chunk).data() : nullptr;
-    const index_t first = moved ? 0 : me.first_token(chunk);
-    return std::pair{moved ? tensor_view<const T, 3>(base, {ct, hkv, dim}) : detail::chunk_view(k.data(), first, ct, hkv, dim),
-                     moved ? tensor_view<const T, 3>(base + kv_elems, {ct, hkv, dim}) : detail::chunk_view(v.data(), first, ct, hkv, dim)};
+  const auto own_kv = [&](index_t chunk) {
+    return std::pair{detail::chunk_view(k.data(), me.first_token(chunk), ct, hkv, dim), detail::chunk_view(v.data(), me.first_token(chunk), ct, hkv, dim)};
+  };
+  const auto arrived_kv = [&](index_t chunk) {
+    const T* packed = moved_kv.at(chunk).data();
+    return std::pair{tensor_view<const T, 3>(packed, {ct, hkv, dim}), tensor_view<const T, 3>(packed + kv_elems, {ct, hkv, dim})};
   };
   const auto& local_tasks = plan.local_tasks[static_cast<std::size_t>(rank)];
   for (std::size_t t = 0; t < local_tasks.size(); ++t) {
-    const auto [kc, vc] = kv_of(local_tasks[t].kv_chunk, false);
+    const auto [kc, vc] = own_kv(local_tasks[t].kv_chunk);
     const auto [o, l] = own_state(local_tasks[t].query_chunk);
     sparse_forward(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                    running_state::merge, stream);
@@ -193,14 +193,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     const solver::task& task = remote_tasks[t];
     if (me.owns(task.query_chunk)) {
       if (!moved_kv.contains(task.kv_chunk)) throw me.missing_move("KV", task.kv_chunk);
-      const auto [kc, vc] = kv_of(task.kv_chunk, true);
+      const auto [kc, vc] = arrived_kv(task.kv_chunk);
       const auto [o, l] = own_state(task.query_chunk);
       sparse_forward(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                      running_state::merge, stream);
     } else {
       const auto it = moved_q.find(task.query_chunk);
       if (it == moved_q.end() || !me.owns(task.kv_chunk)) throw me.missing_move("query", task.query_chunk);
-      const auto [kc, vc] = kv_of(task.kv_chunk, false);
+      const auto [kc, vc] = own_kv(task.kv_chunk);
       sparse_forward(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
                      tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}), tensor_view<float, 2>(it->second.lse.data(), {hq, ct}),
                      running_state::merge, stream);

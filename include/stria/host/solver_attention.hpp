@@ -64,6 +64,15 @@ inline step_index task_index(const global_selection& g, const solver::problem& p
   return build_local_index(g, sharding::sequential{}, p.num_chunks(), t.query_chunk, t.kv_chunk);
 }
 
+/// The value of `key` in `cache`, made by make(key) the first time (a rank's own chunks are
+/// converted once, however many tasks use them).
+template <class Value, class Make>
+const Value& cached(std::map<index_t, Value>& cache, index_t key, const Make& make) {
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, make(key)).first;
+  return it->second;
+}
+
 template <class Comm>
 void send_vector(Comm& comm, const std::vector<float>& x, index_t to, int tag) {
   comm.send(x.data(), x.size(), to, tag);
@@ -117,16 +126,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     merge_partial<float>(tensor_view<float, 3>(into.out.data(), {ct, hq, dim}), tensor_view<float, 2>(into.lse.data(), {hq, ct}),
                          tensor_view<const float, 3>(part.out.data(), {ct, hq, dim}), tensor_view<const float, 2>(part.lse.data(), {hq, ct}));
   };
-  const auto own = [&](std::map<index_t, std::vector<float>>& cache, index_t chunk, const auto& make) -> const std::vector<float>& {
-    auto it = cache.find(chunk);
-    if (it == cache.end()) it = cache.emplace(chunk, make(chunk)).first;
-    return it->second;
+  const auto own_query = [&](index_t c) -> const std::vector<float>& {
+    return detail::cached(own_q, c, [&](index_t x) { return detail::chunk_rows(me, q, x); });
   };
-  const auto own_query = [&](index_t c) { return detail::chunk_rows(me, q, c); };
+  const auto own_kv_chunk = [&](index_t c) -> const std::vector<float>& { return detail::cached(own_kv, c, packed_kv); };
 
   // 2. Stage 0: tasks of this rank's own chunks, while the moves travel.
   for (const solver::task& t : plan.local_tasks[static_cast<std::size_t>(rank)])
-    run_task(t, own(own_q, t.query_chunk, own_query), own(own_kv, t.kv_chunk, packed_kv), running.at(t.query_chunk));
+    run_task(t, own_query(t.query_chunk), own_kv_chunk(t.kv_chunk), running.at(t.query_chunk));
 
   // 3. What moved here.
   for (const solver::chunk_move& move : plan.moves) {
@@ -144,11 +151,11 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     if (me.owns(t.query_chunk)) {
       const auto kv = moved_kv.find(t.kv_chunk);
       if (kv == moved_kv.end()) throw me.missing_move("KV", t.kv_chunk);
-      run_task(t, own(own_q, t.query_chunk, own_query), kv->second, running.at(t.query_chunk));
+      run_task(t, own_query(t.query_chunk), kv->second, running.at(t.query_chunk));
     } else {
       const auto qc = moved_q.find(t.query_chunk);
       if (qc == moved_q.end() || !me.owns(t.kv_chunk)) throw me.missing_move("query", t.query_chunk);
-      run_task(t, qc->second, own(own_kv, t.kv_chunk, packed_kv), returned.at(t.query_chunk));
+      run_task(t, qc->second, own_kv_chunk(t.kv_chunk), returned.at(t.query_chunk));
     }
   }
 
@@ -234,16 +241,8 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
                               tensor_view<float, 3>(dq_into.data(), {ct, hq, dim}), tensor_view<float, 3>(dkv_into.data(), {ct, hkv, dim}),
                               tensor_view<float, 3>(dkv_into.data() + kv_elems, {ct, hkv, dim}));
   };
-  const auto own_query = [&](index_t c) -> const query_side& {
-    auto it = own_q.find(c);
-    if (it == own_q.end()) it = own_q.emplace(c, own_query_side(c)).first;
-    return it->second;
-  };
-  const auto own_kv_chunk = [&](index_t c) -> const std::vector<float>& {
-    auto it = own_kv.find(c);
-    if (it == own_kv.end()) it = own_kv.emplace(c, packed_kv(c)).first;
-    return it->second;
-  };
+  const auto own_query = [&](index_t c) -> const query_side& { return detail::cached(own_q, c, own_query_side); };
+  const auto own_kv_chunk = [&](index_t c) -> const std::vector<float>& { return detail::cached(own_kv, c, packed_kv); };
 
   // 2. Stage 0: this rank's own tasks.
   for (const solver::task& t : plan.local_tasks[static_cast<std::size_t>(rank)])

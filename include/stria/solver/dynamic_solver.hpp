@@ -93,6 +93,12 @@ struct options {
   double mu = 1.10;          // feasible: every rank's load <= mu x the mean
   double volume_cap = 1.0;   // feasible: the total volume <= volume_cap x the flat ring's (above 1: more
                              // traffic than the ring for balance, e.g. GQA, where a QO move costs more)
+
+  void validate() const {
+    if (!(mu >= 1.0)) throw invalid_argument("options.mu", mu, "must be >= 1 (loads within mu x the mean)");
+    if (!(volume_cap > 0.0) || !std::isfinite(volume_cap))
+      throw invalid_argument("options.volume_cap", volume_cap, "must be positive and finite (a multiple of the flat ring's volume)");
+  }
 };
 
 /// One chunk moved from its owner to another rank.
@@ -401,33 +407,28 @@ class attempt {
   }
 
   /// The plan: tasks per rank and stage, the moves the placement uses (edges nobody uses are
-  /// dropped), the loads; feasible when every task is placed within the limit.
+  /// dropped), the loads; feasible when every load is within the limit and no move went beyond K.
+  /// (assign() has placed every task.)
   plan finish() const {
     plan out;
     out.budget = budget_;
     out.local_tasks.assign(static_cast<std::size_t>(w_), {});
     out.remote_tasks.assign(static_cast<std::size_t>(w_), {});
-    out.load.assign(static_cast<std::size_t>(w_), 0);
-    bool placed = true;
+    out.load = load_;
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j) {
         const std::int64_t a = p_.at(i, j);
         if (a == 0) continue;
         const index_t r = where_[task_at(i, j)];
-        if (r < 0) {
-          placed = false;
-          continue;
-        }
         const bool local = owner_of(i) == r && owner_of(j) == r;
         (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
-        out.load[static_cast<std::size_t>(r)] += a;
       }
     // The moves placed tasks use, in (kind, chunk, rank) order: sorted and unique by construction.
     for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
       for (index_t chunk = 0; chunk < c_; ++chunk)
         for (index_t r = 0; r < w_; ++r)
           if ((what == chunk_move::kind::kv ? kv_use_ : qo_use_)[slot(chunk, r)] > 0) out.moves.push_back({what, chunk, r});
-    out.feasible = placed && !over_budget_ && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
+    out.feasible = !over_budget_ && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
     return out;
   }
 
@@ -454,9 +455,7 @@ class attempt {
 /// ring in total.
 inline plan solve(const problem& p, const options& o = {}) {
   p.validate();
-  if (!(o.mu >= 1.0)) throw invalid_argument("options.mu", o.mu, "must be >= 1 (loads within mu x the mean)");
-  if (!(o.volume_cap > 0.0) || !std::isfinite(o.volume_cap))
-    throw invalid_argument("options.volume_cap", o.volume_cap, "must be positive and finite (a multiple of the flat ring's volume)");
+  o.validate();
   const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
   const auto ring_budget = static_cast<std::int64_t>(o.volume_cap * double(std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost()));
   auto attempt = [&](std::int64_t budget) {

@@ -16,6 +16,14 @@ namespace stria::solver {
 /// What a message of a plan's execution carries; with the chunk it names the message (its tag).
 enum class message : int { kv, kv_values, query, query_backward, d_out_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
 
+/// Throws unless `x` has per-rank task lists for p's world size (a plan of this problem).
+inline void check_plan_of(const problem& p, const plan& x) {
+  const auto world = static_cast<std::size_t>(p.world_size);
+  if (x.local_tasks.size() != world || x.remote_tasks.size() != world)
+    throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(),
+                           "must equal the problem's world size " + std::to_string(world) + " (a plan of another problem?)");
+}
+
 /// One rank's chunks in a plan's execution.
 class rank_chunks {
  public:
@@ -25,9 +33,7 @@ class rank_chunks {
               index_t query_tokens, index_t kv_tokens, index_t heads_q, index_t heads_kv)
       : p_(p), rank_(rank) {
     if (world != p.world_size) throw invalid_argument("comm.world_size()", world, "must equal the plan's world size " + std::to_string(p.world_size));
-    if (x.local_tasks.size() != static_cast<std::size_t>(world) || x.remote_tasks.size() != static_cast<std::size_t>(world))
-      throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(),
-                             "must equal the world size " + std::to_string(world) + " (a plan of another problem?)");
+    check_plan_of(p, x);
     if (selection_seq_len != p.num_chunks() * p.chunk_tokens)
       throw invalid_argument("selection.seq_len", selection_seq_len,
                              "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens));

@@ -5,7 +5,6 @@
 // `chunks_per_rank` chunks per rank.
 #pragma once
 
-#include <cmath>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -26,9 +25,7 @@ class solver {
       : world_(world_size), chunks_per_rank_(chunks_per_rank), options_(options) {
     if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
     if (chunks_per_rank < 1) throw invalid_argument("chunks_per_rank", chunks_per_rank, "must be at least 1");
-    if (!(options.mu >= 1.0)) throw invalid_argument("options.mu", options.mu, "must be >= 1 (loads within mu x the mean)");
-    if (!(options.volume_cap > 0.0) || !std::isfinite(options.volume_cap))
-      throw invalid_argument("options.volume_cap", options.volume_cap, "must be positive and finite (a multiple of the flat ring's volume)");
+    options.validate();
   }
 
   [[nodiscard]] index_t world_size() const { return world_; }
