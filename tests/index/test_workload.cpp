@@ -35,15 +35,17 @@ void check_counts(const global_selection& g, const Sharding& sharding, const Top
 TEST_CASE("planner counts equal the active entries of the built indices, per rank and step") {
   STRIA_SEEDED_RNG(rng);
   for (const bool causal : {true, false})
-    for (const index_t world : {1, 3, 4, 8}) {
-      CAPTURE(causal);
-      CAPTURE(world);
-      const global_selection g = test::random_selection(rng, 2 * world * 64 * 2, 3, causal, 0.3, 0.02);
-      check_counts(g, sharding::sequential{}, topology::flat_ring(world));
-      check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
-      check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
-      if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
-    }
+    for (const index_t world : {1, 3, 4, 5, 8})
+      for (const double token_density : {0.02, 0.3}) {  // dense tokens: many per key block, on active tiles
+        CAPTURE(causal);
+        CAPTURE(world);
+        CAPTURE(token_density);
+        const global_selection g = test::random_selection(rng, 2 * world * 64 * 2, 3, causal, 0.3, token_density);
+        check_counts(g, sharding::sequential{}, topology::flat_ring(world));
+        check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
+        check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
+        if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
+      }
 }
 
 TEST_CASE("imbalance degrees follow their definitions") {

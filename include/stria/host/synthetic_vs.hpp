@@ -145,13 +145,14 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
     }
     for (index_t j = 2 * slow_begin; j < d; ++j) m.outlier[static_cast<std::size_t>(hk * d + j)] /= std::sqrt(norm);
     auto& tokens = m.vertical[static_cast<std::size_t>(hk)];
-    for (index_t t = 0; t < std::min(o.sink_tokens, o.seq_len); ++t) tokens.push_back(t);
+    std::vector<bool> taken(static_cast<std::size_t>(o.seq_len));
+    for (index_t t = 0; t < std::min(o.sink_tokens, o.seq_len); ++t) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
     std::uniform_int_distribution<index_t> position(std::min(o.sink_tokens, o.seq_len - 1), o.seq_len - 1);
     for (index_t n = 0; n < 4 * verticals_per_kv_head && static_cast<index_t>(tokens.size()) < verticals_per_kv_head; ++n) {
-      tokens.push_back(position(rng));
-      std::sort(tokens.begin(), tokens.end());
-      tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+      const index_t t = position(rng);
+      if (!taken[static_cast<std::size_t>(t)]) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
     }
+    std::sort(tokens.begin(), tokens.end());
   }
   // Each query's unit-norm outlier component u: scale * u . (L * u) = outlier_logit.
   for (index_t h = 0; h < o.heads_q; ++h)
