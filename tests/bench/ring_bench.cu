@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -32,6 +31,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
+#include "step_times.cuh"
 #include "timing.cuh"
 #include "args.hpp"
 
@@ -42,55 +42,17 @@ namespace {
 
 constexpr index_t hq = 16, hkv = 2, dim = 128;
 
-struct balance {
-  double worker_imbalance = 0, step_imbalance = 0, ring_ms = 0, busiest_rank_ms = 0, total_ms = 0, ring_engine_ms = 0;
+struct balance : bench::step_balance {
+  double ring_engine_ms = 0;
 };
 
-/// Part 1: every (rank, step) alone. Inputs are random and shared by all ranks: kernel time depends
-/// on the index, not on the values.
+/// Part 1: every (rank, step) alone.
 template <class Sharding>
 balance time_steps(const global_selection& g, const Sharding& sharding, index_t world, int repeats) {
-  const index_t s = g.seq_len, local = s / world;
-  const topology::flat_ring ring(world);
-  const double scale = 1.0 / std::sqrt(double(dim));
-  const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 1, 2.0f), k = bench::random_buffer(std::size_t(local) * hkv * dim, 2, 2.0f),
-             v = bench::random_buffer(std::size_t(local) * hkv * dim, 3, 1.0f), d_out = bench::random_buffer(q.size(), 4, 1.0f);
-  device_buffer<float> out(q.size()), lse(std::size_t(hq) * local), delta(lse.size()), dq(q.size()), dk(k.size()), dv(v.size());
-  for (auto* b : {&out, &lse, &delta, &dq, &dk, &dv}) b->fill_bytes(0);
-  const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
-      dov(d_out.data(), {local, hq, dim});
   const device_selection selection(g);
-  std::vector<std::vector<double>> ms(static_cast<std::size_t>(world), std::vector<double>(static_cast<std::size_t>(world)));
-  for (index_t r = 0; r < world; ++r)
-    for (index_t step = 0; step < world; ++step) {
-      const device_step_index index = build_local_index_device(selection, sharding, world, r, ring.kv_source_rank(r, step), {0, 0, 0, step, 0});
-      const double fwd = bench::median_ms(repeats, [&] {
-        device::sparse_forward(index, qv, kv, vv, scale, tensor_view<float, 3>(out.data(), {local, hq, dim}),
-                               tensor_view<float, 2>(lse.data(), {hq, local}), device::running_state::overwrite, nullptr);
-      });
-      const double bwd = bench::median_ms(repeats, [&] {
-        device::sparse_backward(index, qv, kv, vv, dov, tensor_view<const float, 2>(lse.data(), {hq, local}),
-                                tensor_view<const float, 2>(delta.data(), {hq, local}), scale, tensor_view<float, 3>(dq.data(), {local, hq, dim}),
-                                tensor_view<float, 3>(dk.data(), {local, hkv, dim}), tensor_view<float, 3>(dv.data(), {local, hkv, dim}),
-                                device::determinism::atomic, nullptr);
-      });
-      ms[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)] = fwd + bwd;
-    }
-  balance b;
-  for (index_t step = 0; step < world; ++step) {
-    double worst = 0, sum = 0;
-    for (index_t r = 0; r < world; ++r) worst = std::max(worst, ms[std::size_t(r)][std::size_t(step)]), sum += ms[std::size_t(r)][std::size_t(step)];
-    b.worker_imbalance += worst / (sum / double(world)) / double(world);
-    b.ring_ms += worst;
-    b.total_ms += sum;
-  }
-  for (index_t r = 0; r < world; ++r) {
-    const auto& row = ms[std::size_t(r)];
-    const double sum = std::accumulate(row.begin(), row.end(), 0.0);
-    b.step_imbalance += *std::max_element(row.begin(), row.end()) / (sum / double(world)) / double(world);
-    b.busiest_rank_ms = std::max(b.busiest_rank_ms, sum);
-  }
-  return b;
+  std::vector<std::vector<double>> ms;
+  for (index_t r = 0; r < world; ++r) ms.push_back(bench::rank_step_ms(selection, sharding, topology::flat_ring(world), r, {hq, hkv, dim}, repeats));
+  return {bench::measure_balance(ms)};
 }
 
 /// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (the device tool): the `gpu` tests (and the `multi_gpu` tests where there
-# are two or more GPUs), compute-sanitizer memcheck and racecheck over the `gpu` tests, then the
-# benchmarks; prints a short table last and leaves logs in $OUT.
+# Runs on the GPU machine (the device tool): the `gpu` tests (and, where there are two or more GPUs,
+# the `multi_gpu` tests and multi_gpu_bench), compute-sanitizer memcheck and racecheck over the `gpu`
+# tests, then the benchmarks; prints a short table last and leaves logs in $OUT.
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
@@ -24,7 +24,8 @@ if [ ! -x "$bin/stria_gpu_tests" ]; then
   start=$(date +%s)
   cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
         -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
-    cmake --build build-device -j16 --target stria_gpu_tests attention_bench estimator_bench ring_bench > "$OUT/build.log" 2>&1
+    cmake --build build-device -j16 --target stria_gpu_tests stria_multi_gpu_tests stria_one_process_per_gpu attention_bench estimator_bench \
+      ring_bench multi_gpu_bench > "$OUT/build.log" 2>&1
   note "build on device: rc=$? in $(( $(date +%s) - start )) s"
 fi
 
@@ -46,6 +47,13 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
   export NCCL_NVLS_ENABLE=0
   run multi_gpu_tests "$bin/stria_multi_gpu_tests"
   [ -x "$bin/stria_one_process_per_gpu" ] && run one_process_per_gpu tests/multi_gpu/launch_ranks.sh "$bin/stria_one_process_per_gpu"
+  # One layer at 512K on every GPU: the sparse rings (hierarchical 2 x G/2 from four GPUs) and the solver.
+  if [ -x "$bin/multi_gpu_bench" ]; then
+    variants=zigzag,striped,solver
+    [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 4 ] && variants=zigzag,striped,hierarchical,solver
+    run multi_gpu_bench "$bin/multi_gpu_bench" --seq-len 524288 --variants $variants
+    multi_shown=multi_gpu_bench
+  fi
 fi
 if [ "$mode" != quick ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/stria_gpu_tests"
@@ -69,6 +77,6 @@ fi
 echo
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
-for bench in $benches ${COMPARE:+compare_flex}; do
+for bench in $benches ${COMPARE:+compare_flex} ${multi_shown:-}; do
   [ -f "$OUT/$bench.log" ] && { echo "---- $bench ----"; cat "$OUT/$bench.log"; }
 done

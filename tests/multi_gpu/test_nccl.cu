@@ -139,6 +139,8 @@ TEST_CASE("sparse_attention over NCCL: estimate, forward and backward equal the 
       rng, topology::flat_ring(world), "striped, flat, D128", gpu_runner);
   check_front_template<sparse_attention<top_p, sharding::zigzag, topology::hierarchical_ring, tile<64, 64, 64>>>(
       rng, topology::hierarchical_ring(world, 1), "zigzag, hierarchical, split links, D64", hierarchy_runner(world, 1));
+  check_front_template<sparse_attention<top_p, sharding::sequential, topology::solver, tile<64, 64, 128>>>(
+      rng, topology::solver(world, 2), "sequential, solver m2, D128", gpu_runner);
 }
 
 TEST_CASE("a tensor on another GPU is refused with the devices named") {
