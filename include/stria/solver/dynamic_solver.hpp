@@ -145,28 +145,63 @@ inline std::int64_t comm_volume(const problem& p, const plan& x) {
 
 namespace detail {
 
+/// What every attempt of one solve starts from, computed once: each edge's unplaced area before any
+/// task is placed (the tasks of two ranks' chunks it would unlock: a KV edge j -> r, column j over
+/// r's rows; a QO edge i -> r, row i over r's columns), laid out [kind, chunk, rank]; the total area.
+struct tables {
+  std::vector<std::int64_t> unplaced;
+  std::int64_t total = 0;
+
+  explicit tables(const problem& p) {
+    const auto c = static_cast<std::size_t>(p.num_chunks()), w = static_cast<std::size_t>(p.world_size),
+               m = static_cast<std::size_t>(p.chunks_per_rank);
+    unplaced.assign(2 * c * w, 0);
+    for (std::size_t chunk = 0; chunk < c; ++chunk)
+      for (std::size_t r = 0; r < w; ++r) {
+        if (r == chunk / m) continue;  // no edge to the chunk's own rank
+        std::int64_t kv = 0, qo = 0;
+        for (std::size_t k = r * m; k < (r + 1) * m; ++k) kv += p.area[k * c + chunk], qo += p.area[chunk * c + k];
+        unplaced[chunk * w + r] = kv;
+        unplaced[(c + chunk) * w + r] = qo;
+      }
+    total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
+  }
+};
+
 /// The solver's working state at one budget K.
 class attempt {
  public:
-  attempt(const problem& p, std::int64_t budget, double mu)
-      : p_(p), c_(p.num_chunks()), w_(p.world_size), budget_(budget),
-        kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_), 0), qo_at_(kv_at_.size(), 0),
-        kv_use_(kv_at_.size(), 0), qo_use_(kv_at_.size(), 0), send_(static_cast<std::size_t>(w_), 0), recv_(send_.size(), 0),
-        load_(send_.size(), 0),
-        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_), -1), unplaced_(2 * kv_at_.size(), 0),
-        owner_(static_cast<std::size_t>(c_)) {
+  attempt(const problem& p, const tables& t, double mu)
+      : p_(&p), t_(&t), c_(p.num_chunks()), w_(p.world_size), limit_(mu * double(t.total) / double(w_)),
+        kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_)), qo_at_(kv_at_.size()), kv_use_(kv_at_.size()),
+        qo_use_(kv_at_.size()), send_(static_cast<std::size_t>(w_)), recv_(send_.size()), load_(send_.size()),
+        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_)), owner_(static_cast<std::size_t>(c_)) {
     for (index_t chunk = 0; chunk < c_; ++chunk) owner_[static_cast<std::size_t>(chunk)] = p.owner(chunk);
-    const std::int64_t total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
-    limit_ = mu * double(total) / double(w_);
-    for (index_t i = 0; i < c_; ++i)
-      for (index_t j = 0; j < c_; ++j) count_unplaced(i, j, +1);
   }
 
-  plan run() {
+  /// One attempt at budget K, from scratch (the storage is reused: the search runs several).
+  void run(std::int64_t budget) {
+    budget_ = budget;
+    over_budget_ = false;
+    for (auto* v : {&kv_at_, &qo_at_}) std::fill(v->begin(), v->end(), 0);
+    for (auto* v : {&kv_use_, &qo_use_}) std::fill(v->begin(), v->end(), 0);
+    for (auto* v : {&send_, &recv_, &load_}) std::fill(v->begin(), v->end(), 0);
+    std::fill(where_.begin(), where_.end(), -1);
+    unplaced_ = t_->unplaced;
     select_edges();
     assign();
     refine();
-    return finish();
+  }
+
+  /// Loads within the limit and no move beyond K.
+  [[nodiscard]] bool balanced() const {
+    return !over_budget_ && double(*std::max_element(load_.begin(), load_.end())) <= limit_ * (1 + 1e-12);
+  }
+  /// What the moves in use send in total (comm_volume of the plan finish() gives).
+  [[nodiscard]] std::int64_t volume() const {
+    std::int64_t v = 0;
+    for (std::size_t s = 0; s < kv_use_.size(); ++s) v += (kv_use_[s] > 0 ? p_->kv_cost() : 0) + (qo_use_[s] > 0 ? 2 * p_->qo_cost() : 0);
+    return v;
   }
 
  private:
@@ -185,10 +220,10 @@ class attempt {
   /// Per-rank volumes of an edge: the owner sends the chunk (and receives the O back for QO).
   void edge_costs(const edge& e, std::int64_t& owner_send, std::int64_t& owner_recv, std::int64_t& dest_send, std::int64_t& dest_recv) const {
     if (e.what == chunk_move::kind::kv) {
-      owner_send = dest_recv = p_.kv_cost();
+      owner_send = dest_recv = p_->kv_cost();
       owner_recv = dest_send = 0;
     } else {
-      owner_send = owner_recv = dest_send = dest_recv = p_.qo_cost();
+      owner_send = owner_recv = dest_send = dest_recv = p_->qo_cost();
     }
   }
   [[nodiscard]] bool fits(const edge& e) const {
@@ -207,16 +242,22 @@ class attempt {
     recv_[d] += sign * dr;
     (e.what == chunk_move::kind::kv ? kv_at_ : qo_at_)[slot(e.chunk, e.rank)] = sign > 0;
   }
-  [[nodiscard]] std::int64_t cost(const edge& e) const { return e.what == chunk_move::kind::kv ? p_.kv_cost() : 2 * p_.qo_cost(); }
+  [[nodiscard]] std::int64_t cost(const edge& e) const { return e.what == chunk_move::kind::kv ? p_->kv_cost() : 2 * p_->qo_cost(); }
 
-  /// The tasks an edge makes runnable on its rank: a KV edge (j -> r) the tasks (i, j) with i owned
-  /// by r; a QO edge (i -> r) the tasks (i, j) with j owned by r.
+  /// The unplaced tasks an edge makes runnable on its rank, f(i, j, area): a KV edge (j -> r) the
+  /// tasks (i, j) with i owned by r (column j); a QO edge (i -> r) the tasks (i, j) with j owned by
+  /// r (row i).
   template <class F>
-  void for_each_task(const edge& e, F&& f) const {
-    const index_t first = e.rank * p_.chunks_per_rank, last = first + p_.chunks_per_rank;
+  void for_each_unplaced_task(const edge& e, F&& f) const {
+    const bool kv = e.what == chunk_move::kind::kv;
+    const std::size_t row = static_cast<std::size_t>(e.chunk) * static_cast<std::size_t>(c_);
+    const index_t first = e.rank * p_->chunks_per_rank, last = first + p_->chunks_per_rank;
     for (index_t k = first; k < last; ++k) {
-      if (e.what == chunk_move::kind::kv) f(k, e.chunk);
-      else f(e.chunk, k);
+      const std::size_t t = kv ? task_at(k, e.chunk) : row + static_cast<std::size_t>(k);
+      if (where_[t] < 0 && p_->area[t] > 0) {
+        if (kv) f(k, e.chunk, p_->area[t]);
+        else f(e.chunk, k, p_->area[t]);
+      }
     }
   }
 
@@ -230,12 +271,11 @@ class attempt {
   /// A task of two ranks' chunks is unlocked by two edges (its KV to the query's owner, its QO to
   /// the KV's owner); each edge keeps the sum of its unplaced tasks' areas, updated as tasks are
   /// placed and taken off, so scoring an edge costs O(1).
-  void count_unplaced(index_t i, index_t j, int sign) {
+  void count_unplaced(index_t i, index_t j, std::int64_t change) {
     const index_t qi = owner_of(i), kj = owner_of(j);
     if (qi == kj) return;
-    const std::int64_t a = sign * p_.at(i, j);
-    unplaced_[edge_id({chunk_move::kind::kv, j, qi})] += a;
-    unplaced_[edge_id({chunk_move::kind::qo, i, kj})] += a;
+    unplaced_[edge_id({chunk_move::kind::kv, j, qi})] += change;
+    unplaced_[edge_id({chunk_move::kind::qo, i, kj})] += change;
   }
 
   /// Steps 2 and 3 together: greedy edges by the work they unlock where it fits (unplaced tasks that
@@ -245,9 +285,9 @@ class attempt {
   /// first (they have one candidate).
   void select_edges() {
     for (index_t r = 0; r < w_; ++r)  // the local tasks: both chunks rank r's
-      for (index_t i = r * p_.chunks_per_rank; i < (r + 1) * p_.chunks_per_rank; ++i)
-        for (index_t j = r * p_.chunks_per_rank; j < (r + 1) * p_.chunks_per_rank; ++j)
-          if (p_.at(i, j) > 0) place(i, j, r);
+      for (index_t i = r * p_->chunks_per_rank; i < (r + 1) * p_->chunks_per_rank; ++i)
+        for (index_t j = r * p_->chunks_per_rank; j < (r + 1) * p_->chunks_per_rank; ++j)
+          if (p_->at(i, j) > 0) place(i, j, r, p_->at(i, j));
     // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
     // ranks come first, so the busy ranks' chunks travel to where there is room.
     auto work = [&](const edge& e) {
@@ -300,12 +340,12 @@ class attempt {
         }
         add_edge(e);
         order.clear();
-        for_each_task(e, [&](index_t i, index_t j) {
-          if (where_[task_at(i, j)] < 0 && p_.at(i, j) > 0) order.push_back({p_.at(i, j), task_at(i, j)});
-        });
-        std::stable_sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+        for_each_unplaced_task(e, [&](index_t i, index_t j, std::int64_t a) { order.push_back({a, task_at(i, j)}); });
+        // Largest first, ties in task order: an insertion sort (at most m entries; no buffer to allocate).
+        for (std::size_t k = 1; k < order.size(); ++k)
+          for (std::size_t x = k; x > 0 && order[x - 1].first < order[x].first; --x) std::swap(order[x - 1], order[x]);
         for (const auto& [a, t] : order)
-          if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank);
+          if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank, a);
       }
     }
   }
@@ -322,8 +362,8 @@ class attempt {
     std::vector<pending> tasks;
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j)
-        if (p_.at(i, j) > 0 && where_[task_at(i, j)] < 0)
-          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), p_.at(i, j), i, j});
+        if (p_->at(i, j) > 0 && where_[task_at(i, j)] < 0)
+          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), p_->at(i, j), i, j});
     std::stable_sort(tasks.begin(), tasks.end(), [](const pending& a, const pending& b) {
       return a.candidates != b.candidates ? a.candidates < b.candidates : a.area > b.area;
     });
@@ -338,14 +378,15 @@ class attempt {
         over_budget_ = true;
       }
       if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
-      place(t.i, t.j, best);
+      place(t.i, t.j, best, t.area);
     }
   }
 
-  void place(index_t i, index_t j, index_t r) {
+  /// Task (i, j) of area `area` (the caller has it at hand: one random read less) on rank r.
+  void place(index_t i, index_t j, index_t r, std::int64_t area) {
     where_[task_at(i, j)] = r;
-    load_[static_cast<std::size_t>(r)] += p_.at(i, j);
-    count_unplaced(i, j, -1);
+    load_[static_cast<std::size_t>(r)] += area;
+    count_unplaced(i, j, -area);
     if (owner_of(j) != r) ++kv_use_[slot(j, r)];
     if (owner_of(i) != r) ++qo_use_[slot(i, r)];
   }
@@ -354,8 +395,8 @@ class attempt {
   void unplace(index_t i, index_t j) {
     const index_t r = where_[task_at(i, j)];
     where_[task_at(i, j)] = -1;
-    load_[static_cast<std::size_t>(r)] -= p_.at(i, j);
-    count_unplaced(i, j, +1);
+    load_[static_cast<std::size_t>(r)] -= p_->at(i, j);
+    count_unplaced(i, j, p_->at(i, j));
     if (owner_of(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
     if (owner_of(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
   }
@@ -369,11 +410,12 @@ class attempt {
         if (double(load_[static_cast<std::size_t>(r)]) <= limit_) continue;
         // r's tasks of two ranks (its chunks' rows and columns), largest first, each tried once.
         std::vector<std::pair<std::int64_t, std::size_t>> mine;
-        for (index_t k = r * p_.chunks_per_rank; k < (r + 1) * p_.chunks_per_rank; ++k)
+        for (index_t k = r * p_->chunks_per_rank; k < (r + 1) * p_->chunks_per_rank; ++k)
           for (index_t x = 0; x < c_; ++x) {
             if (owner_of(x) == r) continue;
-            for (const std::size_t t : {task_at(k, x), task_at(x, k)})
-              if (where_[t] == r && p_.area[t] > 0) mine.push_back({p_.area[t], t});
+            const std::size_t row = task_at(k, x), column = task_at(x, k);
+            if (where_[row] == r && p_->area[row] > 0) mine.push_back({p_->area[row], row});
+            if (where_[column] == r && p_->area[column] > 0) mine.push_back({p_->area[column], column});
           }
         std::stable_sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
         for (const auto& [a, t] : mine) {
@@ -384,7 +426,7 @@ class attempt {
           if (!runnable(i, j, other) && !fits_after_leaving(i, j, r, needed_edge(i, j, other))) continue;
           unplace(i, j);
           if (!runnable(i, j, other)) add_edge(needed_edge(i, j, other));
-          place(i, j, other);
+          place(i, j, other, a);
           moved = true;
         }
       }
@@ -406,6 +448,7 @@ class attempt {
     return owner_of(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
   }
 
+ public:
   /// The plan: tasks per rank and stage, the moves the placement uses (edges nobody uses are
   /// dropped), the loads; feasible when every load is within the limit and no move went beyond K.
   /// (assign() has placed every task.)
@@ -417,7 +460,7 @@ class attempt {
     out.load = load_;
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j) {
-        const std::int64_t a = p_.at(i, j);
+        const std::int64_t a = p_->at(i, j);
         if (a == 0) continue;
         const index_t r = where_[task_at(i, j)];
         const bool local = owner_of(i) == r && owner_of(j) == r;
@@ -428,14 +471,16 @@ class attempt {
       for (index_t chunk = 0; chunk < c_; ++chunk)
         for (index_t r = 0; r < w_; ++r)
           if ((what == chunk_move::kind::kv ? kv_use_ : qo_use_)[slot(chunk, r)] > 0) out.moves.push_back({what, chunk, r});
-    out.feasible = !over_budget_ && *std::max_element(out.load.begin(), out.load.end()) <= limit_ * (1 + 1e-12);
+    out.feasible = balanced();
     return out;
   }
 
-  const problem& p_;
+ private:
+  const problem* p_;
+  const tables* t_;
   index_t c_, w_;
-  std::int64_t budget_;
-  double limit_ = 0;
+  double limit_;
+  std::int64_t budget_ = 0;
   std::vector<char> kv_at_, qo_at_;            // [C, W]: the chunk is on that rank (moved there)
   std::vector<index_t> kv_use_, qo_use_;       // [C, W]: placed tasks that use the moved chunk there
   std::vector<std::int64_t> send_, recv_, load_;  // [W]
@@ -458,35 +503,37 @@ inline plan solve(const problem& p, const options& o = {}) {
   o.validate();
   const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
   const auto ring_budget = static_cast<std::int64_t>(o.volume_cap * double(std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost()));
-  auto attempt = [&](std::int64_t budget) {
-    plan x = detail::attempt(p, budget, o.mu).run();
-    x.feasible = x.feasible && comm_volume(p, x) <= cap;
-    return x;
-  };
+  const detail::tables tables(p);
+  detail::attempt best(p, tables, o.mu), candidate(p, tables, o.mu);  // two workspaces, swapped
+  auto feasible = [&](const detail::attempt& a) { return a.balanced() && a.volume() <= cap; };
   std::int64_t hi = 2 * ring_budget;
-  plan best = attempt(hi);
-  if (!best.feasible) {  // the best effort within the ring's per-rank volume (times the cap)
-    plan capped = detail::attempt(p, ring_budget, o.mu).run();
+  best.run(hi);
+  if (!feasible(best)) {  // the best effort within the ring's per-rank volume (times the cap)
+    best.run(ring_budget);
     // Moves forced beyond K can push the total over the cap; then every task runs where its query
     // lives (budget 0: KV moves only, a subset of the ring's).
-    if (comm_volume(p, capped) > std::max(cap, p.ring_volume())) capped = detail::attempt(p, 0, o.mu).run();
-    capped.feasible = false;
-    return capped;
+    if (best.volume() > std::max(cap, p.ring_volume())) best.run(0);
+    plan x = best.finish();
+    x.feasible = false;
+    return x;
   }
   // To within a quarter of a KV chunk or 1/32 of the budget, whichever is coarser: at most about
-  // six attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget.
+  // six attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget. Only
+  // the chosen attempt is turned into a plan.
   std::int64_t lo = 0;  // hi: feasible
   while (hi - lo > std::max<std::int64_t>(std::max<std::int64_t>(1, p.kv_cost() / 4), hi / 32)) {
     const std::int64_t mid = lo + (hi - lo) / 2;
-    plan candidate = attempt(mid);
-    if (candidate.feasible) {
+    candidate.run(mid);
+    if (feasible(candidate)) {
       hi = mid;
-      best = std::move(candidate);
+      std::swap(best, candidate);
     } else {
       lo = mid;
     }
   }
-  return best;
+  plan x = best.finish();
+  x.feasible = true;
+  return x;
 }
 
 }  // namespace stria::solver
