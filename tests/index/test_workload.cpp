@@ -36,16 +36,18 @@ TEST_CASE("planner counts equal the active entries of the built indices, per ran
   STRIA_SEEDED_RNG(rng);
   for (const bool causal : {true, false})
     for (const index_t world : {1, 3, 4, 5, 8})
-      for (const double token_density : {0.02, 0.3}) {  // dense tokens: many per key block, on active tiles
-        CAPTURE(causal);
-        CAPTURE(world);
-        CAPTURE(token_density);
-        const global_selection g = test::random_selection(rng, 2 * world * 64 * 2, 3, causal, 0.3, token_density);
-        check_counts(g, sharding::sequential{}, topology::flat_ring(world));
-        check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
-        check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
-        if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
-      }
+      for (const double token_density : {0.02, 0.3})  // dense tokens: many per key block, on active tiles
+        for (const index_t blocks_per_rank : {4, 16}) {  // 16: zigzag's runs are long enough to be walked as stretches too
+          CAPTURE(causal);
+          CAPTURE(world);
+          CAPTURE(token_density);
+          CAPTURE(blocks_per_rank);
+          const global_selection g = test::random_selection(rng, blocks_per_rank * world * 64, 3, causal, 0.3, token_density);
+          check_counts(g, sharding::sequential{}, topology::flat_ring(world));
+          check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
+          check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
+          if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
+        }
 }
 
 TEST_CASE("imbalance degrees follow their definitions") {

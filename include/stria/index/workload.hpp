@@ -90,6 +90,12 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
   for (index_t b = nb - 1; b >= 0; --b)
     run_end[static_cast<std::size_t>(b)] =
         b + 1 < nb && owner[static_cast<std::size_t>(b + 1)] == owner[static_cast<std::size_t>(b)] ? run_end[static_cast<std::size_t>(b + 1)] : b + 1;
+  index_t runs = 0;
+  for (index_t b = 0; b < nb; b = run_end[static_cast<std::size_t>(b)]) ++runs;
+  // Long ownership runs (sequential, zigzag, a solver's chunks): a diagonal crosses few stretches
+  // where both of its blocks keep their owners, and one add per stretch counts it. Striped<64>
+  // changes owner every block: there the plain per-block loops are cheaper.
+  const bool by_stretch = 2 * runs < nb;
   // step_of[query rank][KV rank]: the step at which the query rank computes with that KV.
   std::vector<index_t> step_of(static_cast<std::size_t>(world) * static_cast<std::size_t>(world), -1);
   for (index_t r = 0; r < world; ++r)
@@ -111,16 +117,18 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
   const auto in_range = [&](index_t q_block, index_t k_block) { return 0 <= q_block && q_block < nb && (!selection.causal || q_block > k_block); };
   std::vector<std::int64_t> tokens_in(static_cast<std::size_t>(nb), 0);       // every head's vertical tokens per key block
   std::vector<std::int64_t> head_tokens_in(static_cast<std::size_t>(nb), 0);  // this head's
+  std::vector<std::int64_t> head_prefix(static_cast<std::size_t>(nb) + 1);  // this head's, summed up to a key block
   std::vector<index_t> head_key_blocks;                                       // this head's key blocks with tokens
   std::vector<unsigned char> on_slash(static_cast<std::size_t>(2 * nb - 1));  // delta + nb - 1
   for (const head_selection& head : selection.heads) {
     std::fill(on_slash.begin(), on_slash.end(), 0);
     for (const index_t delta : head.slash_deltas) on_slash[static_cast<std::size_t>(delta + nb - 1)] = 1;
-    for (const index_t delta : head.slash_deltas) {  // one add per stretch where both blocks keep their owners
+    for (const index_t delta : head.slash_deltas) {
       const std::int64_t tile = selection.causal && delta == 0 ? triangle : full_tile;
       const index_t end = std::min(nb, nb + delta);
       for (index_t q_block = std::max<index_t>(0, delta), next = 0; q_block < end; q_block = next) {
-        next = std::min({run_end[static_cast<std::size_t>(q_block)], run_end[static_cast<std::size_t>(q_block - delta)] + delta, end});
+        next = by_stretch ? std::min({run_end[static_cast<std::size_t>(q_block)], run_end[static_cast<std::size_t>(q_block - delta)] + delta, end})
+                          : q_block + 1;
         add(q_block, q_block - delta, tile * (next - q_block));
       }
     }
@@ -135,10 +143,27 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
       ++head_tokens_in[static_cast<std::size_t>(k_block)];
       ++tokens_in[static_cast<std::size_t>(k_block)];
     }
-    for (const index_t k_block : head_key_blocks) {
-      const std::int64_t rows = block_tokens * head_tokens_in[static_cast<std::size_t>(k_block)];
-      for (const index_t delta : head.slash_deltas)
-        if (in_range(k_block + delta, k_block)) add(k_block + delta, k_block, -rows);
+    // The slash tiles on the tokens' ranges: per key block with tokens, or (long runs, many such
+    // blocks) per diagonal and stretch, with the head's tokens summed over the stretch.
+    if (by_stretch && 2 * std::size_t(runs) < head_key_blocks.size()) {
+      head_prefix[0] = 0;
+      for (index_t b = 0; b < nb; ++b)
+        head_prefix[static_cast<std::size_t>(b) + 1] = head_prefix[static_cast<std::size_t>(b)] + head_tokens_in[static_cast<std::size_t>(b)];
+      for (const index_t delta : head.slash_deltas) {
+        if (selection.causal && delta <= 0) continue;  // the range lies above the key block
+        const index_t end = std::min(nb, nb - delta);
+        for (index_t k_block = std::max<index_t>(0, -delta), next = 0; k_block < end; k_block = next) {
+          next = std::min({run_end[static_cast<std::size_t>(k_block)], run_end[static_cast<std::size_t>(k_block + delta)] - delta, end});
+          const std::int64_t tokens = head_prefix[static_cast<std::size_t>(next)] - head_prefix[static_cast<std::size_t>(k_block)];
+          if (tokens > 0) add(k_block + delta, k_block, -block_tokens * tokens);
+        }
+      }
+    } else {
+      for (const index_t k_block : head_key_blocks) {
+        const std::int64_t rows = block_tokens * head_tokens_in[static_cast<std::size_t>(k_block)];
+        for (const index_t delta : head.slash_deltas)
+          if (in_range(k_block + delta, k_block)) add(k_block + delta, k_block, -rows);
+      }
     }
     for (const block_pair& b : head.blocks)
       if (head_tokens_in[static_cast<std::size_t>(b.key_block)] > 0 && in_range(b.query_block, b.key_block) &&
