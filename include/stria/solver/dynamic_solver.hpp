@@ -410,12 +410,17 @@ class attempt {
         if (double(load_[static_cast<std::size_t>(r)]) <= limit_) continue;
         // r's tasks of two ranks (its chunks' rows and columns), largest first, each tried once.
         std::vector<std::pair<std::int64_t, std::size_t>> mine;
+        // Only tasks whose other owner has room for them now: while r sheds tasks the other ranks'
+        // loads only grow, so a task left out here could not move later in this pass either (and
+        // the sort stays short when the plan cannot balance).
         for (index_t k = r * p_->chunks_per_rank; k < (r + 1) * p_->chunks_per_rank; ++k)
           for (index_t x = 0; x < c_; ++x) {
-            if (owner_of(x) == r) continue;
+            const index_t other = owner_of(x);
+            if (other == r) continue;
+            const double other_room = room(other);
             const std::size_t row = task_at(k, x), column = task_at(x, k);
-            if (where_[row] == r && p_->area[row] > 0) mine.push_back({p_->area[row], row});
-            if (where_[column] == r && p_->area[column] > 0) mine.push_back({p_->area[column], column});
+            for (const std::size_t t : {row, column})
+              if (where_[t] == r && p_->area[t] > 0 && double(p_->area[t]) <= other_room) mine.push_back({p_->area[t], t});
           }
         std::stable_sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
         for (const auto& [a, t] : mine) {
