@@ -17,7 +17,8 @@
 // and, for the sparse rings, the measured imbalance: every rank times its own steps' kernels alone
 // on its GPU (all GPUs at once), as ring_bench does on one; "steps ms" sums the slowest rank's
 // kernels over the steps: the layer's time if the ring engine and its transfers added nothing.
-// Outputs are poisoned (NaN) before the first layer and checked finite after the last.
+// Outputs are poisoned (NaN) before the first layer and checked finite after the last. For the
+// solver, rank 0 also times its per-layer planning phase by phase.
 //   multi_gpu_bench [--seq-len N | --tokens-per-gpu N] [--gpus 1,2,4] [--variants dense,zigzag,...]
 //                   [--repeats 3] [--dense-repeats 1] [--solver-chunks 4] [--solver-volume-cap 1] [--json]
 #include <cuda_bf16.h>
@@ -59,6 +60,11 @@ namespace {
 constexpr bench::head_shape shape{16, 2, 128};
 using clock_type = std::chrono::steady_clock;
 
+/// The solver's per-layer planning, phase by phase (rank 0; every rank does the same).
+struct planning_ms {
+  double to_host = 0, task_areas = 0, solve = 0, task_indices = 0;
+};
+
 struct row {
   std::string variant;
   index_t gpus = 0, seq_len = 0;
@@ -68,6 +74,7 @@ struct row {
   double measured_worker = 0, measured_step = 0;  // from kernel times per (rank, step); 0: not measured
   double steps_ms = 0;                            // sum over steps of the slowest rank's kernels alone
   std::int64_t non_finite = 0;                    // entries of out, lse, dq, dk, dv that are not finite
+  planning_ms planning;                           // the solver only
 };
 
 struct settings {
@@ -92,6 +99,29 @@ std::int64_t count_non_finite(const device_buffer<E>& x, cudaStream_t stream) {
 double median(std::vector<double> x) {
   std::sort(x.begin(), x.end());
   return x[x.size() / 2];
+}
+
+/// What use_selection does for topology::solver, timed phase by phase (median of `repeats`): the
+/// selection to the host, the task areas, the solve, the rank's task indices on the GPU.
+planning_ms time_planning(const device_selection& selection, const topology::solver& topology, cudaStream_t st, int repeats) {
+  std::vector<double> to_host, areas, solve, indices;
+  const auto since = [](clock_type::time_point t) { return std::chrono::duration<double, std::milli>(clock_type::now() - t).count(); };
+  for (int i = 0; i < repeats; ++i) {
+    auto t = clock_type::now();
+    const global_selection copy = selection.to_host(st);
+    to_host.push_back(since(t));
+    t = clock_type::now();
+    const solver::problem p = solver::problem_from_selection(copy, topology.world_size(), topology.chunks_per_rank(), shape.hkv);
+    areas.push_back(since(t));
+    t = clock_type::now();
+    const solver::plan x = solver::solve(p, topology.options());
+    solve.push_back(since(t));
+    t = clock_type::now();
+    const device::solver_task_indices built = device::build_solver_indices(selection, p, x, 0, st);
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(st));
+    indices.push_back(since(t));
+  }
+  return {median(to_host), median(areas), median(solve), median(indices)};
 }
 
 /// Runs body(comm) on GPUs 0..gpus-1, one NCCL rank each; `nodes` > 1 hands the body a
@@ -119,11 +149,15 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   // Every step alone costs a layer's work again and more; the dense ring's would take minutes.
   constexpr bool measure_steps = !std::is_same_v<typename Attention::estimator_type, estimator::dense>;
   const index_t s = g.seq_len, local = s / gpus;
-  row result{name, gpus, s};
+  row result;
+  result.variant = name;
+  result.gpus = gpus;
+  result.seq_len = s;
   std::vector<double> index_ms, forward_ms, backward_ms;
   std::vector<std::vector<double>> step_ms(static_cast<std::size_t>(gpus));
   std::vector<std::int64_t> non_finite(static_cast<std::size_t>(gpus));
   double plan_balance = 1;
+  planning_ms planning;
   on_gpus(gpus, nodes, [&](auto& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     const cuda_stream stream;
@@ -165,7 +199,10 @@ row run_variant(const std::string& name, const global_selection& g, const typena
       non_finite[r] = count_non_finite(out, st) + count_non_finite(lse, st) + count_non_finite(dq, st) + count_non_finite(dk, st) +
                       count_non_finite(dv, st);
       if constexpr (dynamic) {
-        if (r == 0) plan_balance = layer.plan().max_load_over_mean();
+        if (r == 0) {
+          plan_balance = layer.plan().max_load_over_mean();
+          planning = time_planning(layer.selection(), topology, st, repeats);
+        }
       } else if (measure_steps) {
         step_ms[r] = bench::rank_step_ms(layer.selection(), layer.sharding(), topology, c.rank(), shape, repeats);
       }
@@ -177,6 +214,7 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   result.backward_ms = median(backward_ms);
   result.non_finite = std::accumulate(non_finite.begin(), non_finite.end(), std::int64_t{0});
   if constexpr (dynamic) {
+    result.planning = planning;
     result.entries = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(gpus)).total();
     result.planned_worker = plan_balance;
     result.planned_step = 1;  // the solver has no ring steps
@@ -311,6 +349,9 @@ int main(int argc, char** argv) try {
         if (r.measured_worker > 0) std::printf("%8.3f %8.3f", r.measured_worker, r.measured_step);
         else std::printf("%8s %8s", "-", "-");
         std::printf("%s\n", r.non_finite ? "  NON-FINITE OUTPUT" : "");
+        if (r.planning.task_indices > 0)
+          std::printf("  %s planning per layer (rank 0): selection to host %.2f ms, task areas %.2f ms, solve %.2f ms, task indices %.2f ms\n",
+                      r.variant.c_str(), r.planning.to_host, r.planning.task_areas, r.planning.solve, r.planning.task_indices);
         std::fflush(stdout);
       }
     }
