@@ -234,12 +234,13 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   return result;
 }
 
+/// Every causal tile: what estimator::dense selects (it needs no statistics but the shape).
 global_selection all_causal_blocks(index_t seq_len, index_t heads) {
-  global_selection g{seq_len, true, {}};
-  head_selection all;
-  for (index_t d = 0; d < seq_len / block_tokens; ++d) all.slash_deltas.push_back(d);
-  g.heads.assign(static_cast<std::size_t>(heads), all);
-  return g;
+  vs_statistics shape_only;
+  shape_only.seq_len = seq_len;
+  shape_only.num_heads = heads;
+  shape_only.causal = true;
+  return estimator::dense{}.select(shape_only);
 }
 
 template <index_t D>
