@@ -200,9 +200,7 @@ class sparse_attention {
       plan_.emplace(solver::solve(*problem_, topology_.options()));
       solver_indices_ = device::build_solver_indices(*selection_, *problem_, *plan_, rank, stream);
     } else {
-      for (index_t s = 0; s < topology_.num_steps(); ++s)
-        indices_.push_back(build_local_index_device(*selection_, sharding_, topology_.world_size(), rank, topology_.kv_source_rank(rank, s),
-                                                    {0, 0, 0, s, 0}, stream));
+      indices_ = build_ring_indices_device(*selection_, sharding_, topology_, rank, stream);
     }
   }
 

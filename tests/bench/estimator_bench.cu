@@ -80,10 +80,7 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
                                                                     hkv, d, 1.0 / std::sqrt(double(d)), stream);
       c.barrier();
       const auto t1 = clock_type::now();
-      for (index_t step = 0; step < world; ++step) {
-        const device_step_index index = build_local_index_device(on_device, sharding, world, c.rank(), ring.kv_source_rank(c.rank(), step),
-                                                                 {0, 0, 0, step, 0}, stream);
-      }
+      const std::vector<device_step_index> indices = build_ring_indices_device(on_device, sharding, ring, c.rank(), stream);
       STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));  // the builds' last kernels belong to this timing
       c.barrier();
       const auto t2 = clock_type::now();

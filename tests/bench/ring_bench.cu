@@ -75,9 +75,7 @@ double time_ring(const global_selection& g, const Sharding& sharding, index_t wo
       device_buffer<float> lse(std::size_t(hq) * local, st);
       STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
       const device_selection selection(g, st);
-      std::vector<device_step_index> indices;
-      for (index_t step = 0; step < world; ++step)
-        indices.push_back(build_local_index_device(selection, sharding, world, c.rank(), ring.kv_source_rank(c.rank(), step), {0, 0, 0, step, 0}, st));
+      const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, c.rank(), st);
       const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
           dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
       for (int i = 0; i < repeats + 1; ++i) {  // one warm-up

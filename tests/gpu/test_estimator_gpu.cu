@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -34,33 +35,54 @@ using namespace stria;
 
 namespace {
 
+void check_same_index(const step_index& device, const step_index& host) {
+  CHECK(device.shape == host.shape);
+  CHECK(device.origin == host.origin);
+  CHECK(device.query_global_block == host.query_global_block);
+  CHECK(device.kv_global_block == host.kv_global_block);
+  CHECK(device.block_ptr == host.block_ptr);
+  CHECK(device.block_col == host.block_col);
+  CHECK(device.col_ptr == host.col_ptr);
+  CHECK(device.col_token == host.col_token);
+  CHECK(device.kv_query_ptr == host.kv_query_ptr);
+  CHECK(device.kv_query == host.kv_query);
+  CHECK(device.vtoken_head_ptr == host.vtoken_head_ptr);
+  CHECK(device.vtoken == host.vtoken);
+  CHECK(device.vtoken_query_ptr == host.vtoken_query_ptr);
+  CHECK(device.vtoken_query == host.vtoken_query);
+  CHECK_NOTHROW(device.validate());
+}
+
+/// The device builder, one index at a time and in batches (a rank's ring steps; an unordered batch
+/// with repeated pairs, as a solver rank's tasks are), equals the host builder.
 template <class Sharding>
 void check_device_builder(const global_selection& g, const Sharding& sharding, index_t world) {
   const device_selection on_device(g);
   const topology::flat_ring ring(world);
-  for (index_t r = 0; r < world; ++r)
+  for (index_t r = 0; r < world; ++r) {
+    const std::vector<device_step_index> steps = build_ring_indices_device(on_device, sharding, ring, r);
+    REQUIRE(steps.size() == static_cast<std::size_t>(world));
     for (index_t s = 0; s < world; ++s) {
       CAPTURE(r);
       CAPTURE(s);
       const step_index_origin origin{0, 0, 0, s, 0};
       const step_index host = build_local_index(g, sharding, world, r, ring.kv_source_rank(r, s), origin);
-      const step_index device = build_local_index_device(on_device, sharding, world, r, ring.kv_source_rank(r, s), origin).to_host();
-      CHECK(device.shape == host.shape);
-      CHECK(device.origin == host.origin);
-      CHECK(device.query_global_block == host.query_global_block);
-      CHECK(device.kv_global_block == host.kv_global_block);
-      CHECK(device.block_ptr == host.block_ptr);
-      CHECK(device.block_col == host.block_col);
-      CHECK(device.col_ptr == host.col_ptr);
-      CHECK(device.col_token == host.col_token);
-      CHECK(device.kv_query_ptr == host.kv_query_ptr);
-      CHECK(device.kv_query == host.kv_query);
-      CHECK(device.vtoken_head_ptr == host.vtoken_head_ptr);
-      CHECK(device.vtoken == host.vtoken);
-      CHECK(device.vtoken_query_ptr == host.vtoken_query_ptr);
-      CHECK(device.vtoken_query == host.vtoken_query);
-      CHECK_NOTHROW(device.validate());
+      check_same_index(steps[static_cast<std::size_t>(s)].to_host(), host);
+      check_same_index(build_local_index_device(on_device, sharding, world, r, ring.kv_source_rank(r, s), origin).to_host(), host);
     }
+  }
+  std::vector<index_request> mixed;
+  for (index_t i = 0; i < 2 * world + 1; ++i) mixed.push_back({(3 * i + 1) % world, (5 * i + 2) % world, {0, 0, 0, i, 0}});
+  const std::vector<device_step_index> built = build_local_indices_device(on_device, sharding, world, mixed);
+  REQUIRE(built.size() == mixed.size());
+  for (std::size_t i = 0; i < mixed.size(); ++i) {
+    CAPTURE(i);
+    check_same_index(built[i].to_host(), build_local_index(g, sharding, world, mixed[i].query_rank, mixed[i].kv_rank, mixed[i].origin));
+  }
+  CHECK(build_local_indices_device(on_device, sharding, world, {}).empty());
+  const index_request out_of_range{0, world, {}};
+  CHECK_THROWS_WITH_AS(build_local_indices_device(on_device, sharding, world, std::span<const index_request>(&out_of_range, 1)),
+                       doctest::Contains("kv_rank"), const invalid_argument&);
 }
 
 /// Inputs rounded to T, then back to float for the host path (both paths see the same values).

@@ -202,9 +202,7 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
   const index_t world = topology.world_size();
   check_distributed(p, sharding, world, name, run_world, [&](auto& c, rank_tensors<T>& t, cudaStream_t st, cudaStream_t transfer) {
     const device_selection selection(p.selection, st);
-    std::vector<device_step_index> indices;
-    for (index_t step = 0; step < topology.num_steps(); ++step)
-      indices.push_back(build_local_index_device(selection, sharding, world, c.rank(), topology.kv_source_rank(c.rank(), step), {0, 0, 0, step, 0}, st));
+    const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, topology, c.rank(), st);
     const std::span<const device_step_index> steps(indices);
     device::ring_forward(c, topology, steps, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), p.scale, t.to(t.out, p.hq), t.lse_out(), st,
                          transfer);

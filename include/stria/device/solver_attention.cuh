@@ -48,12 +48,16 @@ inline solver_task_indices build_solver_indices(const device_selection& selectio
                                                 index_t rank, cudaStream_t stream) {
   if (rank < 0 || rank >= p.world_size) throw invalid_argument("rank", rank, "must lie in [0, " + std::to_string(p.world_size) + ")");
   solver::check_plan_of(p, plan);
+  // One batch (one host synchronisation) for all of the rank's tasks, local first.
+  const std::vector<solver::task>&local = plan.local_tasks[static_cast<std::size_t>(rank)], &remote = plan.remote_tasks[static_cast<std::size_t>(rank)];
+  std::vector<index_request> requests;
+  for (const auto* tasks : {&local, &remote})
+    for (const solver::task& t : *tasks) requests.push_back({t.query_chunk, t.kv_chunk, {}});
+  std::vector<device_step_index> built = build_local_indices_device(selection, sharding::sequential{}, p.num_chunks(), requests, stream);
   solver_task_indices out{rank, selection.seq_len(), selection.num_heads(), {}, {}};
-  const auto build = [&](const solver::task& t) {
-    return build_local_index_device(selection, sharding::sequential{}, p.num_chunks(), t.query_chunk, t.kv_chunk, {}, stream);
-  };
-  for (const solver::task& t : plan.local_tasks[static_cast<std::size_t>(rank)]) out.local.push_back(build(t));
-  for (const solver::task& t : plan.remote_tasks[static_cast<std::size_t>(rank)]) out.remote.push_back(build(t));
+  const auto split = built.begin() + static_cast<std::ptrdiff_t>(local.size());
+  out.local.assign(std::make_move_iterator(built.begin()), std::make_move_iterator(split));
+  out.remote.assign(std::make_move_iterator(split), std::make_move_iterator(built.end()));
   return out;
 }
 

@@ -165,74 +165,103 @@ inline unsigned blocks_for(std::int64_t n, unsigned threads) { return static_cas
 
 }  // namespace detail
 
-/// build_local_index on the GPU: the index of `query_rank`'s local query blocks against `kv_rank`'s
-/// KV shard, built in order on `stream` (one host synchronisation, to size the entry arrays).
-template <sharding_policy Sharding>
-device_step_index build_local_index_device(const device_selection& sel, const Sharding& sharding, index_t world_size, index_t query_rank,
-                                           index_t kv_rank, step_index_origin origin = {}, cudaStream_t stream = nullptr) {
-  const index_t nb = sel.seq_len() / block_tokens;
-  const shard_layout layout{nb, world_size};
-  sharding.validate(layout);
-  detail::check_index_ranks(world_size, query_rank, kv_rank);
-  const index_t local = sharding.local_blocks(layout), heads = sel.num_heads(), rows = heads * local;
+/// One index of a batch: `query_rank`'s local query blocks against `kv_rank`'s KV shard, with the
+/// origin recorded on it (its seq_len, world_size, rank and kv_source_rank are filled in).
+struct index_request {
+  index_t query_rank = 0, kv_rank = 0;
+  step_index_origin origin{};
+};
 
-  std::vector<index_t> query_global(static_cast<std::size_t>(local)), kv_global(query_global.size()), owner(static_cast<std::size_t>(nb)),
-      local_of(owner.size());
-  for (index_t i = 0; i < local; ++i) {
-    query_global[static_cast<std::size_t>(i)] = sharding.global_block(layout, {query_rank, i});
-    kv_global[static_cast<std::size_t>(i)] = sharding.global_block(layout, {kv_rank, i});
-  }
-  for (index_t b = 0; b < nb; ++b) {
-    const block_location where = sharding.locate(layout, b);
-    owner[static_cast<std::size_t>(b)] = where.rank;
-    local_of[static_cast<std::size_t>(b)] = where.local_block;
-  }
+namespace detail {
+
+/// An index between its two phases: its pointer arrays are built (counts scanned on the device),
+/// its entry arrays not yet sized; what the fill kernels still read lives here.
+struct index_in_build {
   device_step_index out;
-  out.shape = {heads, local, local, sel.causal()};
-  out.origin = origin;
-  out.origin.seq_len = sel.seq_len();
-  out.origin.world_size = world_size;
-  out.origin.rank = query_rank;
-  out.origin.kv_source_rank = kv_rank;
-  out.query_global_block = device_buffer<index_t>(std::span<const index_t>(query_global), stream);
-  out.kv_global_block = device_buffer<index_t>(std::span<const index_t>(kv_global), stream);
-  const device_buffer<index_t> owner_d{std::span<const index_t>(owner), stream}, local_of_d{std::span<const index_t>(local_of), stream};
-
   kernel::index_build_params p{};
+  device_buffer<index_t> owned_token, owned_block_ptr, position, query_offset;
+};
+
+/// What every index of a batch reads: where each global block lives, and each head's slash bitmap.
+struct batch_tables {
+  device_buffer<index_t> owner, local_of;
+  device_buffer<std::uint32_t> slash_bits;
+  index_t slash_words = 0;
+
+  template <class Sharding>
+  batch_tables(const device_selection& sel, const Sharding& sharding, const shard_layout& layout, cudaStream_t stream)
+      : slash_words(kernel::slash_bitmap_words(layout.num_blocks)) {
+    std::vector<index_t> owner_h(static_cast<std::size_t>(layout.num_blocks)), local_of_h(owner_h.size());
+    for (index_t b = 0; b < layout.num_blocks; ++b) {
+      const block_location where = sharding.locate(layout, b);
+      owner_h[static_cast<std::size_t>(b)] = where.rank;
+      local_of_h[static_cast<std::size_t>(b)] = where.local_block;
+    }
+    owner = device_buffer<index_t>(std::span<const index_t>(owner_h), stream);
+    local_of = device_buffer<index_t>(std::span<const index_t>(local_of_h), stream);
+    slash_bits = device_buffer<std::uint32_t>(static_cast<std::size_t>(sel.num_heads()) * static_cast<std::size_t>(slash_words), stream);
+    slash_bits.fill_bytes(0);
+    kernel::index_build_params p{};
+    sel.fill(p);
+    kernel::mark_slash_bits<><<<static_cast<unsigned>(sel.num_heads()), 128, 0, stream>>>(p.slash_ptr, p.slash, layout.num_blocks, slash_words,
+                                                                                           slash_bits.data());
+    STRIA_CUDA_CHECK_LAUNCH("mark_slash_bits");
+  }
+};
+
+/// Phase 1 of one index, queued on `stream`: the owned vertical tokens, every count and every scan.
+/// `last` receives the device addresses of its five totals (tiles, tokens, column entries, used
+/// tokens, their queries), read once for the whole batch.
+inline index_in_build count_local_index(const device_selection& sel, const shard_layout& layout, index_t local, const batch_tables& shared,
+                                        std::span<const index_t> query_global, std::span<const index_t> kv_global,
+                                        const index_request& request, cudaStream_t stream, const index_t** last) {
+  const index_t heads = sel.num_heads(), rows = heads * local, total = sel.num_vertical();
+  index_in_build b;
+  device_step_index& out = b.out;
+  out.shape = {heads, local, local, sel.causal()};
+  out.origin = request.origin;
+  out.origin.seq_len = sel.seq_len();
+  out.origin.world_size = layout.world_size;
+  out.origin.rank = request.query_rank;
+  out.origin.kv_source_rank = request.kv_rank;
+  out.query_global_block = device_buffer<index_t>(query_global, stream);
+  out.kv_global_block = device_buffer<index_t>(kv_global, stream);
+
+  kernel::index_build_params& p = b.p;
   p.heads = heads;
   p.local_blocks = local;
-  p.num_blocks = nb;
+  p.num_blocks = layout.num_blocks;
   p.causal = sel.causal();
-  p.query_rank = query_rank;
-  p.kv_rank = kv_rank;
+  p.query_rank = request.query_rank;
+  p.kv_rank = request.kv_rank;
   p.query_global = out.query_global_block.data();
   p.kv_global = out.kv_global_block.data();
-  p.owner = owner_d.data();
-  p.local_of = local_of_d.data();
+  p.owner = shared.owner.data();
+  p.local_of = shared.local_of.data();
+  p.slash_bits = shared.slash_bits.data();
+  p.slash_words = shared.slash_words;
   sel.fill(p);
   constexpr unsigned threads = 128;
-  const index_t total = sel.num_vertical();
 
   // 0. The vertical tokens this KV rank owns, per head in order, and each local block's offset.
   device_buffer<index_t> owned_flag(static_cast<std::size_t>(total) + 1, stream), owned_position(static_cast<std::size_t>(total) + 1, stream);
-  device_buffer<index_t> owned_token(static_cast<std::size_t>(std::max<index_t>(total, 1)), stream);
-  device_buffer<index_t> owned_block_ptr(static_cast<std::size_t>(heads) * (static_cast<std::size_t>(local) + 1), stream);
+  b.owned_token = device_buffer<index_t>(static_cast<std::size_t>(std::max<index_t>(total, 1)), stream);
+  b.owned_block_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) * (static_cast<std::size_t>(local) + 1), stream);
   owned_flag.fill_bytes(0);
   if (total > 0) {
-    kernel::owned_vertical_flags<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_flag.data());
+    kernel::owned_vertical_flags<><<<blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_flag.data());
     STRIA_CUDA_CHECK_LAUNCH("owned_vertical_flags");
   }
-  detail::exclusive_scan(owned_flag, owned_position, stream);
+  exclusive_scan(owned_flag, owned_position, stream);
   if (total > 0) {
-    kernel::scatter_owned_vertical<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_position.data(),
-                                                                                                 owned_token.data());
+    kernel::scatter_owned_vertical<><<<blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_position.data(), b.owned_token.data());
     STRIA_CUDA_CHECK_LAUNCH("scatter_owned_vertical");
   }
-  p.owned_token = owned_token.data();
-  kernel::owned_block_offsets<><<<detail::blocks_for(heads * (local + 1), threads), threads, 0, stream>>>(p, owned_position.data(),
-                                                                                                           owned_block_ptr.data());
+  p.owned_token = b.owned_token.data();
+  kernel::owned_block_offsets<><<<blocks_for(heads * (local + 1), threads), threads, 0, stream>>>(p, owned_position.data(),
+                                                                                                   b.owned_block_ptr.data());
   STRIA_CUDA_CHECK_LAUNCH("owned_block_offsets");
-  p.owned_block_ptr = owned_block_ptr.data();
+  p.owned_block_ptr = b.owned_block_ptr.data();
   auto counts = [&](index_t n) {
     device_buffer<index_t> c(static_cast<std::size_t>(n) + 1, stream);
     c.fill_bytes(0);
@@ -242,37 +271,41 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   // 1. Every count: per row (tiles, tokens), per column (queries), per vertical token (queries, used).
   device_buffer<index_t> tile_count = counts(rows), token_count = counts(rows), column_count = counts(rows);
   device_buffer<index_t> query_count = counts(total), used = counts(total);
-  const unsigned warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
-  kernel::count_index_rows<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
+  kernel::count_index_rows<><<<blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
-  kernel::count_index_columns<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
+  kernel::count_index_columns<><<<blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
   STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
   if (total > 0) {
-    kernel::count_vertical_tokens<><<<detail::blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total,
-                                                                                                query_count.data(), used.data());
+    kernel::count_vertical_tokens<><<<blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total, query_count.data(),
+                                                                                        used.data());
     STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
   }
 
-  // 2. Scans to pointers, and one read of the five totals (the only host synchronisation).
+  // 2. Scans to pointers; the totals are their last elements.
   out.block_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
   out.col_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
   out.kv_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
-  device_buffer<index_t> position(static_cast<std::size_t>(total) + 1, stream), query_offset(static_cast<std::size_t>(total) + 1, stream);
-  detail::exclusive_scan(tile_count, out.block_ptr, stream);
-  detail::exclusive_scan(token_count, out.col_ptr, stream);
-  detail::exclusive_scan(column_count, out.kv_query_ptr, stream);
-  detail::exclusive_scan(used, position, stream);
-  detail::exclusive_scan(query_count, query_offset, stream);
-  const std::vector<const index_t*> last{out.block_ptr.data() + rows, out.col_ptr.data() + rows, out.kv_query_ptr.data() + rows,
-                                         position.data() + total, query_offset.data() + total};
-  const device_buffer<const index_t*> last_d{std::span<const index_t* const>(last), stream};
-  device_buffer<index_t> totals_d(last.size(), stream);
-  kernel::gather_totals<><<<1, 32, 0, stream>>>(last_d.data(), static_cast<int>(last.size()), totals_d.data());
-  STRIA_CUDA_CHECK_LAUNCH("gather_totals");
-  const std::vector<index_t> totals = totals_d.download();
-  const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
+  b.position = device_buffer<index_t>(static_cast<std::size_t>(total) + 1, stream);
+  b.query_offset = device_buffer<index_t>(static_cast<std::size_t>(total) + 1, stream);
+  exclusive_scan(tile_count, out.block_ptr, stream);
+  exclusive_scan(token_count, out.col_ptr, stream);
+  exclusive_scan(column_count, out.kv_query_ptr, stream);
+  exclusive_scan(used, b.position, stream);
+  exclusive_scan(query_count, b.query_offset, stream);
+  last[0] = out.block_ptr.data() + rows;
+  last[1] = out.col_ptr.data() + rows;
+  last[2] = out.kv_query_ptr.data() + rows;
+  last[3] = b.position.data() + total;
+  last[4] = b.query_offset.data() + total;
+  return b;  // the counts are freed in stream order, after the scans that read them
+}
 
-  // 3. Entries.
+/// Phase 2 of one index, queued on `stream`: its entry arrays, sized from its five totals.
+inline device_step_index fill_local_index(index_in_build&& b, const device_selection& sel, std::span<const index_t, 5> totals,
+                                          cudaStream_t stream) {
+  const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
+  const index_t heads = sel.num_heads(), rows = heads * b.p.local_blocks, total = sel.num_vertical();
+  device_step_index& out = b.out;
   out.block_col = device_buffer<index_t>(static_cast<std::size_t>(tiles), stream);
   out.col_token = device_buffer<index_t>(static_cast<std::size_t>(tokens), stream);
   out.kv_query = device_buffer<index_t>(static_cast<std::size_t>(column_entries), stream);
@@ -280,21 +313,90 @@ device_step_index build_local_index_device(const device_selection& sel, const Sh
   out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries), stream);
   out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1, stream);
   out.vtoken_head_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) + 1, stream);
-  kernel::fill_index_rows<><<<detail::blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
-      p, out.block_ptr.data(), out.block_col.data(), out.col_ptr.data(), out.col_token.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_index_rows");
-  kernel::fill_index_columns<><<<detail::blocks_for(rows, threads), threads, 0, stream>>>(p, out.kv_query_ptr.data(), out.kv_query.data());
+  constexpr unsigned threads = 128, warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
+  kernel::fill_row_tiles<><<<blocks_for(rows, threads), threads, 0, stream>>>(b.p, out.block_ptr.data(), out.block_col.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_row_tiles");
+  kernel::fill_row_tokens<><<<blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+      b.p, out.block_ptr.data(), out.block_col.data(), out.col_ptr.data(), out.col_token.data());
+  STRIA_CUDA_CHECK_LAUNCH("fill_row_tokens");
+  kernel::fill_index_columns<><<<blocks_for(rows, threads), threads, 0, stream>>>(b.p, out.kv_query_ptr.data(), out.kv_query.data());
   STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
   if (total > 0) {
-    kernel::fill_vertical_tokens<><<<detail::blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
-        p, sel.vertical_head(), total, position.data(), query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
+    kernel::fill_vertical_tokens<><<<blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
+        b.p, sel.vertical_head(), total, b.position.data(), b.query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
         out.vtoken_query.data());
     STRIA_CUDA_CHECK_LAUNCH("fill_vertical_tokens");
   }
-  kernel::finish_vertical_pointers<><<<detail::blocks_for(heads + 1, threads), threads, 0, stream>>>(
-      p.vertical_ptr, position.data(), heads, out.vtoken_head_ptr.data(), query_offset.data() + total, used_tokens, out.vtoken_query_ptr.data());
+  kernel::finish_vertical_pointers<><<<blocks_for(heads + 1, threads), threads, 0, stream>>>(
+      b.p.vertical_ptr, b.position.data(), heads, out.vtoken_head_ptr.data(), b.query_offset.data() + total, used_tokens,
+      out.vtoken_query_ptr.data());
   STRIA_CUDA_CHECK_LAUNCH("finish_vertical_pointers");
+  return std::move(out);  // the temporaries in `b` are freed in stream order, after these kernels
+}
+
+}  // namespace detail
+
+/// build_local_index on the GPU for a batch of indices (a layer's ring steps, a rank's solver
+/// tasks), in order on `stream`, with one host synchronisation for the whole batch: every index is
+/// counted first, the totals that size the entry arrays are read together, then every index is
+/// filled. Returns the indices in request order.
+template <sharding_policy Sharding>
+std::vector<device_step_index> build_local_indices_device(const device_selection& sel, const Sharding& sharding, index_t world_size,
+                                                          std::span<const index_request> requests, cudaStream_t stream = nullptr) {
+  const index_t nb = sel.seq_len() / block_tokens;
+  const shard_layout layout{nb, world_size};
+  sharding.validate(layout);
+  for (const index_request& r : requests) detail::check_index_ranks(world_size, r.query_rank, r.kv_rank);
+  if (requests.empty()) return {};
+  const index_t local = sharding.local_blocks(layout);
+
+  const detail::batch_tables shared(sel, sharding, layout, stream);
+  const auto global_blocks = [&](index_t rank) {
+    std::vector<index_t> blocks(static_cast<std::size_t>(local));
+    for (index_t i = 0; i < local; ++i) blocks[static_cast<std::size_t>(i)] = sharding.global_block(layout, {rank, i});
+    return blocks;
+  };
+
+  std::vector<detail::index_in_build> building;
+  building.reserve(requests.size());
+  std::vector<const index_t*> last(5 * requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    building.push_back(detail::count_local_index(sel, layout, local, shared, global_blocks(requests[i].query_rank),
+                                                 global_blocks(requests[i].kv_rank), requests[i], stream, last.data() + 5 * i));
+
+  // The batch's only host synchronisation: every index's five totals, read at once.
+  const device_buffer<const index_t*> last_d{std::span<const index_t* const>(last), stream};
+  device_buffer<index_t> totals_d(last.size(), stream);
+  constexpr unsigned threads = 128;
+  kernel::gather_totals<><<<detail::blocks_for(static_cast<std::int64_t>(last.size()), threads), threads, 0, stream>>>(
+      last_d.data(), static_cast<int>(last.size()), totals_d.data());
+  STRIA_CUDA_CHECK_LAUNCH("gather_totals");
+  const std::vector<index_t> totals = totals_d.download();
+
+  std::vector<device_step_index> out;
+  out.reserve(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    out.push_back(detail::fill_local_index(std::move(building[i]), sel, std::span<const index_t, 5>(totals.data() + 5 * i, 5), stream));
   return out;  // complete in stream order; temporaries are freed in stream order
+}
+
+/// build_local_index on the GPU: the index of `query_rank`'s local query blocks against `kv_rank`'s
+/// KV shard, built in order on `stream` (one host synchronisation, to size the entry arrays).
+template <sharding_policy Sharding>
+device_step_index build_local_index_device(const device_selection& sel, const Sharding& sharding, index_t world_size, index_t query_rank,
+                                           index_t kv_rank, step_index_origin origin = {}, cudaStream_t stream = nullptr) {
+  const index_request request{query_rank, kv_rank, origin};
+  return std::move(build_local_indices_device(sel, sharding, world_size, std::span<const index_request>(&request, 1), stream).front());
+}
+
+/// Every step's index of `rank` under a ring topology, on the GPU in one batch: element s is for step s.
+template <sharding_policy Sharding, ring_topology Topology>
+std::vector<device_step_index> build_ring_indices_device(const device_selection& sel, const Sharding& sharding, const Topology& topology,
+                                                         index_t rank, cudaStream_t stream = nullptr) {
+  std::vector<index_request> steps;
+  steps.reserve(static_cast<std::size_t>(topology.num_steps()));
+  for (index_t s = 0; s < topology.num_steps(); ++s) steps.push_back({rank, topology.kv_source_rank(rank, s), {0, 0, 0, s, 0}});
+  return build_local_indices_device(sel, sharding, topology.world_size(), steps, stream);
 }
 
 }  // namespace stria

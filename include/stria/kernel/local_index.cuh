@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "stria/core/config.hpp"
 #include "stria/core/tile.hpp"
 
@@ -35,18 +37,25 @@ struct index_build_params {
   // filter_vertical_tokens), and where each local block's tokens start in that list.
   const index_t* owned_token;      // [<= total vertical entries]
   const index_t* owned_block_ptr;  // [heads, local_blocks + 1], absolute positions in owned_token
+  // Each head's slash deltas as a bitmap (bit delta + num_blocks of the head's slash_words words,
+  // built once per batch by mark_slash_bits): "is this tile on a selected diagonal" is one load.
+  const std::uint32_t* slash_bits;  // [heads, slash_words]
+  index_t slash_words;
 };
+
+/// Words of one head's slash bitmap: deltas lie in [-num_blocks, num_blocks].
+constexpr index_t slash_bitmap_words(index_t num_blocks) { return (2 * num_blocks + 1 + 31) / 32; }
 
 namespace detail {
 
-__device__ inline bool contains(const index_t* first, const index_t* last, index_t value) {
+/// The first element of the ascending range [first, last) that is not below `value`.
+__device__ inline const index_t* lower_bound(const index_t* first, const index_t* last, index_t value) {
   while (first < last) {
     const index_t* mid = first + (last - first) / 2;
     if (*mid < value) first = mid + 1;
-    else if (*mid > value) last = mid;
-    else return true;
+    else last = mid;
   }
-  return false;
+  return first;
 }
 
 __device__ inline bool explicit_tile(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
@@ -60,16 +69,26 @@ __device__ inline bool explicit_tile(const index_build_params& p, index_t h, ind
   return lo < p.tile_ptr[h + 1] && p.tile_query[lo] == q_block && p.tile_key[lo] == k_block;
 }
 
+/// Whether head h selected the diagonal q_block - k_block = delta.
+__device__ inline bool on_slash(const index_build_params& p, index_t h, index_t delta) {
+  const index_t bit = delta + p.num_blocks;
+  return (p.slash_bits[static_cast<std::int64_t>(h) * p.slash_words + bit / 32] >> (bit % 32)) & 1u;
+}
+
 __device__ inline bool tile_active(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
-  return contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block) || explicit_tile(p, h, q_block, k_block);
+  return on_slash(p, h, q_block - k_block) || explicit_tile(p, h, q_block, k_block);
 }
 
 /// Walks the tiles of row (h, local query block i) in ascending local KV block (slash diagonals from
 /// the largest delta down, merged with the explicit tiles of this query block): tile(local_kv_block).
+/// Only the diagonals that cross the KV rank's span of global blocks [kv_global[0], kv_global[last]]
+/// are visited (local order keeps global order): for a sequential layout, only the rank's own.
 template <class Tile>
 __device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i, Tile tile) {
-  const index_t q_block = p.query_global[i];
-  index_t s = p.slash_ptr[h + 1] - 1;
+  const index_t q_block = p.query_global[i], k_last = p.kv_global[p.local_blocks - 1];
+  const index_t* slash = p.slash + p.slash_ptr[h];
+  // The last delta <= q_block - kv_global[0] (its key block is the first >= the span's start).
+  index_t s = p.slash_ptr[h] + static_cast<index_t>(lower_bound(slash, p.slash + p.slash_ptr[h + 1], q_block - p.kv_global[0] + 1) - slash) - 1;
   // The explicit tiles of this query block (a contiguous, key-sorted range).
   index_t e = p.tile_ptr[h], e_end = p.tile_ptr[h + 1];
   while (e < e_end && p.tile_query[e] < q_block) ++e;
@@ -80,8 +99,7 @@ __device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i
     index_t slash_key = -1;
     for (; s >= p.slash_ptr[h]; --s) {
       const index_t k_block = q_block - p.slash[s];
-      if (k_block < 0) continue;
-      if (k_block >= p.num_blocks) break;
+      if (k_block > k_last) break;
       if (p.owner[k_block] == p.kv_rank) {
         slash_key = k_block;
         break;
@@ -91,7 +109,7 @@ __device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i
     index_t explicit_key = -1;
     for (; e < e_last; ++e) {
       const index_t k_block = p.tile_key[e];
-      if (p.owner[k_block] == p.kv_rank && !contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block)) {
+      if (p.owner[k_block] == p.kv_rank && !on_slash(p, h, q_block - k_block)) {
         explicit_key = k_block;
         break;
       }
@@ -125,7 +143,7 @@ __device__ index_t warp_compact(index_t n, Keep keep, Emit emit) {
 
 }  // namespace detail
 
-inline constexpr unsigned index_warps_per_block = 4;  // the warp-per-item kernels run 128-thread blocks}  // namespace detail
+inline constexpr unsigned index_warps_per_block = 4;  // the warp-per-item kernels run 128-thread blocks
 
 /// Number of local KV blocks whose global block precedes `q_block` (all of them for full
 /// attention): the row's vertical tokens come from those blocks only.
@@ -158,43 +176,52 @@ __global__ void count_index_rows(index_build_params p, index_t* tile_count, inde
   token_count[r] = tokens;
 }
 
-/// One warp per row: lane 0 writes the tiles, then the warp copies the owned tokens of the
-/// preceding blocks that no tile of the row covers (32 at a time, order kept by the ballot).
+/// One thread per row: its tiles.
 template <int Unused = 0>
-__global__ void fill_index_rows(index_build_params p, const index_t* block_ptr, index_t* block_col, const index_t* col_ptr,
-                                index_t* col_token) {
-  const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+__global__ void fill_row_tiles(index_build_params p, const index_t* block_ptr, index_t* block_col) {
+  const index_t r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= p.heads * p.local_blocks) return;
-  const index_t h = r / p.local_blocks, i = r % p.local_blocks;
-  index_t* tiles = block_col + block_ptr[r];
-  if (threadIdx.x % 32 == 0) {
-    index_t* out = tiles;
-    detail::walk_row_tiles(p, h, i, [&](index_t k) { *out++ = k; });
-  }
-  __syncwarp();  // the tiles are visible to the whole warp
-  const index_t tile_count = block_ptr[r + 1] - block_ptr[r];
-  const index_t* owned = p.owned_token + p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1)];
-  const index_t prefix = p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1) + preceding_blocks(p, p.query_global[i])] -
-                         p.owned_block_ptr[static_cast<std::int64_t>(h) * (p.local_blocks + 1)];
-  index_t* out = col_token + col_ptr[r];
-  detail::warp_compact(
-      prefix, [&](index_t k) { return !detail::contains(tiles, tiles + tile_count, owned[k] / block_tokens); },
-      [&](index_t k, index_t position) { out[position] = owned[k]; });
+  index_t* out = block_col + block_ptr[r];
+  detail::walk_row_tiles(p, r / p.local_blocks, r % p.local_blocks, [&](index_t k) { *out++ = k; });
 }
 
-/// Column c = h * local_blocks + k: the local query blocks whose tile with KV block k is active, ascending.
+/// One warp per row, after fill_row_tiles: copies the owned tokens of the preceding blocks that no
+/// tile of the row covers. They are runs of the head's owned list (its tokens are grouped by block,
+/// in order), between the row's tiles: the warp copies each run, 32 tokens at a time.
+template <int Unused = 0>
+__global__ void fill_row_tokens(index_build_params p, const index_t* block_ptr, const index_t* block_col, const index_t* col_ptr,
+                                index_t* col_token) {
+  const index_t r = static_cast<index_t>((blockIdx.x * blockDim.x + threadIdx.x) / 32), lane = static_cast<index_t>(threadIdx.x % 32);
+  if (r >= p.heads * p.local_blocks) return;
+  const index_t h = r / p.local_blocks, i = r % p.local_blocks;
+  const index_t* tiles = block_col + block_ptr[r];
+  const index_t tile_count = block_ptr[r + 1] - block_ptr[r];
+  const index_t* owned_at = p.owned_block_ptr + static_cast<std::int64_t>(h) * (p.local_blocks + 1);  // block -> first owned token
+  const index_t preceding = preceding_blocks(p, p.query_global[i]);
+  index_t* out = col_token + col_ptr[r];
+  index_t from = 0;  // the next run starts at this local block
+  for (index_t t = 0; t <= tile_count && from < preceding; ++t) {
+    const index_t stop = t < tile_count ? min(tiles[t], preceding) : preceding;  // the run: blocks [from, stop)
+    const index_t first = owned_at[from], last = owned_at[max(from, stop)];
+    for (index_t k = first + lane; k < last; k += 32) out[k - first] = p.owned_token[k];
+    out += last - first;
+    if (t < tile_count) from = max(from, tiles[t] + 1);
+  }
+}
+
+/// Column c = h * local_blocks + k: the local query blocks whose tile with KV block k is active,
+/// ascending. Only the diagonals that cross the query rank's span of global blocks are visited.
 template <class Emit>
 __device__ void walk_column(const index_build_params& p, index_t h, index_t k, Emit emit) {
-  const index_t k_block = p.kv_global[k];
+  const index_t k_block = p.kv_global[k], q_last = p.query_global[p.local_blocks - 1];
   // Query blocks ascending: slash deltas ascending, merged with the explicit tiles of this key block.
-  index_t s = p.slash_ptr[h];
+  index_t s = static_cast<index_t>(detail::lower_bound(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], p.query_global[0] - k_block) - p.slash);
   index_t e = p.tile_ptr[h];
   while (true) {
     index_t slash_query = -1;
     for (; s < p.slash_ptr[h + 1]; ++s) {
       const index_t q_block = k_block + p.slash[s];
-      if (q_block < 0) continue;
-      if (q_block >= p.num_blocks) break;
+      if (q_block > q_last) break;
       if (p.owner[q_block] == p.query_rank) {
         slash_query = q_block;
         break;
@@ -203,8 +230,7 @@ __device__ void walk_column(const index_build_params& p, index_t h, index_t k, E
     index_t explicit_query = -1;
     for (; e < p.tile_ptr[h + 1]; ++e) {
       const index_t q_block = p.tile_query[e];
-      if (p.tile_key[e] == k_block && p.owner[q_block] == p.query_rank &&
-          !detail::contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block)) {
+      if (p.tile_key[e] == k_block && p.owner[q_block] == p.query_rank && !detail::on_slash(p, h, q_block - k_block)) {
         explicit_query = q_block;
         break;
       }
@@ -261,15 +287,19 @@ __global__ void count_vertical_tokens(index_build_params p, const index_t* head_
   index_t n = 0;
   if (p.owner[k_block] == p.kv_rank) {
     n = p.local_blocks - first_following_query(p, k_block);
-    for (index_t s = p.slash_ptr[h]; s < p.slash_ptr[h + 1]; ++s) {
+    // The diagonals that cross the query rank's span of global blocks.
+    const index_t q_last = p.query_global[p.local_blocks - 1];
+    for (index_t s = static_cast<index_t>(detail::lower_bound(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], p.query_global[0] - k_block) - p.slash);
+         s < p.slash_ptr[h + 1]; ++s) {
       const index_t q_block = k_block + p.slash[s];
-      if (q_block < 0 || q_block >= p.num_blocks || (p.causal && q_block <= k_block)) continue;
+      if (q_block > q_last) break;
+      if (p.causal && q_block <= k_block) continue;
       if (p.owner[q_block] == p.query_rank) --n;
     }
     for (index_t e = p.tile_ptr[h]; e < p.tile_ptr[h + 1]; ++e) {
       const index_t q_block = p.tile_query[e];
       if (p.tile_key[e] != k_block || p.owner[q_block] != p.query_rank || (p.causal && q_block <= k_block)) continue;
-      if (!detail::contains(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], q_block - k_block)) --n;
+      if (!detail::on_slash(p, h, q_block - k_block)) --n;
     }
   }
   query_count[v] = n;
@@ -327,10 +357,21 @@ __global__ void owned_block_offsets(index_build_params p, const index_t* positio
   owned_block_ptr[x] = lo;
 }
 
+/// One CTA per head: sets bit (delta + num_blocks) of the head's slash bitmap (zeroed before) for
+/// each of its slash deltas.
+template <int Unused = 0>
+__global__ void mark_slash_bits(const index_t* slash_ptr, const index_t* slash, index_t num_blocks, index_t words, std::uint32_t* bits) {
+  const index_t h = blockIdx.x;
+  for (index_t s = slash_ptr[h] + static_cast<index_t>(threadIdx.x); s < slash_ptr[h + 1]; s += static_cast<index_t>(blockDim.x)) {
+    const index_t bit = slash[s] + num_blocks;
+    atomicOr(bits + static_cast<std::int64_t>(h) * words + bit / 32, 1u << (bit % 32));
+  }
+}
+
 /// Gathers the totals of the builder's scans (each scan's last element) so one copy reads them all.
 template <int Unused = 0>
 __global__ void gather_totals(const index_t* const* last_elements, int count, index_t* totals) {
-  const int i = threadIdx.x;
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i < count) totals[i] = *last_elements[i];
 }
 
