@@ -76,6 +76,28 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
   CHECK(double(solver::comm_volume(p, x)) <= std::max(1.0, volume_cap) * double(p.ring_volume()));  // feasible or not
   CHECK(complete);  // every active task runs exactly once, feasible or not (the plan can be executed)
   if (x.feasible) CHECK(x.max_load_over_mean() <= 1.10 + 1e-9);
+  // A feasible plan's moves keep every rank within its budget, sending and receiving.
+  std::vector<std::int64_t> send(static_cast<std::size_t>(w), 0), receive(send.size(), 0);
+  for (const solver::chunk_move& m : x.moves) {
+    const auto from = static_cast<std::size_t>(p.owner(m.chunk)), to = static_cast<std::size_t>(m.to);
+    if (m.what == solver::chunk_move::kind::kv) {
+      send[from] += p.kv_cost();
+      receive[to] += p.kv_cost();
+    } else {  // Q there, O back
+      send[from] += p.qo_cost(), receive[from] += p.qo_cost();
+      send[to] += p.qo_cost(), receive[to] += p.qo_cost();
+    }
+  }
+  if (x.feasible) {
+    CHECK(*std::max_element(send.begin(), send.end()) <= x.budget);
+    CHECK(*std::max_element(receive.begin(), receive.end()) <= x.budget);
+  }
+}
+
+/// Two plans place every task alike and move the same chunks.
+bool same_plan(const solver::plan& a, const solver::plan& b) {
+  return a.local_tasks == b.local_tasks && a.remote_tasks == b.remote_tasks && a.moves == b.moves && a.load == b.load &&
+         a.feasible == b.feasible;
 }
 
 }  // namespace
@@ -133,6 +155,60 @@ TEST_CASE("with a volume cap above the ring's, the solver balances causal groupe
     MESSAGE("W ", world, ": max load / mean ", x.max_load_over_mean(), ", volume / ring ",
             double(solver::comm_volume(p, x)) / double(p.ring_volume()));
   }
+}
+
+TEST_CASE("the search's shortcuts are exact: an attempt runs the same over its range of budgets; the floor is a floor") {
+  // The binary search skips budgets on the strength of these: a wrong record in fits() or a floor
+  // set too high would change plans or lose the smallest feasible budget.
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = 8, m = 4, seq_len = world * m * block_tokens * 2, nb = seq_len / block_tokens;
+  const std::vector<std::pair<std::string, solver::problem>> problems{
+      {"causal MHA", solver::problem_from_selection(test::band_selection(seq_len, 4, 0, nb - 1, true), world, m, 4)},
+      {"causal GQA", solver::problem_from_selection(test::band_selection(seq_len, 4, 0, nb - 1, true), world, m, 1)},
+      {"full", solver::problem_from_selection(test::band_selection(seq_len, 4, -(nb - 1), nb - 1, false), world, m, 4)},
+      {"causal documents", solver::problem_from_selection(test::document_selection(rng, seq_len, 4), world, m, 4)},
+      {"VS", solver::problem_from_selection(test::random_selection(rng, seq_len, 4, true, 0.1, 0.02), world, m, 2)}};
+  for (const auto& [name, p] : problems) {
+    CAPTURE(name);
+    const solver::detail::tables t(p);
+    solver::detail::attempt a(p, t, 1.10), b(p, t, 1.10);
+    const std::int64_t ring_budget = std::int64_t{world - 1} * m * p.kv_cost();
+    for (const std::int64_t k : {ring_budget / 3, ring_budget / 2, ring_budget, 2 * ring_budget}) {
+      CAPTURE(k);
+      a.run(k);
+      REQUIRE(a.complete());
+      CHECK(a.same_from() <= k);
+      CHECK(k < a.same_below());
+      const solver::plan x = a.finish();
+      b.run(a.same_from());
+      CHECK(same_plan(b.finish(), x));
+      const std::int64_t top = std::min(a.same_below() - 1, 4 * ring_budget);
+      b.run(top);
+      CHECK(same_plan(b.finish(), x));
+      // A run that only decides stops at the first move beyond K, and so does every run in its range.
+      b.run(k, true);
+      if (b.complete()) {
+        CHECK(same_plan(b.finish(), x));
+      } else {
+        CHECK_FALSE(x.feasible);  // it stopped at a move beyond K: the complete run has one too
+        const std::int64_t below = b.same_below();
+        b.run(std::min(below - 1, 4 * ring_budget), true);
+        CHECK_FALSE(b.complete());
+      }
+    }
+    // No budget below the floor places every task within it.
+    if (t.budget_floor > 0) {
+      a.run(t.budget_floor - 1);
+      CHECK_FALSE(a.balanced());
+    }
+  }
+  // For full attention the floor is the flat ring's per-rank volume, and the ring's moves reach it.
+  const solver::problem& full = problems[2].second;
+  CHECK(solver::detail::tables(full).budget_floor == std::int64_t{world - 1} * m * full.kv_cost());
+  const solver::plan x = solver::solve(full);
+  CHECK(x.feasible);
+  CHECK(x.budget == std::int64_t{world - 1} * m * full.kv_cost());
+  CHECK(solver::comm_volume(full, x) == full.ring_volume());
 }
 
 TEST_CASE("the solver refuses bad problems with the field, the value and the rule") {

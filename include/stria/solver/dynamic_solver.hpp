@@ -8,6 +8,8 @@
 // mean while the busiest rank's traffic stays small:
 //  1. binary search over the per-rank budget K (what a rank may send, and receive), feasible when
 //     the loads fit and the total stays within the flat ring's volume (times options.volume_cap);
+//     it starts above a floor no feasible K can be below, and skips the budgets at which an
+//     attempt would run exactly as one already made;
 //  2. greedy edge selection by unlocked work / cost within K (an edge unlocks the tasks it makes
 //     runnable somewhere; a task unlocked by one edge no longer counts for its other edge);
 //  3. assignment by (fewest candidate ranks, largest area): on the query's owner when it has room,
@@ -23,6 +25,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -36,6 +39,16 @@
 #include "stria/topology/flat_ring.hpp"
 
 namespace stria::solver {
+
+/// One chunk moved from its owner to another rank.
+struct chunk_move {
+  enum class kind : unsigned char { kv, qo };
+  kind what;
+  index_t chunk;
+  index_t to;
+  friend bool operator==(const chunk_move&, const chunk_move&) = default;
+  friend auto operator<=>(const chunk_move&, const chunk_move&) = default;
+};
 
 /// What the solver balances: task areas [C, C] over C = world_size x chunks_per_rank chunks (active
 /// entries of query chunk i against KV chunk j), and what a chunk costs to move.
@@ -56,6 +69,9 @@ struct problem {
   [[nodiscard]] std::int64_t kv_cost() const { return std::int64_t{chunk_tokens} * 2 * heads_kv; }
   /// Moving a QO chunk: Q there, and the partial O back (tokens x Hq elements each way).
   [[nodiscard]] std::int64_t qo_cost() const { return std::int64_t{chunk_tokens} * heads_q; }
+  /// What one move costs in all (the sum over ranks of what they send): a KV chunk, or a QO chunk
+  /// (Q there, O back).
+  [[nodiscard]] std::int64_t move_cost(chunk_move::kind what) const { return what == chunk_move::kind::kv ? kv_cost() : 2 * qo_cost(); }
   /// What the flat ring sends in total: every KV chunk to every other rank.
   [[nodiscard]] std::int64_t ring_volume() const { return std::int64_t{world_size} * (world_size - 1) * chunks_per_rank * kv_cost(); }
 
@@ -101,16 +117,6 @@ struct options {
   }
 };
 
-/// One chunk moved from its owner to another rank.
-struct chunk_move {
-  enum class kind : unsigned char { kv, qo };
-  kind what;
-  index_t chunk;
-  index_t to;
-  friend bool operator==(const chunk_move&, const chunk_move&) = default;
-  friend auto operator<=>(const chunk_move&, const chunk_move&) = default;
-};
-
 /// One task placed on a rank.
 struct task {
   index_t query_chunk, kv_chunk;
@@ -139,7 +145,7 @@ struct plan {
 /// Total volume a plan moves: the sum of what ranks send (a QO move counts Q there and O back).
 inline std::int64_t comm_volume(const problem& p, const plan& x) {
   std::int64_t volume = 0;
-  for (const chunk_move& m : x.moves) volume += m.what == chunk_move::kind::kv ? p.kv_cost() : 2 * p.qo_cost();
+  for (const chunk_move& m : x.moves) volume += p.move_cost(m.what);
   return volume;
 }
 
@@ -147,7 +153,8 @@ namespace detail {
 
 /// What every attempt of one solve starts from, computed once: each edge's unplaced area before any
 /// task is placed (the tasks of two ranks' chunks it would unlock: a KV edge j -> r, column j over
-/// r's rows; a QO edge i -> r, row i over r's columns), laid out [kind, chunk, rank]; the total area.
+/// r's rows; a QO edge i -> r, row i over r's columns), laid out [kind, chunk, rank]; the total area;
+/// a floor under the budget.
 struct tables {
   std::vector<std::int64_t> unplaced;
   std::int64_t total = 0;
@@ -165,7 +172,22 @@ struct tables {
         unplaced[(c + chunk) * w + r] = qo;
       }
     total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
+
+    // A floor under every feasible budget: the tasks of two ranks' chunks need moves, a move
+    // unlocks at most its edge's area, and the moves' total cost is what the ranks receive in all
+    // (at most W x K). So K >= remote area / (the densest edge's area per unit of cost) / W.
+    std::int64_t local = 0;
+    for (std::size_t r = 0; r < w; ++r)
+      for (std::size_t i = r * m; i < (r + 1) * m; ++i)
+        for (std::size_t j = r * m; j < (r + 1) * m; ++j) local += p.area[i * c + j];
+    double densest = 0;
+    for (std::size_t e = 0; e < unplaced.size(); ++e)
+      densest = std::max(densest, double(unplaced[e]) / double(p.move_cost(e < c * w ? chunk_move::kind::kv : chunk_move::kind::qo)));
+    if (total > local && densest > 0)  // a hair below the bound, so rounding never lifts it past a feasible K
+      budget_floor = static_cast<std::int64_t>(std::ceil(double(total - local) / densest / double(w) * (1 - 1e-9)));
   }
+
+  std::int64_t budget_floor = 0;  // no budget below it can place every task within it
 };
 
 /// The solver's working state at one budget K.
@@ -179,19 +201,34 @@ class attempt {
     for (index_t chunk = 0; chunk < c_; ++chunk) owner_[static_cast<std::size_t>(chunk)] = p.owner(chunk);
   }
 
-  /// One attempt at budget K, from scratch (the storage is reused: the search runs several).
-  void run(std::int64_t budget) {
+  /// One attempt at budget K, from scratch (the storage is reused: the search runs several). With
+  /// `decide_only`, it stops as soon as a move beyond K makes it infeasible (no plan can be made of
+  /// it then; what it ran is the run at any budget in [K, same_below())).
+  void run(std::int64_t budget, bool decide_only = false) {
     budget_ = budget;
+    decide_only_ = decide_only;
+    complete_ = false;
     over_budget_ = false;
+    largest_fit_ = 0;
+    smallest_misfit_ = std::numeric_limits<std::int64_t>::max();
     for (auto* v : {&kv_at_, &qo_at_}) std::fill(v->begin(), v->end(), 0);
     for (auto* v : {&kv_use_, &qo_use_}) std::fill(v->begin(), v->end(), 0);
     for (auto* v : {&send_, &recv_, &load_}) std::fill(v->begin(), v->end(), 0);
     std::fill(where_.begin(), where_.end(), -1);
     unplaced_ = t_->unplaced;
     select_edges();
-    assign();
+    if (!assign()) return;
     refine();
+    complete_ = true;
   }
+
+  /// Whether the run went to the end (a stopped one is infeasible, and has no plan).
+  [[nodiscard]] bool complete() const { return complete_; }
+  /// The run at K is the run at every K' in [same_from(), same_below()): K only enters through
+  /// fits(), whose every answer stays the same there (what fitted is at most same_from(), what did
+  /// not is at least same_below()). The search uses it to skip budgets that cannot change a thing.
+  [[nodiscard]] std::int64_t same_from() const { return largest_fit_; }
+  [[nodiscard]] std::int64_t same_below() const { return smallest_misfit_; }
 
   /// Loads within the limit and no move beyond K.
   [[nodiscard]] bool balanced() const {
@@ -200,7 +237,8 @@ class attempt {
   /// What the moves in use send in total (comm_volume of the plan finish() gives).
   [[nodiscard]] std::int64_t volume() const {
     std::int64_t v = 0;
-    for (std::size_t s = 0; s < kv_use_.size(); ++s) v += (kv_use_[s] > 0 ? p_->kv_cost() : 0) + (qo_use_[s] > 0 ? 2 * p_->qo_cost() : 0);
+    for (std::size_t s = 0; s < kv_use_.size(); ++s)
+      v += (kv_use_[s] > 0 ? p_->move_cost(chunk_move::kind::kv) : 0) + (qo_use_[s] > 0 ? p_->move_cost(chunk_move::kind::qo) : 0);
     return v;
   }
 
@@ -212,6 +250,7 @@ class attempt {
 
   [[nodiscard]] index_t owner_of(index_t chunk) const { return owner_[static_cast<std::size_t>(chunk)]; }
   [[nodiscard]] std::size_t task_at(index_t i, index_t j) const { return static_cast<std::size_t>(i) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(j); }
+  [[nodiscard]] std::int64_t area_of(std::size_t task) const { return p_->area[task]; }
   [[nodiscard]] std::size_t slot(index_t chunk, index_t rank) const { return static_cast<std::size_t>(chunk) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(rank); }
   [[nodiscard]] bool has_kv(index_t j, index_t r) const { return owner_of(j) == r || kv_at_[slot(j, r)]; }
   [[nodiscard]] bool has_qo(index_t i, index_t r) const { return owner_of(i) == r || qo_at_[slot(i, r)]; }
@@ -226,11 +265,20 @@ class attempt {
       owner_send = owner_recv = dest_send = dest_recv = p_->qo_cost();
     }
   }
-  [[nodiscard]] bool fits(const edge& e) const {
+  /// Whether `e` fits within K: the largest of the four per-rank volumes it would make is at most
+  /// K. The only place K is read; it records the largest volume that fitted and the smallest that
+  /// did not (see same_from).
+  [[nodiscard]] bool fits(const edge& e) {
     std::int64_t os, orc, ds, dr;
     edge_costs(e, os, orc, ds, dr);
     const auto o = static_cast<std::size_t>(owner_of(e.chunk)), d = static_cast<std::size_t>(e.rank);
-    return send_[o] + os <= budget_ && recv_[o] + orc <= budget_ && send_[d] + ds <= budget_ && recv_[d] + dr <= budget_;
+    const std::int64_t worst = std::max({send_[o] + os, recv_[o] + orc, send_[d] + ds, recv_[d] + dr});
+    if (worst <= budget_) {
+      largest_fit_ = std::max(largest_fit_, worst);
+      return true;
+    }
+    smallest_misfit_ = std::min(smallest_misfit_, worst);
+    return false;
   }
   void add_edge(const edge& e, int sign = +1) {
     std::int64_t os, orc, ds, dr;
@@ -242,7 +290,7 @@ class attempt {
     recv_[d] += sign * dr;
     (e.what == chunk_move::kind::kv ? kv_at_ : qo_at_)[slot(e.chunk, e.rank)] = sign > 0;
   }
-  [[nodiscard]] std::int64_t cost(const edge& e) const { return e.what == chunk_move::kind::kv ? p_->kv_cost() : 2 * p_->qo_cost(); }
+  [[nodiscard]] std::int64_t cost(const edge& e) const { return p_->move_cost(e.what); }
 
   /// The unplaced tasks an edge makes runnable on its rank, f(i, j, area): a KV edge (j -> r) the
   /// tasks (i, j) with i owned by r (column j); a QO edge (i -> r) the tasks (i, j) with j owned by
@@ -250,13 +298,12 @@ class attempt {
   template <class F>
   void for_each_unplaced_task(const edge& e, F&& f) const {
     const bool kv = e.what == chunk_move::kind::kv;
-    const std::size_t row = static_cast<std::size_t>(e.chunk) * static_cast<std::size_t>(c_);
     const index_t first = e.rank * p_->chunks_per_rank, last = first + p_->chunks_per_rank;
     for (index_t k = first; k < last; ++k) {
-      const std::size_t t = kv ? task_at(k, e.chunk) : row + static_cast<std::size_t>(k);
-      if (where_[t] < 0 && p_->area[t] > 0) {
-        if (kv) f(k, e.chunk, p_->area[t]);
-        else f(e.chunk, k, p_->area[t]);
+      const std::size_t t = kv ? task_at(k, e.chunk) : task_at(e.chunk, k);
+      if (const std::int64_t a = area_of(t); where_[t] < 0 && a > 0) {
+        if (kv) f(k, e.chunk, a);
+        else f(e.chunk, k, a);
       }
     }
   }
@@ -287,7 +334,7 @@ class attempt {
     for (index_t r = 0; r < w_; ++r)  // the local tasks: both chunks rank r's
       for (index_t i = r * p_->chunks_per_rank; i < (r + 1) * p_->chunks_per_rank; ++i)
         for (index_t j = r * p_->chunks_per_rank; j < (r + 1) * p_->chunks_per_rank; ++j)
-          if (p_->at(i, j) > 0) place(i, j, r, p_->at(i, j));
+          if (const std::int64_t a = area_of(task_at(i, j)); a > 0) place(i, j, r, a);
     // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
     // ranks come first, so the busy ranks' chunks travel to where there is room.
     auto work = [&](const edge& e) {
@@ -324,7 +371,11 @@ class attempt {
       const auto w = static_cast<std::uint32_t>(w_), c = static_cast<std::uint32_t>(c_);
       return edge{static_cast<chunk_move::kind>(id / (w * c)), static_cast<index_t>(id / w % c), static_cast<index_t>(id % w)};
     };
-    std::vector<std::pair<std::int64_t, std::size_t>> order;
+    struct unlocked {
+      std::int64_t area;
+      index_t i, j;
+    };
+    std::vector<unlocked> order;
     for (std::size_t level = 0; level < buckets.size(); ++level) {
       std::vector<std::uint32_t>& here = buckets[level];
       while (!here.empty()) {
@@ -340,12 +391,13 @@ class attempt {
         }
         add_edge(e);
         order.clear();
-        for_each_unplaced_task(e, [&](index_t i, index_t j, std::int64_t a) { order.push_back({a, task_at(i, j)}); });
-        // Largest first, ties in task order: an insertion sort (at most m entries; no buffer to allocate).
+        for_each_unplaced_task(e, [&](index_t i, index_t j, std::int64_t a) { order.push_back({a, i, j}); });
+        // Largest first, ties in task order (the walk's): an insertion sort (at most m entries; no
+        // buffer to allocate).
         for (std::size_t k = 1; k < order.size(); ++k)
-          for (std::size_t x = k; x > 0 && order[x - 1].first < order[x].first; --x) std::swap(order[x - 1], order[x]);
-        for (const auto& [a, t] : order)
-          if (double(a) <= room(e.rank)) place(static_cast<index_t>(t / static_cast<std::size_t>(c_)), static_cast<index_t>(t % static_cast<std::size_t>(c_)), e.rank, a);
+          for (std::size_t x = k; x > 0 && order[x - 1].area < order[x].area; --x) std::swap(order[x - 1], order[x]);
+        for (const unlocked& t : order)
+          if (double(t.area) <= room(e.rank)) place(t.i, t.j, e.rank, t.area);
       }
     }
   }
@@ -353,17 +405,14 @@ class attempt {
   /// Step 3 for what is left: each unplaced task, by (fewest candidates, largest area), on the least
   /// loaded rank that can run it, adding the cheaper edge that fits within K if none can yet; if no
   /// edge fits, on its query's owner with its KV moved beyond K (the plan is then infeasible).
-  void assign() {
-    struct pending {
-      int candidates;
-      std::int64_t area;
-      index_t i, j;
-    };
-    std::vector<pending> tasks;
+  /// Returns false when it stopped early (decide_only and a move went beyond K).
+  bool assign() {
+    std::vector<pending>& tasks = pending_;
+    tasks.clear();
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j)
-        if (p_->at(i, j) > 0 && where_[task_at(i, j)] < 0)
-          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), p_->at(i, j), i, j});
+        if (const std::size_t t = task_at(i, j); area_of(t) > 0 && where_[t] < 0)
+          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), area_of(t), i, j});
     std::stable_sort(tasks.begin(), tasks.end(), [](const pending& a, const pending& b) {
       return a.candidates != b.candidates ? a.candidates < b.candidates : a.area > b.area;
     });
@@ -376,10 +425,12 @@ class attempt {
       if (best < 0) {  // nothing fits within K: where its query lives, its KV moved over the budget
         best = owner_of(t.i);
         over_budget_ = true;
+        if (decide_only_) return false;
       }
       if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
       place(t.i, t.j, best, t.area);
     }
+    return true;
   }
 
   /// Task (i, j) of area `area` (the caller has it at hand: one random read less) on rank r.
@@ -393,10 +444,11 @@ class attempt {
 
   /// Takes (i, j) off its rank; a moved chunk no placed task uses any more goes back (its budget is free).
   void unplace(index_t i, index_t j) {
-    const index_t r = where_[task_at(i, j)];
-    where_[task_at(i, j)] = -1;
-    load_[static_cast<std::size_t>(r)] -= p_->at(i, j);
-    count_unplaced(i, j, p_->at(i, j));
+    const std::size_t t = task_at(i, j);
+    const index_t r = where_[t];
+    where_[t] = -1;
+    load_[static_cast<std::size_t>(r)] -= area_of(t);
+    count_unplaced(i, j, area_of(t));
     if (owner_of(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
     if (owner_of(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
   }
@@ -409,7 +461,8 @@ class attempt {
       for (index_t r = 0; r < w_; ++r) {
         if (double(load_[static_cast<std::size_t>(r)]) <= limit_) continue;
         // r's tasks of two ranks (its chunks' rows and columns), largest first, each tried once.
-        std::vector<std::pair<std::int64_t, std::size_t>> mine;
+        std::vector<movable>& mine = movable_;
+        mine.clear();
         // Only tasks whose other owner has room for them now: while r sheds tasks the other ranks'
         // loads only grow, so a task left out here could not move later in this pass either (and
         // the sort stays short when the plan cannot balance).
@@ -418,14 +471,13 @@ class attempt {
             const index_t other = owner_of(x);
             if (other == r) continue;
             const double other_room = room(other);
-            const std::size_t row = task_at(k, x), column = task_at(x, k);
-            for (const std::size_t t : {row, column})
-              if (where_[t] == r && p_->area[t] > 0 && double(p_->area[t]) <= other_room) mine.push_back({p_->area[t], t});
+            for (const auto& [i, j] : {std::pair{k, x}, std::pair{x, k}})  // its row, then its column
+              if (const std::size_t t = task_at(i, j); where_[t] == r && area_of(t) > 0 && double(area_of(t)) <= other_room)
+                mine.push_back({area_of(t), i, j});
           }
-        std::stable_sort(mine.begin(), mine.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-        for (const auto& [a, t] : mine) {
+        std::stable_sort(mine.begin(), mine.end(), [](const movable& a, const movable& b) { return a.area > b.area; });
+        for (const auto& [a, i, j] : mine) {
           if (double(load_[static_cast<std::size_t>(r)]) <= limit_) break;
-          const auto i = static_cast<index_t>(t / static_cast<std::size_t>(c_)), j = static_cast<index_t>(t % static_cast<std::size_t>(c_));
           const index_t other = owner_of(i) == r ? owner_of(j) : owner_of(i);
           if (double(load_[static_cast<std::size_t>(other)] + a) > limit_) continue;
           if (!runnable(i, j, other) && !fits_after_leaving(i, j, r, needed_edge(i, j, other))) continue;
@@ -463,11 +515,24 @@ class attempt {
     out.local_tasks.assign(static_cast<std::size_t>(w_), {});
     out.remote_tasks.assign(static_cast<std::size_t>(w_), {});
     out.load = load_;
+    // Each rank's list sizes first (one allocation per list), then the tasks in row-major order.
+    std::vector<std::size_t> local_count(static_cast<std::size_t>(w_)), remote_count(local_count.size());
+    for (index_t i = 0; i < c_; ++i)
+      for (index_t j = 0; j < c_; ++j)
+        if (const std::size_t t = task_at(i, j); area_of(t) > 0) {
+          const index_t r = where_[t];
+          ++(owner_of(i) == r && owner_of(j) == r ? local_count : remote_count)[static_cast<std::size_t>(r)];
+        }
+    for (std::size_t r = 0; r < local_count.size(); ++r) {
+      out.local_tasks[r].reserve(local_count[r]);
+      out.remote_tasks[r].reserve(remote_count[r]);
+    }
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j) {
-        const std::int64_t a = p_->at(i, j);
+        const std::size_t t = task_at(i, j);
+        const std::int64_t a = area_of(t);
         if (a == 0) continue;
-        const index_t r = where_[task_at(i, j)];
+        const index_t r = where_[t];
         const bool local = owner_of(i) == r && owner_of(j) == r;
         (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
       }
@@ -493,6 +558,20 @@ class attempt {
   std::vector<std::int64_t> unplaced_;         // [2, C, W]: per edge, the area of its unplaced tasks
   std::vector<index_t> owner_;                 // [C]: each chunk's rank (no division in the loops)
   bool over_budget_ = false;                   // a task was placed with a move beyond K
+  std::int64_t largest_fit_ = 0, smallest_misfit_ = 0;  // fits()'s record of this run
+  bool decide_only_ = false, complete_ = false;
+  // Reused buffers of assign() and refine().
+  struct pending {
+    int candidates;
+    std::int64_t area;
+    index_t i, j;
+  };
+  struct movable {
+    std::int64_t area;
+    index_t i, j;
+  };
+  std::vector<pending> pending_;
+  std::vector<movable> movable_;
 };
 
 }  // namespace detail
@@ -510,33 +589,39 @@ inline plan solve(const problem& p, const options& o = {}) {
   const auto ring_budget = static_cast<std::int64_t>(o.volume_cap * double(std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost()));
   const detail::tables tables(p);
   detail::attempt best(p, tables, o.mu), candidate(p, tables, o.mu);  // two workspaces, swapped
-  auto feasible = [&](const detail::attempt& a) { return a.balanced() && a.volume() <= cap; };
+  auto feasible = [&](const detail::attempt& a) { return a.balanced() && a.volume() <= cap; };  // of a complete run
   std::int64_t hi = 2 * ring_budget;
-  best.run(hi);
-  if (!feasible(best)) {  // the best effort within the ring's per-rank volume (times the cap)
-    best.run(ring_budget);
+  best.run(hi, true);
+  if (!best.complete() || !feasible(best)) {  // the best effort within the ring's per-rank volume (times the cap)
+    std::int64_t budget = ring_budget;
+    if (!best.complete() || ring_budget < best.same_from() || ring_budget >= best.same_below()) best.run(budget);  // else: it would run the same
     // Moves forced beyond K can push the total over the cap; then every task runs where its query
     // lives (budget 0: KV moves only, a subset of the ring's).
-    if (best.volume() > std::max(cap, p.ring_volume())) best.run(0);
+    if (best.volume() > std::max(cap, p.ring_volume())) best.run(budget = 0);
     plan x = best.finish();
+    x.budget = budget;
     x.feasible = false;
     return x;
   }
   // To within a quarter of a KV chunk or 1/32 of the budget, whichever is coarser: at most about
-  // six attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget. Only
-  // the chosen attempt is turned into a plan.
-  std::int64_t lo = 0;  // hi: feasible
+  // six more attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget. An
+  // attempt's answer holds over the whole range of budgets at which it runs the same, so a
+  // feasible one lowers hi to its same_from() and an infeasible one raises lo to just below its
+  // same_below(). Only the chosen attempt is turned into a plan.
+  hi = best.same_from();
+  std::int64_t lo = hi > 0 ? std::clamp<std::int64_t>(tables.budget_floor - 1, 0, hi - 1) : 0;  // hi: feasible; lo: infeasible, or 0
   while (hi - lo > std::max<std::int64_t>(std::max<std::int64_t>(1, p.kv_cost() / 4), hi / 32)) {
     const std::int64_t mid = lo + (hi - lo) / 2;
-    candidate.run(mid);
-    if (feasible(candidate)) {
-      hi = mid;
+    candidate.run(mid, true);
+    if (candidate.complete() && feasible(candidate)) {
+      hi = candidate.same_from();
       std::swap(best, candidate);
     } else {
-      lo = mid;
+      lo = std::clamp(candidate.same_below() - 1, mid, hi - 1);
     }
   }
   plan x = best.finish();
+  x.budget = hi;  // the plan best made, and the one K = hi makes
   x.feasible = true;
   return x;
 }
