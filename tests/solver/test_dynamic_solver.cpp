@@ -157,7 +157,7 @@ TEST_CASE("with a volume cap above the ring's, the solver balances causal groupe
   }
 }
 
-TEST_CASE("the search's shortcuts are exact: an attempt runs the same over its range of budgets; the floor is a floor") {
+TEST_CASE("the solver's search shortcuts are exact: an attempt runs the same over its range of budgets; the floor is a floor") {
   // The binary search skips budgets on the strength of these: a wrong record in fits() or a floor
   // set too high would change plans or lose the smallest feasible budget.
   STRIA_SEEDED_RNG(rng);
@@ -202,13 +202,16 @@ TEST_CASE("the search's shortcuts are exact: an attempt runs the same over its r
       CHECK_FALSE(a.balanced());
     }
   }
-  // For full attention the floor is the flat ring's per-rank volume, and the ring's moves reach it.
+  // For full attention the floor is the flat ring's per-rank volume (what the ring's moves need), so
+  // the search ends within its tolerance above it.
   const solver::problem& full = problems[2].second;
-  CHECK(solver::detail::tables(full).budget_floor == std::int64_t{world - 1} * m * full.kv_cost());
+  const std::int64_t floor = solver::detail::tables(full).budget_floor;
+  CHECK(floor == std::int64_t{world - 1} * m * full.kv_cost());
   const solver::plan x = solver::solve(full);
+  check_plan(full, x, "full");
   CHECK(x.feasible);
-  CHECK(x.budget == std::int64_t{world - 1} * m * full.kv_cost());
-  CHECK(solver::comm_volume(full, x) == full.ring_volume());
+  CHECK(x.budget >= floor);
+  CHECK(x.budget - floor <= std::max(full.kv_cost() / 4, x.budget / 32));
 }
 
 TEST_CASE("the solver refuses bad problems with the field, the value and the rule") {

@@ -62,13 +62,13 @@ struct global_selection {
                                "must contain block diagonal 0 for causal attention, so that no query row is empty");
       for (std::size_t i = 0; i < head.blocks.size(); ++i) {
         const block_pair& b = head.blocks[i];
-        const std::string name = where + ".blocks[" + std::to_string(i) + "]";
+        const auto name = [&] { return where + ".blocks[" + std::to_string(i) + "]"; };  // built only to throw
         if (b.query_block < 0 || b.query_block >= nb || b.key_block < 0 || b.key_block >= nb)
-          throw invalid_argument(name, pair_text(b), "both blocks must lie in [0, seq_len / 64)");
+          throw invalid_argument(name(), pair_text(b), "both blocks must lie in [0, seq_len / 64)");
         if (causal && b.key_block > b.query_block)
-          throw invalid_argument(name, pair_text(b), "key_block must not exceed query_block for causal attention");
+          throw invalid_argument(name(), pair_text(b), "key_block must not exceed query_block for causal attention");
         if (i > 0 && !(head.blocks[i - 1] < b))
-          throw invalid_argument(name, pair_text(b), "blocks must be sorted by (query_block, key_block) and unique");
+          throw invalid_argument(name(), pair_text(b), "blocks must be sorted by (query_block, key_block) and unique");
       }
     }
   }
@@ -83,11 +83,11 @@ struct global_selection {
   static void check_sorted_in_range(const std::vector<index_t>& values, index_t lo, index_t hi,
                                     const std::string& name) {
     for (std::size_t i = 0; i < values.size(); ++i) {
-      const std::string at = name + "[" + std::to_string(i) + "]";
+      const auto at = [&] { return name + "[" + std::to_string(i) + "]"; };  // built only to throw
       if (values[i] < lo || values[i] > hi)
-        throw invalid_argument(at, values[i], "must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+        throw invalid_argument(at(), values[i], "must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
       if (i > 0 && values[i] <= values[i - 1])
-        throw invalid_argument(at, values[i], "must be greater than the previous entry (sorted, no duplicates)");
+        throw invalid_argument(at(), values[i], "must be greater than the previous entry (sorted, no duplicates)");
     }
   }
 };
