@@ -48,14 +48,15 @@ constexpr index_t slash_bitmap_words(index_t num_blocks) { return (2 * num_block
 
 namespace detail {
 
-/// The first element of the ascending range [first, last) that is not below `value`.
-__device__ inline const index_t* lower_bound(const index_t* first, const index_t* last, index_t value) {
-  while (first < last) {
-    const index_t* mid = first + (last - first) / 2;
-    if (*mid < value) first = mid + 1;
-    else last = mid;
+/// Where head h's first slash delta >= `delta` lies in p.slash (p.slash_ptr[h + 1] if none does).
+__device__ inline index_t first_slash_from(const index_build_params& p, index_t h, index_t delta) {
+  index_t lo = p.slash_ptr[h], hi = p.slash_ptr[h + 1];
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (p.slash[mid] < delta) lo = mid + 1;
+    else hi = mid;
   }
-  return first;
+  return lo;
 }
 
 __device__ inline bool explicit_tile(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
@@ -86,9 +87,8 @@ __device__ inline bool tile_active(const index_build_params& p, index_t h, index
 template <class Tile>
 __device__ void walk_row_tiles(const index_build_params& p, index_t h, index_t i, Tile tile) {
   const index_t q_block = p.query_global[i], k_last = p.kv_global[p.local_blocks - 1];
-  const index_t* slash = p.slash + p.slash_ptr[h];
   // The last delta <= q_block - kv_global[0] (its key block is the first >= the span's start).
-  index_t s = p.slash_ptr[h] + static_cast<index_t>(lower_bound(slash, p.slash + p.slash_ptr[h + 1], q_block - p.kv_global[0] + 1) - slash) - 1;
+  index_t s = first_slash_from(p, h, q_block - p.kv_global[0] + 1) - 1;
   // The explicit tiles of this query block (a contiguous, key-sorted range).
   index_t e = p.tile_ptr[h], e_end = p.tile_ptr[h + 1];
   while (e < e_end && p.tile_query[e] < q_block) ++e;
@@ -215,7 +215,7 @@ template <class Emit>
 __device__ void walk_column(const index_build_params& p, index_t h, index_t k, Emit emit) {
   const index_t k_block = p.kv_global[k], q_last = p.query_global[p.local_blocks - 1];
   // Query blocks ascending: slash deltas ascending, merged with the explicit tiles of this key block.
-  index_t s = static_cast<index_t>(detail::lower_bound(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], p.query_global[0] - k_block) - p.slash);
+  index_t s = detail::first_slash_from(p, h, p.query_global[0] - k_block);
   index_t e = p.tile_ptr[h];
   while (true) {
     index_t slash_query = -1;
@@ -289,8 +289,7 @@ __global__ void count_vertical_tokens(index_build_params p, const index_t* head_
     n = p.local_blocks - first_following_query(p, k_block);
     // The diagonals that cross the query rank's span of global blocks.
     const index_t q_last = p.query_global[p.local_blocks - 1];
-    for (index_t s = static_cast<index_t>(detail::lower_bound(p.slash + p.slash_ptr[h], p.slash + p.slash_ptr[h + 1], p.query_global[0] - k_block) - p.slash);
-         s < p.slash_ptr[h + 1]; ++s) {
+    for (index_t s = detail::first_slash_from(p, h, p.query_global[0] - k_block); s < p.slash_ptr[h + 1]; ++s) {
       const index_t q_block = k_block + p.slash[s];
       if (q_block > q_last) break;
       if (p.causal && q_block <= k_block) continue;
