@@ -515,18 +515,6 @@ class attempt {
     out.local_tasks.assign(static_cast<std::size_t>(w_), {});
     out.remote_tasks.assign(static_cast<std::size_t>(w_), {});
     out.load = load_;
-    // Each rank's list sizes first (one allocation per list), then the tasks in row-major order.
-    std::vector<std::size_t> local_count(static_cast<std::size_t>(w_)), remote_count(local_count.size());
-    for (index_t i = 0; i < c_; ++i)
-      for (index_t j = 0; j < c_; ++j)
-        if (const std::size_t t = task_at(i, j); area_of(t) > 0) {
-          const index_t r = where_[t];
-          ++(owner_of(i) == r && owner_of(j) == r ? local_count : remote_count)[static_cast<std::size_t>(r)];
-        }
-    for (std::size_t r = 0; r < local_count.size(); ++r) {
-      out.local_tasks[r].reserve(local_count[r]);
-      out.remote_tasks[r].reserve(remote_count[r]);
-    }
     for (index_t i = 0; i < c_; ++i)
       for (index_t j = 0; j < c_; ++j) {
         const std::size_t t = task_at(i, j);
