@@ -19,6 +19,11 @@
 // Candidate ranks are a task's two owners (a third rank would need two moves for one task). Every
 // plan places every task; none moves more than the cap allows (by default the flat ring's volume).
 // Deterministic.
+// A task spans all heads (DESIGN 9's optional head groups are not used). Where the mask is the same
+// in every head, a head group's task has 1/G of the area and its moves 1/G of the cost: groups only
+// make tasks finer, which chunks_per_rank does too (and, unlike groups, with moves that shrink where
+// the mask is sparse). On VS selections every head group has work in every task and on every edge
+// (solver_bench's inputs, W 8 and 64: 8 of 8 groups), so groups would save no move either.
 #pragma once
 
 #include <algorithm>
