@@ -27,19 +27,60 @@ struct shared_tile {
   static constexpr int elements = block_tokens * stride;  // per tile
 };
 
+/// The byte offset of each 16-byte chunk of a 64-row tile in shared memory (a `Layout`): here the
+/// padded rows of the mma.sync kernels; `swizzled_tile` (wgmma.cuh) is the other. Both advance by
+/// `row_pitch` per row wherever the row moves by a multiple of 8, which the loaders below rely on.
+template <class T, int D>
+struct padded_tile {
+  static constexpr int row_pitch = shared_tile<D>::stride * static_cast<int>(sizeof(T));
+  __host__ __device__ static constexpr int offset(int row, int chunk) { return row * row_pitch + chunk * 16; }
+};
+
 namespace detail {
 
-/// Queues cp.async copies of a 64-row tile: row j from `row_pointer(j)`, or zeros where it is null
-/// (`any_valid` is a readable address the zero-fill form still names). Commit and wait separately.
-template <class T, int D, class RowPointer>
-__device__ void load_tile_async(T* tile, const T* any_valid, RowPointer row_pointer) {
-  constexpr int chunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte pieces per row
-  constexpr int per_chunk = 16 / static_cast<int>(sizeof(T));
-  for (int i = threadIdx.x; i < block_tokens * chunks; i += attention_threads) {
-    const int row = i / chunks, chunk = i % chunks;
-    const T* source = row_pointer(row);
-    cp_async_16(tile + row * shared_tile<D>::stride + chunk * per_chunk, source ? source + chunk * per_chunk : any_valid,
-                source != nullptr);
+/// The chunk column and first row a thread of a 128-thread CTA copies: it copies that chunk of rows
+/// row0, row0 + rows_per_pass, ... (its chunk and its row modulo 8 stay fixed, so its shared address
+/// advances by a constant, and so does its global address along a run of tokens).
+template <class T, int D>
+struct tile_copy_plan {
+  static constexpr int chunks = D * static_cast<int>(sizeof(T)) / 16;  // 16-byte chunks per row
+  static constexpr int rows_per_pass = attention_threads / chunks;
+  static constexpr int passes = block_tokens / rows_per_pass;
+  static_assert(attention_threads % chunks == 0 && rows_per_pass % 8 == 0, "a pass must cover whole swizzle periods of 8 rows");
+  int chunk = static_cast<int>(threadIdx.x) % chunks, row0 = static_cast<int>(threadIdx.x) / chunks;
+};
+
+/// Row j of 64-token block `block` of a [tokens, heads, D] tensor, at head h.
+template <class T>
+__device__ T* block_row(T* base, index_t block, int j, index_t heads, index_t h, int d) {
+  return base + ((std::int64_t{block} * block_tokens + j) * heads + h) * d;
+}
+
+/// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride.
+template <class Layout, class T, int D>
+__device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride) {
+  using plan = tile_copy_plan<T, D>;
+  const plan at;
+  unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
+  const T* from = first + at.row0 * stride + at.chunk * (16 / static_cast<int>(sizeof(T)));
+#pragma unroll
+  for (int pass = 0; pass < plan::passes; ++pass)
+    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, from + pass * plan::rows_per_pass * stride, true);
+}
+
+/// Queues cp.async copies of gathered rows: row j from base + tokens[j] x stride for j < count,
+/// zeros after.
+template <class Layout, class T, int D>
+__device__ void load_gathered_rows_async(void* tile, const T* base, std::int64_t stride, const index_t* tokens, index_t count) {
+  using plan = tile_copy_plan<T, D>;
+  const plan at;
+  unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
+  const T* column = base + at.chunk * (16 / static_cast<int>(sizeof(T)));
+#pragma unroll
+  for (int pass = 0; pass < plan::passes; ++pass) {
+    const int j = at.row0 + pass * plan::rows_per_pass;
+    const bool valid = j < count;  // past the end: zero-fill, still naming a readable address
+    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, column + (valid ? std::int64_t{tokens[j]} * stride : 0), valid);
   }
 }
 
@@ -126,18 +167,6 @@ struct row_tiles {
   }
   __device__ index_t count() const { return num_blocks + (num_tokens + block_tokens - 1) / block_tokens; }
   __device__ bool is_block(index_t t) const { return t < num_blocks; }
-  /// Local KV token of row j of tile t, or -1 past the end of the last gather.
-  __device__ index_t token(index_t t, int j) const {
-    if (t < num_blocks) return blocks[t] * block_tokens + j;
-    const index_t at = (t - num_blocks) * block_tokens + j;
-    return at < num_tokens ? tokens[at] : -1;
-  }
-  /// Row j of tile t in a [Sk, Hkv, D] tensor (K or V) at KV head `hk`; null past the last gather.
-  template <int D, class T>
-  __device__ const T* kv_row(const T* base, index_t heads_kv, index_t hk, index_t t, int j) const {
-    const index_t at = token(t, j);
-    return at < 0 ? nullptr : base + (static_cast<std::int64_t>(at) * heads_kv + hk) * D;
-  }
   /// Valid columns of tile t (64 except in the last gather).
   __device__ int valid_columns(index_t t) const {
     if (t < num_blocks) return block_tokens;
@@ -145,6 +174,20 @@ struct row_tiles {
     return left < block_tokens ? static_cast<int>(left) : block_tokens;
   }
 };
+
+/// Queues cp.async copies of tile t of a row from K or V ([Sk, Hkv, D]) at KV head `hk`: a block's
+/// 64 tokens, or the next 64 of its vertical tokens (zeros past the last).
+template <class Layout, class T, int D>
+__device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk) {
+  const std::int64_t stride = std::int64_t{heads_kv} * D;
+  const T* head = base + std::int64_t{hk} * D;
+  if (row.is_block(t)) {
+    load_strided_rows_async<Layout, T, D>(tile, head + std::int64_t{row.blocks[t]} * block_tokens * stride, stride);
+  } else {
+    const index_t first = (t - row.num_blocks) * block_tokens;
+    load_gathered_rows_async<Layout, T, D>(tile, head, stride, row.tokens + first, row.num_tokens - first);
+  }
+}
 
 /// The local query block of a CTA launched over (query blocks, heads). Later query blocks have longer
 /// lists under causal attention, so they are launched first (a shorter tail).

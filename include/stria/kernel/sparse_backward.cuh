@@ -73,11 +73,9 @@ __device__ inline float lse_log2(float lse) { return lse == -INFINITY ? INFINITY
 /// Query and dO rows of one (local query block, head), queued as cp.async copies.
 template <class T, int D>
 __device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, index_t h, T* qs, T* dos) {
-  auto rows = [&](const T* base) {
-    return [=, &p](int j) { return base + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D; };
-  };
-  load_tile_async<T, D>(qs, p.q, rows(p.q));
-  load_tile_async<T, D>(dos, p.d_out, rows(p.d_out));
+  const std::int64_t stride = std::int64_t{p.heads_q} * D;
+  load_strided_rows_async<padded_tile<T, D>, T, D>(qs, block_row(p.q, q_block, 0, p.heads_q, h, D), stride);
+  load_strided_rows_async<padded_tile<T, D>, T, D>(dos, block_row(p.d_out, q_block, 0, p.heads_q, h, D), stride);
 }
 
 /// The 64 rows' lse (log2 domain) and delta of one (local query block, head), plain stores.
@@ -216,8 +214,8 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
   if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
 
   auto load_kv = [&](index_t t, int buffer) {
-    detail::load_tile_async<T, D>(ks + buffer * tile, p.k, [&](int j) { return row.kv_row<D>(p.k, p.heads_kv, hk, t, j); });
-    detail::load_tile_async<T, D>(vs + buffer * tile, p.v, [&](int j) { return row.kv_row<D>(p.v, p.heads_kv, hk, t, j); });
+    detail::load_row_tile_async<padded_tile<T, D>, T, D>(ks + buffer * tile, p.k, row, t, p.heads_kv, hk);
+    detail::load_row_tile_async<padded_tile<T, D>, T, D>(vs + buffer * tile, p.v, row, t, p.heads_kv, hk);
   };
   detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
   load_kv(0, 0);
@@ -300,12 +298,10 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
     detail::load_row_statistics(p, q_block, h, lse + buffer * block_tokens, delta + buffer * block_tokens);
   };
 
-  detail::load_tile_async<T, D>(ks, p.k, [&](int j) {
-    return p.k + ((static_cast<std::int64_t>(kv_block) * block_tokens + j) * p.heads_kv + hk) * D;
-  });
-  detail::load_tile_async<T, D>(vs, p.v, [&](int j) {
-    return p.v + ((static_cast<std::int64_t>(kv_block) * block_tokens + j) * p.heads_kv + hk) * D;
-  });
+  using layout = padded_tile<T, D>;
+  const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
+  detail::load_strided_rows_async<layout, T, D>(ks, detail::block_row(p.k, kv_block, 0, p.heads_kv, hk, D), kv_stride);
+  detail::load_strided_rows_async<layout, T, D>(vs, detail::block_row(p.v, kv_block, 0, p.heads_kv, hk, D), kv_stride);
   cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
   load(current, 0);
   detail::cp_async_commit();
@@ -372,13 +368,9 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const int tid = threadIdx.x, warp = tid / 32;
 
-  auto key_row = [&](const T* base) {
-    return [=, &p, &index](int j) -> const T* {
-      return first + j < last ? base + (static_cast<std::int64_t>(index.vtoken[first + j]) * p.heads_kv + hk) * D : nullptr;
-    };
-  };
-  detail::load_tile_async<T, D>(ks, p.k, key_row(p.k));
-  detail::load_tile_async<T, D>(vs, p.v, key_row(p.v));
+  const std::int64_t key_stride = std::int64_t{p.heads_kv} * D;
+  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
+  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
   detail::cp_async_commit();
 
   // Thread c < 64 walks column c's ascending query list; each round takes the smallest query block

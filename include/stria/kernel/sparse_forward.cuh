@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "stria/core/config.hpp"
 #include "stria/core/numeric.cuh"
@@ -18,9 +19,14 @@
 
 namespace stria::kernel {
 
-/// Both forward kernels are held to 168 registers so that three CTAs (12 warps) share an SM: at
+/// The mma.sync forward is held to 168 registers so that three CTAs (12 warps) share an SM: at
 /// 170-175 registers only two fit, which measured 10-20% slower.
 inline constexpr int forward_ctas_per_sm = 3;
+/// The Hopper forward keeps S(t + 1), P(t) and O in registers while both products run; under a
+/// 168-register cap ptxas serializes the products (C7512), so at D = 128 two CTAs share an SM
+/// (172 registers), at D = 64 four (122).
+template <int D>
+inline constexpr int forward_wgmma_ctas_per_sm = D == 64 ? 4 : 2;
 
 template <class T>
 struct forward_params {
@@ -150,14 +156,11 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
 
-  auto load_tile = [&](const T* base, index_t t, T* to) {
-    detail::load_tile_async<T, D>(to, base, [&](int j) { return row.kv_row<D>(base, p.heads_kv, hk, t, j); });
-  };
+  using layout = padded_tile<T, D>;
+  auto load_tile = [&](const T* base, index_t t, T* to) { detail::load_row_tile_async<layout, T, D>(to, base, row, t, p.heads_kv, hk); };
 
   // Prologue: the query tile (into V buffer 1) and tile 0, one copy group each for K and V.
-  detail::load_tile_async<T, D>(vs + tile, p.q, [&](int j) {
-    return p.q + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D;
-  });
+  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_row(p.q, q_block, 0, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   if (tiles > 0) {
     load_tile(p.k, 0, ks);
     detail::cp_async_commit();
@@ -214,7 +217,7 @@ constexpr std::size_t forward_wgmma_shared_bytes() {
 /// is in flight, and rescales O once it has landed. Loads run one tile further ahead: K(t + 2) and
 /// V(t + 1) are copied during iteration t.
 template <class T, int D>
-__global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
+__global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm<D>) sparse_forward_wgmma(forward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
   constexpr int tile = swizzled_tile<D>::bytes;
@@ -226,8 +229,9 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
 
+  using layout = swizzled_tile<D>;
   auto load_tile = [&](const T* base, index_t t, unsigned char* to) {
-    detail::load_swizzled_async<T, D, attention_threads>(to, base, [&](int j) { return row.kv_row<D>(base, p.heads_kv, hk, t, j); });
+    detail::load_row_tile_async<layout, T, D>(to, base, row, t, p.heads_kv, hk);
   };
   auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
 #pragma unroll
@@ -240,9 +244,7 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   };
 
   // Prologue: the query tile (staged in V buffer 1), K(0), V(0) and K(1); then S(0) and its softmax.
-  detail::load_swizzled_async<T, D, attention_threads>(vs + tile, p.q, [&](int j) {
-    return p.q + ((static_cast<std::int64_t>(q_block) * block_tokens + j) * p.heads_q + h) * D;
-  });
+  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_row(p.q, q_block, 0, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   if (tiles > 0) {
     load_tile(p.k, 0, ks);
     load_tile(p.v, 0, vs);
@@ -258,33 +260,39 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   float o[D / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
-  float s[8][4];        // P(t) once its softmax ran
+  unsigned pf[4][4];    // P(t) as the A operand of P V
   float correction[2];  // of tile t + 1, applied to O after P(t) V(t)
   if (tiles > 0) {
+    float s[8][4];
     detail::wgmma_fence();
     scores(0, s, qf);
     detail::wgmma_commit();
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
     softmax(0, s, row_max, row_sum, correction);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
   }
 
-  for (index_t t = 0; t < tiles; ++t) {
+  // One tile: the body runs in two copies, with and without a next tile, so that no branch sits
+  // between the products in flight (ptxas serializes wgmma across one).
+  auto step = [&](index_t t, auto has_next) {
+    constexpr bool more = decltype(has_next)::value;
     // K(t + 1) and V(t) were copied during iteration t - 1 (or the prologue). The barrier also ends
     // every use of K(t) (S(t) waited) and V(t - 1) (P V waited), whose buffers are refilled now.
     detail::cp_async_wait<0>();
     detail::fence_async_shared();
     __syncthreads();
-    if (t + 2 < tiles) load_tile(p.k, t + 2, ks + (t % 2) * tile);
-    if (t + 1 < tiles) load_tile(p.v, t + 1, vs + ((t + 1) % 2) * tile);
+    if constexpr (more) {
+      if (t + 2 < tiles) load_tile(p.k, t + 2, ks + (t % 2) * tile);
+      load_tile(p.v, t + 1, vs + ((t + 1) % 2) * tile);
+    }
     detail::cp_async_commit();
 
-    unsigned pf[4][4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
-    const bool more = t + 1 < tiles;
+    float s[8][4];  // S(t + 1), then P(t + 1): registers of their own, apart from the A operand pf
+    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
     detail::wgmma_fence();
-    if (more) {
+    if constexpr (more) {
       scores(t + 1, s, qf);
       detail::wgmma_commit();
     }
@@ -292,7 +300,7 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
     for (int k = 0; k < 4; ++k)
       detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::value_operand<D>(vs + (t % 2) * tile, k), true);
     detail::wgmma_commit();
-    if (more) {
+    if constexpr (more) {
       detail::wgmma_wait<1>();  // S(t + 1); the P V product may still run
       detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
       softmax(t + 1, s, row_max, row_sum, correction);
@@ -300,8 +308,15 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
     detail::fence_registers(pf);
-    if (more) detail::rescale_rows<D>(o, correction);
-  }
+    if constexpr (more) {
+      detail::rescale_rows<D>(o, correction);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
+    }
+  };
+  index_t t = 0;
+  for (; t + 1 < tiles; ++t) step(t, std::true_type{});
+  if (tiles > 0) step(t, std::false_type{});
   detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }
 

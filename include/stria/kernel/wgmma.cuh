@@ -33,6 +33,7 @@ struct swizzled_tile {
   static_assert(D % 64 == 0, "the swizzled layout stores 64-element (128-byte) slabs");
   static constexpr int slab_bytes = block_tokens * 128;
   static constexpr int bytes = (D / 64) * slab_bytes;
+  static constexpr int row_pitch = 128;  // bytes from a row to the next within a slab
 
   /// Byte offset of the 16-byte chunk `chunk` (0 .. D / 8 - 1) of row `row`.
   __host__ __device__ static constexpr int offset(int row, int chunk) {
@@ -41,18 +42,6 @@ struct swizzled_tile {
 };
 
 namespace detail {
-
-/// Queues cp.async copies of a 64-row tile in the swizzled layout: row j from row_pointer(j), zeros
-/// where it is null (`any_valid` is a readable address the zero-fill form still names).
-template <class T, int D, int Threads, class RowPointer>
-__device__ void load_swizzled_async(unsigned char* tile, const T* any_valid, RowPointer row_pointer) {
-  constexpr int chunks = D / 8;
-  for (int i = threadIdx.x % Threads; i < block_tokens * chunks; i += Threads) {
-    const int row = i / chunks, chunk = i % chunks;
-    const T* source = row_pointer(row);
-    cp_async_16(tile + swizzled_tile<D>::offset(row, chunk), source ? source + chunk * 8 : any_valid, source != nullptr);
-  }
-}
 
 /// This warp's A fragments (rows 16w .. 16w + 15 of the warpgroup) of a swizzled tile.
 template <int D>
