@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -155,6 +156,17 @@ TEST_CASE("sparse attention kernels on one small problem") {
   CAPTURE(rng.seed);
   const problem shape{4, 2, 128, "Hq4 Hkv2 D128"};
   check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, true, {1, 4, 7}, {1, 4, 7}, 0.5, 0.08), shape);
+}
+
+// The atomic backward splits each vertical-token group's queries into ranges of 256 query blocks,
+// one CTA each: 300 local query blocks make two ranges, with tokens used on both sides of the cut.
+TEST_CASE("the atomic backward over more than 256 query blocks (vertical tokens split into query ranges)") {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  std::vector<index_t> blocks(300);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  const problem shape{2, 1, 64, "Hq2 Hkv1 D64"};
+  for (const bool causal : {true, false}) check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, causal, blocks, blocks, 0.01, 0.003), shape);
 }
 
 TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {

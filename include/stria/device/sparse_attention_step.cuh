@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -265,11 +266,15 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
              dkdv_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
       if (entries == 0) return;
-      // One CTA per 64 entries of a head's token list: at most entries / 64 + heads of them.
+      // One CTA per 64 entries of a head's token list (at most entries / 64 + heads of them) and, in
+      // the atomic mode, per range of 256 query blocks: an early token's list runs over every later
+      // block, and one CTA walking all of them was the pass's tail.
       constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, FusedDq>();
       detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, FusedDq>, vertical_bytes);
       const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
-      kernel::sparse_backward_vertical<T, D, FusedDq><<<groups, kernel::attention_threads, vertical_bytes, stream>>>(params);
+      const unsigned ranges = FusedDq ? static_cast<unsigned>((index.shape.num_query_blocks + 255) / 256) : 1u;
+      kernel::sparse_backward_vertical<T, D, FusedDq>
+          <<<dim3(groups, std::max(ranges, 1u)), kernel::attention_threads, vertical_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
     };
     if (mode == determinism::atomic) {

@@ -5,7 +5,8 @@
 //   dkdv:     one CTA per (local KV block, KV head) over the transposed form, all query heads of its group;
 //   vertical: one CTA per 64 of a head's vertical tokens over the queries that use them; its dK/dV go
 //             by fp32 atomics, or (deterministic) to per-entry scratch that add_vertical_gradients
-//             folds in a fixed order.
+//             folds in a fixed order. In the atomic mode the queries are split further into
+//             gridDim.y ranges of query blocks, one CTA each (the early tokens' lists are long).
 // Atomic mode: no dq pass; the two dK/dV passes also form dQ = dS K per tile (dS^T through shared
 // memory) and add it by fp32 atomics (FlashAttention-2's scheme), 5 products per tile instead of 7.
 // P is recomputed from the final LSE: P = exp(scale q.k - lse), dS = P (dP - delta), delta = rowsum(dO O).
@@ -367,6 +368,10 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   const index_t last = index.vtoken_head_ptr[h + 1] < first + block_tokens ? index.vtoken_head_ptr[h + 1] : first + block_tokens;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const int tid = threadIdx.x, warp = tid / 32;
+  // This CTA's range of query blocks (all of them unless the launch splits them: atomic mode only,
+  // where every CTA adds its dK/dV by atomics).
+  const index_t span = (index.shape.num_query_blocks + gridDim.y - 1) / gridDim.y;
+  const index_t begin = blockIdx.y * span, end_block = begin + span;
 
   const std::int64_t key_stride = std::int64_t{p.heads_kv} * D;
   detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
@@ -377,9 +382,21 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   // still ahead of any column, and the columns whose cursor is on it.
   index_t position = 0, end = 0;
   if (tid < block_tokens && first + tid < last) {
-    position = index.vtoken_query_ptr[first + tid];
-    end = index.vtoken_query_ptr[first + tid + 1];
+    // The column's entries in [begin, end_block), by binary search in its ascending list.
+    const index_t* list = index.vtoken_query;
+    auto lower_bound = [&](index_t lo, index_t hi, index_t q_block) {
+      while (lo < hi) {
+        const index_t mid = lo + (hi - lo) / 2;
+        if (list[mid] < q_block) lo = mid + 1;
+        else hi = mid;
+      }
+      return lo;
+    };
+    const index_t from = index.vtoken_query_ptr[first + tid], to = index.vtoken_query_ptr[first + tid + 1];
+    position = lower_bound(from, to, begin);
+    end = lower_bound(position, to, end_block);
   }
+  bool worked = false;  // whether any query block of the range used a column
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (;;) {
     index_t candidate = INT_MAX;
@@ -392,6 +409,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
     __syncthreads();
     const index_t q_block = min(warp_min[0], warp_min[1]);
     if (q_block == INT_MAX) break;
+    worked = true;
     if (tid < block_tokens) {
       used[tid] = candidate == q_block ? 1 : 0;
       if (candidate == q_block) ++position;
@@ -412,6 +430,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
     __syncthreads();
   }
 
+  if (!worked && p.vertical_dk == nullptr) return;  // no atomics of zeros (the scratch must be written)
   const int row0 = 16 * warp;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
