@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // Benchmark (a program, not a test): the sparse attention kernels on one GPU, one step covering the
-// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128), bf16, causal; patterns: dense causal, the
+// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128; --head-dim 64 for D 64), bf16, causal; patterns: dense causal, the
 // generator's Vertical-Slash selection at 90% and 95% sparsity, and its slash-only block patterns. Forward and backward (atomic and
 // deterministic) medians of CUDA-event timings after warm-up, random non-zero inputs, outputs
 // poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry
 // forward, 2.5x that backward, ANCHORS.md).
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--forward-only] [--pattern-dir DIR]   (writes each pattern as JSON for tests/bench/compare_flex.py)
+//                   [--head-dim 128|64] [--forward-only] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   tests/bench/compare_flex.py)
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -99,6 +100,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
   std::string pattern_dir;
   int repeats = 10;
+  index_t dim = 128;
   bool with_backward = true;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
@@ -116,12 +118,18 @@ int main(int argc, char** argv) {
     else if (flag == "--patterns") patterns = split(value);
     else if (flag == "--repeats") repeats = std::stoi(value);
     else if (flag == "--pattern-dir") pattern_dir = value;
-    else {
+    else if (flag == "--head-dim") {
+      if (value != "64" && value != "128") {
+        std::fprintf(stderr, "--head-dim = %s: must be 64 or 128\n", value.c_str());
+        return 2;
+      }
+      dim = std::stoi(value);
+    } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
     }
   }
-  const index_t hq = 16, hkv = 2, dim = 128;
+  const index_t hq = 16, hkv = 2;
   const double scale = 1.0 / std::sqrt(double(dim));
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
