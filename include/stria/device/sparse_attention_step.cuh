@@ -233,12 +233,19 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   const bool deterministic = mode == determinism::deterministic && entries > 0;
   device_buffer<float> vertical_dk(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
   device_buffer<float> vertical_dv(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
+  // The passes read the LSE in the log2 domain: converted once here rather than per tile.
+  const std::int64_t lse_count = std::int64_t{shape.heads_q} * shape.query_tokens;
+  device_buffer<float> lse_log2(static_cast<std::size_t>(lse_count), stream);
+  if (lse_count > 0) {
+    kernel::log2_lse<<<std::min(stria::detail::blocks_for(lse_count, 256), 65535u), 256, 0, stream>>>(lse.data(), lse_log2.data(), lse_count);
+    STRIA_CUDA_CHECK_LAUNCH("log2_lse");
+  }
   const kernel::backward_params<T> params{index.view(),
                                           q.data(),
                                           k.data(),
                                           v.data(),
                                           d_out.data(),
-                                          lse.data(),
+                                          lse_log2.data(),
                                           delta.data(),
                                           dq.data(),
                                           dk.data(),

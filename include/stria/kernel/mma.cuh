@@ -72,6 +72,15 @@ __device__ inline void cp_async_16(void* shared, const void* global, bool valid)
 #endif
 }
 
+/// Asynchronous 4-byte copy global -> shared (through L1: the 16-byte form alone may bypass it).
+__device__ inline void cp_async_4(void* shared, const void* global) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(shared)), "l"(global) : "memory");
+#else
+  __trap();
+#endif
+}
+
 __device__ inline void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");

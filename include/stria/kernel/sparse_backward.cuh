@@ -32,7 +32,7 @@ struct backward_params {
   const T* k;             // [Sk, Hkv, D]
   const T* v;             // [Sk, Hkv, D]
   const T* d_out;         // [Sq, Hq, D]
-  const float* lse;       // [Hq, Sq]  final LSE over all steps (natural log)
+  const float* lse;       // [Hq, Sq]  final LSE over all steps, log2 domain (log2_lse; +inf: no keys)
   const float* delta;     // [Hq, Sq]  rowsum(dO * O)
   float* dq;              // [Sq, Hq, D]   accumulated (+=)
   float* dk;              // [Sk, Hkv, D]  accumulated (+=)
@@ -79,14 +79,16 @@ __device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, i
   load_strided_rows_async<padded_tile<T, D>, T, D>(dos, block_row(p.d_out, q_block, 0, p.heads_q, h, D), stride);
 }
 
-/// The 64 rows' lse (log2 domain) and delta of one (local query block, head), plain stores.
+/// The 64 rows' lse (log2 domain) and delta of one (local query block, head), queued as cp.async
+/// copies with the tiles (a plain load here stalled the loading warps, and with them the barrier,
+/// for a global-memory round trip every tile).
 template <class T>
 __device__ void load_row_statistics(const backward_params<T>& p, index_t q_block, index_t h, float* lse, float* delta) {
   const int j = static_cast<int>(threadIdx.x);
   if (j < block_tokens) {
     const std::int64_t at = static_cast<std::int64_t>(h) * p.query_tokens + static_cast<std::int64_t>(q_block) * block_tokens + j;
-    lse[j] = lse_log2(p.lse[at]);
-    delta[j] = p.delta[at];
+    cp_async_4(lse + j, p.lse + at);
+    cp_async_4(delta + j, p.delta + at);
   }
 }
 
@@ -183,6 +185,15 @@ __device__ void add_rows(const float (&acc)[D / 8][4], float scale, RowPointer r
 
 }  // namespace detail
 
+/// out[i] = the final LSE lse[i] in the log2 domain (+inf for a row that saw no keys), what the
+/// backward passes read.
+template <int Unused = 0>
+__global__ void log2_lse(const float* __restrict__ lse, float* __restrict__ out, std::int64_t count) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    out[i] = detail::lse_log2(lse[i]);
+}
+
 /// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d], one warp per (token, head).
 template <class T>
 __global__ void backward_delta(const T* __restrict__ out, const T* __restrict__ d_out, index_t tokens, index_t heads, index_t dim,
@@ -226,7 +237,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const std::int64_t at = static_cast<std::int64_t>(h) * p.query_tokens + q_block * block_tokens + 16 * warp + detail::fragment_row(2 * half);
-    lse[half] = detail::lse_log2(p.lse[at]);
+    lse[half] = p.lse[at];
     delta[half] = p.delta[at];
   }
 
@@ -415,8 +426,8 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
       if (candidate == q_block) ++position;
     }
     detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
-    detail::cp_async_commit();
     detail::load_row_statistics(p, q_block, h, lse, delta);
+    detail::cp_async_commit();
     detail::cp_async_wait<0>();
     __syncthreads();
     detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs, dos, lse, delta, [&](int key, int) { return used[key] == 0; },
