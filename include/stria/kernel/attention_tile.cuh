@@ -48,6 +48,16 @@ struct tile_copy_plan {
   static constexpr int passes = block_tokens / rows_per_pass;
   static_assert(attention_threads % chunks == 0 && rows_per_pass % 8 == 0, "a pass must cover whole swizzle periods of 8 rows");
   int chunk = static_cast<int>(threadIdx.x) % chunks, row0 = static_cast<int>(threadIdx.x) / chunks;
+
+  /// Whether `Layout` places every chunk of row r + rows_per_pass exactly rows_per_pass row pitches
+  /// after the same chunk of row r: what lets a thread advance its shared address by a constant.
+  template <class Layout>
+  __host__ __device__ static constexpr bool fits() {
+    for (int row = 0; row + rows_per_pass < block_tokens; ++row)
+      for (int c = 0; c < chunks; ++c)
+        if (Layout::offset(row + rows_per_pass, c) != Layout::offset(row, c) + rows_per_pass * Layout::row_pitch) return false;
+    return true;
+  }
 };
 
 /// Row j of 64-token block `block` of a [tokens, heads, D] tensor, at head h.
@@ -60,6 +70,7 @@ __device__ T* block_row(T* base, index_t block, int j, index_t heads, index_t h,
 template <class Layout, class T, int D>
 __device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride) {
   using plan = tile_copy_plan<T, D>;
+  static_assert(plan::template fits<Layout>(), "the tile layout must advance by whole row pitches between a thread's rows");
   const plan at;
   unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
   const T* from = first + at.row0 * stride + at.chunk * (16 / static_cast<int>(sizeof(T)));
@@ -73,6 +84,7 @@ __device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t
 template <class Layout, class T, int D>
 __device__ void load_gathered_rows_async(void* tile, const T* base, std::int64_t stride, const index_t* tokens, index_t count) {
   using plan = tile_copy_plan<T, D>;
+  static_assert(plan::template fits<Layout>(), "the tile layout must advance by whole row pitches between a thread's rows");
   const plan at;
   unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
   const T* column = base + at.chunk * (16 / static_cast<int>(sizeof(T)));
