@@ -166,7 +166,8 @@ TEST_CASE("the atomic backward over more than 256 query blocks (vertical tokens 
   std::vector<index_t> blocks(300);
   std::iota(blocks.begin(), blocks.end(), 0);
   const problem shape{2, 1, 64, "Hq2 Hkv1 D64"};
-  for (const bool causal : {true, false}) check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, causal, blocks, blocks, 0.01, 0.003), shape);
+  for (const bool causal : {true, false})
+    check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, causal, blocks, blocks, 0.01, 0.003), shape);
 }
 
 TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {

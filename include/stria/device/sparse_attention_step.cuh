@@ -279,9 +279,9 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
       constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, FusedDq>();
       detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, FusedDq>, vertical_bytes);
       const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
-      const unsigned ranges = FusedDq ? static_cast<unsigned>((index.shape.num_query_blocks + 255) / 256) : 1u;
+      const unsigned ranges = FusedDq ? static_cast<unsigned>((index.shape.num_query_blocks + 255) / 256) : 1u;  // >= 1: entries > 0
       kernel::sparse_backward_vertical<T, D, FusedDq>
-          <<<dim3(groups, std::max(ranges, 1u)), kernel::attention_threads, vertical_bytes, stream>>>(params);
+          <<<dim3(groups, ranges), kernel::attention_threads, vertical_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
     };
     if (mode == determinism::atomic) {

@@ -60,10 +60,10 @@ struct tile_copy_plan {
   }
 };
 
-/// Row j of 64-token block `block` of a [tokens, heads, D] tensor, at head h.
+/// The first row of 64-token block `block` of a [tokens, heads, d] tensor, at head h.
 template <class T>
-__device__ T* block_row(T* base, index_t block, int j, index_t heads, index_t h, int d) {
-  return base + ((std::int64_t{block} * block_tokens + j) * heads + h) * d;
+__device__ T* block_start(T* base, index_t block, index_t heads, index_t h, int d) {
+  return base + (std::int64_t{block} * block_tokens * heads + h) * d;
 }
 
 /// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride.

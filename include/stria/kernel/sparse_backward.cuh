@@ -75,8 +75,8 @@ __device__ inline float lse_log2(float lse) { return lse == -INFINITY ? INFINITY
 template <class T, int D>
 __device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, index_t h, T* qs, T* dos) {
   const std::int64_t stride = std::int64_t{p.heads_q} * D;
-  load_strided_rows_async<padded_tile<T, D>, T, D>(qs, block_row(p.q, q_block, 0, p.heads_q, h, D), stride);
-  load_strided_rows_async<padded_tile<T, D>, T, D>(dos, block_row(p.d_out, q_block, 0, p.heads_q, h, D), stride);
+  load_strided_rows_async<padded_tile<T, D>, T, D>(qs, block_start(p.q, q_block, p.heads_q, h, D), stride);
+  load_strided_rows_async<padded_tile<T, D>, T, D>(dos, block_start(p.d_out, q_block, p.heads_q, h, D), stride);
 }
 
 /// The 64 rows' lse (log2 domain) and delta of one (local query block, head), queued as cp.async
@@ -312,8 +312,8 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
 
   using layout = padded_tile<T, D>;
   const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
-  detail::load_strided_rows_async<layout, T, D>(ks, detail::block_row(p.k, kv_block, 0, p.heads_kv, hk, D), kv_stride);
-  detail::load_strided_rows_async<layout, T, D>(vs, detail::block_row(p.v, kv_block, 0, p.heads_kv, hk, D), kv_stride);
+  detail::load_strided_rows_async<layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
+  detail::load_strided_rows_async<layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
   cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
   load(current, 0);
   detail::cp_async_commit();

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   auto load_tile = [&](const T* base, index_t t, T* to) { detail::load_row_tile_async<layout, T, D>(to, base, row, t, p.heads_kv, hk); };
 
   // Prologue: the query tile (into V buffer 1) and tile 0, one copy group each for K and V.
-  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_row(p.q, q_block, 0, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
+  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   if (tiles > 0) {
     load_tile(p.k, 0, ks);
     detail::cp_async_commit();
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) 
   };
 
   // Prologue: the query tile (staged in V buffer 1), K(0), V(0) and K(1); then S(0) and its softmax.
-  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_row(p.q, q_block, 0, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
+  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   if (tiles > 0) {
     load_tile(p.k, 0, ks);
     load_tile(p.v, 0, vs);
