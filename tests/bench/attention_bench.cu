@@ -2,29 +2,36 @@
 // Benchmark (a program, not a test): the sparse attention kernels on one GPU, one step covering the
 // whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128; --head-dim 64 for D 64), bf16, causal; patterns: dense causal, the
 // generator's Vertical-Slash selection at 90% and 95% sparsity, and its slash-only block patterns. Forward and backward (atomic and
-// deterministic) medians of CUDA-event timings after warm-up, random non-zero inputs, outputs
-// poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry
-// forward, 2.5x that backward, ANCHORS.md).
+// deterministic; the mma.sync kernels beside the Hopper ones) medians of CUDA-event timings after warm-up, random non-zero inputs,
+// outputs poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry forward, 2.5x that backward,
+// ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
+// rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--forward-only] [--pattern-dir DIR]   (writes each pattern as JSON for
-//                   tests/bench/compare_flex.py)
+//                   [--head-dim 128|64] [--forward-only] [--front] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "stria/comm/local_device.cuh"
 #include "stria/core/cuda_check.cuh"
+#include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
 #include "stria/device/sparse_attention_step.cuh"
+#include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/sharding/sequential.hpp"
+#include "stria/sparse_attention.cuh"
 #include "timing.cuh"
 
 using namespace stria;
@@ -87,6 +94,75 @@ void write_pattern(const std::string& path, const global_selection& g, std::int6
   out << "]}\n";
 }
 
+/// One row of the JSON file (tests/bench/results/attention_h200.json): times in ms, effective TFLOPS.
+struct json_row {
+  std::string name;
+  index_t seq_len, head_dim, heads_q, heads_kv;
+  double density, fwd_ms, bwd_ms;
+  std::int64_t entries;
+};
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.4f", x);
+  return buffer;
+}
+
+void write_json(const std::string& path, const std::string& commit, const std::string& gpu, const std::vector<json_row>& rows) {
+  std::ofstream out(path);
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  out << "{\"commit\": \"" << commit << "\", \"date\": \"" << date << "\", \"gpu\": \"" << gpu << "\", \"rows\": [";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const json_row& r = rows[i];
+    const double flops = 4.0 * double(r.entries) * r.head_dim;
+    out << (i ? "," : "") << "\n  {\"name\": \"" << r.name << "\", \"seq_len\": " << r.seq_len << ", \"head_dim\": " << r.head_dim
+        << ", \"heads_q\": " << r.heads_q << ", \"heads_kv\": " << r.heads_kv << ", \"density\": " << json_number(r.density)
+        << ", \"fwd_ms\": " << json_number(r.fwd_ms) << ", \"bwd_ms\": " << json_number(r.bwd_ms)
+        << ", \"fwd_tflops\": " << json_number(flops / r.fwd_ms * 1e-9) << ", \"bwd_tflops\": " << json_number(2.5 * flops / r.bwd_ms * 1e-9)
+        << "}";
+  }
+  out << "\n]}\n";
+  if (!out) throw invalid_argument("--json", path, "could not be written");
+}
+
+/// Forward and backward medians of the selection through the front template with one rank.
+template <int D>
+std::pair<double, double> front_template_ms(const global_selection& g, const device_buffer<T>& q, const device_buffer<T>& k,
+                                            const device_buffer<T>& v, const device_buffer<T>& d_out, index_t hq, index_t hkv, int repeats,
+                                            std::uint64_t& bad) {
+  using attention = sparse_attention<estimator::vertical_slash_top_p, sharding::sequential, topology::flat_ring, tile<64, 64, D>>;
+  const index_t s = g.seq_len;
+  std::pair<double, double> ms{NAN, NAN};
+  comm::local_device_world ranks(1);
+  ranks.run([&](comm::local_device& c) {
+    const cuda_stream stream;
+    const cudaStream_t st = stream.get();
+    attention layer({}, {}, topology::flat_ring(1), {s, hq, hkv});
+    layer.use_selection(c, g, st);
+    device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
+    device_buffer<float> lse(std::size_t(hq) * s, st);
+    for (auto* b : {&out, &dq, &dk, &dv}) b->fill_bytes(0xff, st);  // NaN until written
+    lse.fill_bytes(0xff, st);
+    const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {s, heads, D}); };
+    const auto to = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {s, heads, D}); };
+    auto forward = [&] { layer.forward(c, in(q, hq), in(k, hkv), in(v, hkv), to(out, hq), tensor_view<float, 2>(lse.data(), {hq, s}), st); };
+    auto backward = [&] {
+      layer.backward(c, in(q, hq), in(k, hkv), in(v, hkv), in(out, hq), in(d_out, hq), tensor_view<const float, 2>(lse.data(), {hq, s}),
+                     to(dq, hq), to(dk, hkv), to(dv, hkv), st);
+    };
+    ms.first = bench::median_ms(repeats, forward, st);
+    ms.second = bench::median_ms(repeats, backward, st);
+    stream.synchronize();
+    std::vector<T> grads;
+    for (const auto* b : {&out, &dq, &dk, &dv})
+      for (const T x : b->download()) bad += std::isfinite(to_float(x)) ? 0 : 1;
+  });
+  return ms;
+}
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
   std::stringstream in(s);
@@ -98,14 +174,14 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
   std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
-  std::string pattern_dir;
+  std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
   index_t dim = 128;
-  bool with_backward = true;
+  bool with_backward = true, with_front = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--forward-only") {
-      with_backward = false;
+    if (flag == "--forward-only" || flag == "--front") {
+      (flag == "--front" ? with_front : with_backward) = flag == "--front";
       --i;
       continue;
     }
@@ -118,6 +194,8 @@ int main(int argc, char** argv) {
     else if (flag == "--patterns") patterns = split(value);
     else if (flag == "--repeats") repeats = std::stoi(value);
     else if (flag == "--pattern-dir") pattern_dir = value;
+    else if (flag == "--json") json_path = value;
+    else if (flag == "--commit") commit = value;
     else if (flag == "--head-dim") {
       if (value != "64" && value != "128") {
         std::fprintf(stderr, "--head-dim = %s: must be 64 or 128\n", value.c_str());
@@ -137,8 +215,11 @@ int main(int argc, char** argv) {
               dim, repeats);
   std::printf("forward: %s kernel (mma.sync column: the sm80 kernel on the same input)\n",
               device::hopper_kernels_available() ? "wgmma" : "mma.sync");
-  std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %9s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms", "bwd TF",
-              "det ms", "det TF", "mma ms", "mma TF", "index ms", "check");
+  std::printf("backward: %s kernels in the atomic mode (mma bwd column: the mma.sync passes on the same input); det: deterministic\n",
+              device::hopper_kernels_available() ? "wgmma" : "mma.sync");
+  std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %9s %9s %9s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms",
+              "bwd TF", "det ms", "det TF", "mma ms", "mma TF", "mma bwd", "mma bTF", "index ms", "check");
+  std::vector<json_row> rows;
   for (const std::string& length : lengths) {
     const index_t s = std::stoi(length);
     const std::int64_t q_elements = std::int64_t{s} * hq * dim, kv_elements = std::int64_t{s} * hkv * dim;
@@ -183,28 +264,48 @@ int main(int argc, char** argv) {
 
       device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
       device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);
-      auto backward = [&](device::determinism mode) {
-        return [&, mode] {
-          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr);
+      auto backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic) {
+        return [&, mode, which] {
+          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr, which);
         };
       };
-      double bwd_ms = NAN, det_ms = NAN;
+      double bwd_ms = NAN, det_ms = NAN, mma_bwd_ms = NAN;
       if (with_backward) {
-        dq.fill_bytes(0);
-        dk.fill_bytes(0);
-        dv.fill_bytes(0);
-        backward(device::determinism::atomic)();
-        bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+        for (auto which : {device::backward_kernel::mma_sync, device::backward_kernel::automatic}) {
+          dq.fill_bytes(0);
+          dk.fill_bytes(0);
+          dv.fill_bytes(0);
+          backward(device::determinism::atomic, which)();
+          bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+        }
         bwd_ms = median_ms(repeats, backward(device::determinism::atomic));
+        mma_bwd_ms = median_ms(repeats, backward(device::determinism::atomic, device::backward_kernel::mma_sync));
         det_ms = median_ms(repeats, backward(device::determinism::deterministic));
       }
 
       const double fwd_flops = 4.0 * double(entries) * dim, bwd_flops = 2.5 * fwd_flops;
-      std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.3f %9.1f %9.2f %s\n", s, name.c_str(),
-                  100.0 * double(entries) / causal_entries, fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms,
-                  bwd_flops / det_ms * 1e-9, mma_ms, fwd_flops / mma_ms * 1e-9, index_ms, bad == 0 ? "ok" : "NON-FINITE");
+      const double density = double(entries) / causal_entries;
+      std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.3f %9.1f %9.3f %9.1f %9.2f %s\n", s, name.c_str(),
+                  100.0 * density, fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms, bwd_flops / det_ms * 1e-9,
+                  mma_ms, fwd_flops / mma_ms * 1e-9, mma_bwd_ms, bwd_flops / mma_bwd_ms * 1e-9, index_ms, bad == 0 ? "ok" : "NON-FINITE");
       std::fflush(stdout);
+      rows.push_back({name, s, dim, hq, hkv, density, fwd_ms, bwd_ms, entries});
+      rows.push_back({name + "_deterministic", s, dim, hq, hkv, density, fwd_ms, det_ms, entries});
+      rows.push_back({name + "_mma_sync", s, dim, hq, hkv, density, mma_ms, mma_bwd_ms, entries});
+      if (with_front && with_backward) {
+        std::uint64_t front_bad = 0;
+        const auto [front_fwd, front_bwd] = dim == 64 ? front_template_ms<64>(g, q, k, v, d_out, hq, hkv, repeats, front_bad)
+                                                      : front_template_ms<128>(g, q, k, v, d_out, hq, hkv, repeats, front_bad);
+        std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f   (front template, one rank: fwd and bwd of the layer) %s\n", s,
+                    (name + "_front_w1").c_str(), 100.0 * density, front_fwd, fwd_flops / front_fwd * 1e-9, front_bwd,
+                    bwd_flops / front_bwd * 1e-9, front_bad == 0 ? "ok" : "NON-FINITE");
+        std::fflush(stdout);
+        rows.push_back({name + "_front_w1", s, dim, hq, hkv, density, front_fwd, front_bwd, entries});
+        bad += front_bad;
+      }
+      if (bad != 0) return 1;
     }
   }
+  if (!json_path.empty()) write_json(json_path, commit, prop.name, rows);
   return 0;
 }

@@ -37,17 +37,19 @@ inline device_buffer<__nv_bfloat16> random_buffer(std::size_t n, std::uint64_t s
   return x;
 }
 
+/// Median of `repeats` timings of run() after three warm-up runs, events recorded on `stream` (the
+/// stream run() queues its work on).
 template <class Run>
-double median_ms(int repeats, Run run) {
+double median_ms(int repeats, Run run, cudaStream_t stream = nullptr) {
   cudaEvent_t start, stop;
   STRIA_CUDA_CHECK(cudaEventCreate(&start));
   STRIA_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) run();  // warm-up
   std::vector<float> times;
   for (int i = 0; i < repeats; ++i) {
-    STRIA_CUDA_CHECK(cudaEventRecord(start));
+    STRIA_CUDA_CHECK(cudaEventRecord(start, stream));
     run();
-    STRIA_CUDA_CHECK(cudaEventRecord(stop));
+    STRIA_CUDA_CHECK(cudaEventRecord(stop, stream));
     STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
     STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));

@@ -7,6 +7,10 @@
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
 #   BENCHES="attention_bench estimator_bench ring_bench" (default) picks the benchmarks; ATTENTION_ARGS are
 #   passed to attention_bench; COMPARE=1 also runs tests/bench/compare_flex.py on the same patterns.
+#   The bench `attention_results` writes $OUT/attention_h200.json (tests/bench/results/): attention_bench's
+#   rows at 128K for D 128 and 64 (dense, vs95, deterministic, front template) and vs95 at 32K and 512K,
+#   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
+#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/stria-device-out}
@@ -40,7 +44,7 @@ run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and tim
   return $rc
 }
 
-run gpu_tests "$bin/stria_gpu_tests"
+run gpu_tests "$bin/stria_gpu_tests" ${TESTS:+-tc="$TESTS"}
 # With two or more GPUs: the multi-GPU tests, one process driving every GPU and one process per GPU
 # (NVLink multicast stays off).
 if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_tests" ]; then
@@ -63,12 +67,29 @@ if [ "$mode" != quick ]; then
     -tc="${RACECHECK_CASES:-*window statistics*,*one small problem*}"
 fi
 for bench in $benches; do
-  if [ "$bench" = attention_bench ]; then
+  if [ "$bench" = attention_results ]; then
+    commit=${STRIA_COMMIT:-unknown}
+    run attention_d128 "$bin/attention_bench" --seq-len 131072 --patterns dense,vs95 --front --repeats 5 --commit "$commit" --json "$OUT/part_d128.json"
+    run attention_d64 "$bin/attention_bench" --head-dim 64 --seq-len 131072 --patterns dense,vs95 --front --repeats 5 --commit "$commit" \
+      --json "$OUT/part_d64.json"
+    run attention_lengths "$bin/attention_bench" --seq-len 32768,524288 --patterns vs95 --repeats 5 --commit "$commit" --json "$OUT/part_lengths.json"
+    run attention_results python3 tests/bench/cudnn_bench.py "$OUT"/part_d128.json "$OUT"/part_d64.json "$OUT"/part_lengths.json \
+      --out "$OUT/attention_h200.json"
+    rm -f "$OUT"/part_*.json
+    bench_logs+=" attention_d128 attention_d64 attention_lengths attention_results"
+  elif [ "$bench" = attention_bench ]; then
     mkdir -p "$OUT/patterns"
     run attention_bench "$bin/attention_bench" --pattern-dir "$OUT/patterns" ${ATTENTION_ARGS:-}
   else
     run "$bench" "$bin/$bench"
   fi
+done
+# PROFILE="regex[,regex...]": Nsight Compute on the first launch of each named kernel in attention_bench
+# (128K vs95, D 128), the main sections, one report each in $OUT.
+for kernel in ${PROFILE//,/ }; do
+  run "ncu_$kernel" ncu --clock-control none --kernel-name "regex:$kernel" --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section SchedulerStats "$bin/attention_bench" --seq-len 131072 --patterns vs95 --repeats 1
 done
 if [ "${COMPARE:-0}" = 1 ]; then
   run compare_flex python3 tests/bench/compare_flex.py "$OUT/patterns"
@@ -77,6 +98,6 @@ fi
 echo
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
-for bench in $benches ${COMPARE:+compare_flex} ${multi_shown:-}; do
+for bench in ${bench_logs:-} $benches ${COMPARE:+compare_flex} ${multi_shown:-}; do
   [ -f "$OUT/$bench.log" ] && { echo "---- $bench ----"; cat "$OUT/$bench.log"; }
 done

@@ -100,7 +100,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   delta.fill_bytes(0xff);
   device::backward_delta<T>(tensor_view<const T, 3>(out_device.data(), {sq, hq, dim}), d_out_view, tensor_view<float, 2>(delta.data(), {hq, sq}),
                             nullptr);
-  auto run_backward = [&](device::determinism mode) {
+  auto run_backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic) {
     struct gradients {
       std::vector<float> dq, dk, dv;
     };
@@ -110,27 +110,35 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dv.fill_bytes(0);
     device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
                                tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, dq_view(dq), dk_view(dk), dk_view(dv), mode,
-                               nullptr);
+                               nullptr, which);
     return gradients{dq.download(), dk.download(), dv.download()};
   };
-  const auto exact = run_backward(device::determinism::deterministic);
-  const double dq_error = max_relative_error(exact.dq, dq_ref), dk_error = max_relative_error(exact.dk, dk_ref),
-               dv_error = max_relative_error(exact.dv, dv_ref);
-  MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, ": max relative error dQ ", dq_error, ", dK ", dk_error, ", dV ",
-          dv_error);
-  CHECK(dq_error < 2 * tolerance<T>());
-  CHECK(dk_error < 2 * tolerance<T>());
-  CHECK(dv_error < 2 * tolerance<T>());
-
-  // Deterministic mode repeats bit for bit; the atomic mode agrees to rounding.
-  const auto again = run_backward(device::determinism::deterministic);
-  CHECK(std::memcmp(again.dq.data(), exact.dq.data(), exact.dq.size() * sizeof(float)) == 0);
-  CHECK(std::memcmp(again.dk.data(), exact.dk.data(), exact.dk.size() * sizeof(float)) == 0);
-  CHECK(std::memcmp(again.dv.data(), exact.dv.data(), exact.dv.size() * sizeof(float)) == 0);
-  const auto atomic = run_backward(device::determinism::atomic);
-  CHECK(max_relative_error(atomic.dk, dk_ref) < 2 * tolerance<T>());
-  CHECK(max_relative_error(atomic.dv, dv_ref) < 2 * tolerance<T>());
-  CHECK(max_relative_error(atomic.dq, dq_ref) < 2 * tolerance<T>());  // fused into the dK/dV passes there
+  // Every backward kernel family (mma.sync, and wgmma on Hopper) in both modes: the deterministic
+  // mode repeats bit for bit, the atomic mode agrees to rounding.
+  std::vector<device::backward_kernel> backward_kernels{device::backward_kernel::mma_sync};
+  if (device::hopper_kernels_available()) backward_kernels.push_back(device::backward_kernel::wgmma);
+  for (const device::backward_kernel which : backward_kernels) {
+    const std::string kernel_name = which == device::backward_kernel::wgmma ? "wgmma" : "mma.sync";
+    CAPTURE(kernel_name);
+    for (const device::determinism mode : {device::determinism::deterministic, device::determinism::atomic}) {
+      const bool deterministic = mode == device::determinism::deterministic;
+      CAPTURE(deterministic);
+      const auto grads = run_backward(mode, which);
+      const double dq_error = max_relative_error(grads.dq, dq_ref), dk_error = max_relative_error(grads.dk, dk_ref),
+                   dv_error = max_relative_error(grads.dv, dv_ref);
+      MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, deterministic ? " deterministic" : " atomic",
+              ": max relative error dQ ", dq_error, ", dK ", dk_error, ", dV ", dv_error);
+      CHECK(dq_error < 2 * tolerance<T>());
+      CHECK(dk_error < 2 * tolerance<T>());
+      CHECK(dv_error < 2 * tolerance<T>());
+      if (deterministic) {
+        const auto again = run_backward(mode, which);
+        CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(again.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(again.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);
+      }
+    }
+  }
 }
 
 const problem problems[] = {{2, 2, 64, "Hq2 Hkv2 D64"}, {4, 2, 128, "Hq4 Hkv2 D128"}, {8, 1, 64, "Hq8 Hkv1 D64"}, {8, 1, 128, "Hq8 Hkv1 D128"}};

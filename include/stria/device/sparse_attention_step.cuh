@@ -23,6 +23,7 @@
 #include "stria/index/local_index.cuh"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/sparse_backward.cuh"
+#include "stria/kernel/sparse_backward_wgmma.cuh"
 #include "stria/kernel/sparse_forward.cuh"
 
 namespace stria::device {
@@ -39,6 +40,10 @@ enum class determinism { atomic, deterministic };
 /// Which forward kernel runs: the Hopper one (wgmma) where the device and this build support it,
 /// else the mma.sync one (sm80+); or one of them by name (tests compare both).
 enum class forward_kernel { automatic, mma_sync, wgmma };
+
+/// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
+/// support them, else the mma.sync ones (sm80+); or one of them by name (tests compare both).
+enum class backward_kernel { automatic, mma_sync, wgmma };
 
 /// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
 /// sm_90a (probed once per device with a one-thread kernel).
@@ -205,7 +210,7 @@ template <class T>
 void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
                      double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
-                     determinism mode, cudaStream_t stream) {
+                     determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
@@ -216,7 +221,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   detail::check_layout(d_out, "d_out", 16);
   detail::check_layout(lse, "lse", 4);
   detail::check_layout(delta, "delta", 4);
-  detail::check_layout(dq, "dq", 8);
+  detail::check_layout(dq, "dq", 16);  // the Hopper passes add dQ by 16-byte reductions
   detail::check_layout(dk, "dk", 8);
   detail::check_layout(dv, "dv", 8);
   detail::check_on_device({{q.data(), "q"},
@@ -229,6 +234,9 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                            {dk.data(), "dk"},
                            {dv.data(), "dv"}});
 
+  if (which == backward_kernel::wgmma && !hopper_kernels_available())
+    throw invalid_argument("which", "backward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
+  const bool hopper = which == backward_kernel::wgmma || (which == backward_kernel::automatic && hopper_kernels_available());
   const auto entries = static_cast<index_t>(index.vtoken.size());
   const bool deterministic = mode == determinism::deterministic && entries > 0;
   device_buffer<float> vertical_dk(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
@@ -258,30 +266,53 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           static_cast<float>(softmax_scale),
                                           static_cast<float>(softmax_scale * kernel::detail::log2e)};
   detail::with_head_dim(shape.head_dim, [&]<int D>() {
-    auto passes = [&]<bool FusedDq>() {
-      if constexpr (!FusedDq) {
-        constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
-        detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
-        kernel::sparse_backward_dq<T, D><<<dim3(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q)),
-                                           kernel::attention_threads, dq_bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
-      }
-      constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T, FusedDq>();
-      detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D, FusedDq>, dkdv_bytes);
-      kernel::sparse_backward_dkdv<T, D, FusedDq>
-          <<<dim3(static_cast<unsigned>(index.shape.num_kv_blocks), static_cast<unsigned>(shape.heads_kv)), kernel::attention_threads,
-             dkdv_bytes, stream>>>(params);
-      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
-      if (entries == 0) return;
+    // The passes (DESIGN 8): a dQ pass (mma.sync: unless the atomic mode fuses dQ into the dK/dV
+    // passes), the dK/dV block pass, and the vertical-token pass.
+    auto passes = [&]<bool Atomic>() {
+      const dim3 rows(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
+      const dim3 columns(static_cast<unsigned>(index.shape.num_kv_blocks), static_cast<unsigned>(shape.heads_kv));
       // One CTA per 64 entries of a head's token list (at most entries / 64 + heads of them) and, in
       // the atomic mode, per range of 256 query blocks: an early token's list runs over every later
       // block, and one CTA walking all of them was the pass's tail.
-      constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, FusedDq>();
-      detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, FusedDq>, vertical_bytes);
-      const unsigned groups = static_cast<unsigned>(entries / block_tokens + shape.heads_q);
-      const unsigned ranges = FusedDq ? static_cast<unsigned>((index.shape.num_query_blocks + 255) / 256) : 1u;  // >= 1: entries > 0
-      kernel::sparse_backward_vertical<T, D, FusedDq>
-          <<<dim3(groups, ranges), kernel::attention_threads, vertical_bytes, stream>>>(params);
+      const unsigned ranges = static_cast<unsigned>((index.shape.num_query_blocks + 255) / 256);
+      const dim3 tokens(static_cast<unsigned>(entries / block_tokens + shape.heads_q), Atomic ? ranges : 1u);
+      if (hopper) {
+        // On Hopper dQ has its own pass in both modes: a dQ fused into the dK/dV passes goes to global
+        // memory by fp32 reductions, and those made the fused passes L2-bound (RESULTS, 2026-12-01).
+        // The atomic mode differs only in the vertical tokens' dK/dV: reductions, query ranges split.
+        constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
+        detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
+        kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+        constexpr std::size_t bytes = kernel::backward_wgmma_shared_bytes<D>();
+        detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
+        kernel::sparse_backward_dkdv_wgmma<T, D><<<columns, kernel::attention_threads, bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
+        if (entries == 0) return;
+        // Deterministic: (head, group of 64 entries) with the head fastest, as many groups as any
+        // head could have (a head's list holds at most one entry per KV token; the kernel returns
+        // past a head's last group).
+        const auto groups = std::min<std::int64_t>((entries + block_tokens - 1) / block_tokens, index.shape.num_kv_blocks);
+        const dim3 grid = Atomic ? tokens : dim3(static_cast<unsigned>(shape.heads_q), static_cast<unsigned>(groups));
+        detail::allow_shared_bytes(kernel::sparse_backward_vertical_wgmma<T, D>, bytes);
+        kernel::sparse_backward_vertical_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical_wgmma");
+        return;
+      }
+      if constexpr (!Atomic) {
+        constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
+        detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
+        kernel::sparse_backward_dq<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
+      }
+      constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T, Atomic>();
+      detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D, Atomic>, dkdv_bytes);
+      kernel::sparse_backward_dkdv<T, D, Atomic><<<columns, kernel::attention_threads, dkdv_bytes, stream>>>(params);
+      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
+      if (entries == 0) return;
+      constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, Atomic>();
+      detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, Atomic>, vertical_bytes);
+      kernel::sparse_backward_vertical<T, D, Atomic><<<tokens, kernel::attention_threads, vertical_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
     };
     if (mode == determinism::atomic) {

@@ -38,7 +38,7 @@ struct padded_tile {
 
 namespace detail {
 
-/// The chunk column and first row a thread of a 128-thread CTA copies: it copies that chunk of rows
+/// The chunk column and first row a thread of a warpgroup (128 threads) copies: it copies that chunk of rows
 /// row0, row0 + rows_per_pass, ... (its chunk and its row modulo 8 stay fixed, so its shared address
 /// advances by a constant, and so does its global address along a run of tokens).
 template <class T, int D>
@@ -47,7 +47,7 @@ struct tile_copy_plan {
   static constexpr int rows_per_pass = attention_threads / chunks;
   static constexpr int passes = block_tokens / rows_per_pass;
   static_assert(attention_threads % chunks == 0 && rows_per_pass % 8 == 0, "a pass must cover whole swizzle periods of 8 rows");
-  int chunk = static_cast<int>(threadIdx.x) % chunks, row0 = static_cast<int>(threadIdx.x) / chunks;
+  int chunk = static_cast<int>(threadIdx.x % attention_threads) % chunks, row0 = static_cast<int>(threadIdx.x % attention_threads) / chunks;
 
   /// Whether `Layout` places every chunk of row r + rows_per_pass exactly rows_per_pass row pitches
   /// after the same chunk of row r: what lets a thread advance its shared address by a constant.

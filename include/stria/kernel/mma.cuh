@@ -117,6 +117,14 @@ __device__ inline void accumulator_to_operand(unsigned (&a)[4], const float (&le
   a[3] = pack_pair<T>(right[2], right[3]);
 }
 
+/// 2^x on the special-function unit, flushing results below 2^-126 to zero (probabilities that
+/// small vanish in bf16/fp16 anyway): one instruction where exp2f needs several for subnormals.
+__device__ inline float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ inline float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -163,11 +163,11 @@ __device__ void add_dq_atomic(const backward_params<T>& p, const T* ds, const T*
   }
 }
 
-/// Adds `scale * acc` (this warp's 16 rows x D) to rows of an fp32 tensor: row_pointer(r) for the
+/// Adds `scale * acc` (this warp's 16 rows x D of its warpgroup's 64) to rows of an fp32 tensor: row_pointer(r) for the
 /// tile row r, null to skip. One writer per row, plain read-modify-write.
 template <int D, class RowPointer>
 __device__ void add_rows(const float (&acc)[D / 8][4], float scale, RowPointer row_pointer) {
-  const int row0 = 16 * static_cast<int>(threadIdx.x / 32);
+  const int row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);  // the warp's rows within its warpgroup
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float* row = row_pointer(row0 + fragment_row(2 * half));

@@ -77,13 +77,13 @@ __device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float
   for (int half = 0; half < 2; ++half) {
     const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
     const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row masked so far stays at 0
-    correction[half] = exp2f(row_max[half] - base);
+    correction[half] = exp2_ftz(row_max[half] - base);
     row_max[half] = new_max;
     row_sum[half] *= correction[half];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[j][2 * half] = exp2f(s[j][2 * half] - base);
-      s[j][2 * half + 1] = exp2f(s[j][2 * half + 1] - base);
+      s[j][2 * half] = exp2_ftz(s[j][2 * half] - base);
+      s[j][2 * half + 1] = exp2_ftz(s[j][2 * half + 1] - base);
       row_sum[half] += s[j][2 * half] + s[j][2 * half + 1];
     }
   }
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) 
   auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::key_operand<D>(ks + (t % 2) * tile, k), k > 0);
+      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + (t % 2) * tile, k), k > 0);
   };
   auto softmax = [&](index_t t, float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2]) {
     const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) 
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::value_operand<D>(vs + (t % 2) * tile, k), true);
+      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::mn_major_operand<D>(vs + (t % 2) * tile, k), true);
     detail::wgmma_commit();
     if constexpr (more) {
       detail::wgmma_wait<1>();  // S(t + 1); the P V product may still run

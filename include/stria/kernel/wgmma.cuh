@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // Hopper warpgroup MMA (wgmma, sm_90a) primitives for the 64x64 tile kernels: shared-memory
-// descriptors for 128-byte-swizzled tiles, the register-A products the forward uses, and the
-// fences around them (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate").
+// descriptors for 128-byte-swizzled tiles, the products with A from registers (RS) or from shared
+// memory (SS), and the fences around them (PTX ISA, "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate").
 //
 // Tile layout in shared memory (`swizzled_tile<D>`): 64 token rows of D 16-bit elements, stored as
 // D / 64 slabs of [64 rows][128 bytes]; within a row the 16-byte chunk c sits at chunk c ^ (row % 8).
-// This is the canonical 128B-swizzle layout for both operand majors, so one K or V tile serves as
-// K-major B (S = Q K^T) and as MN-major B (O = P V) alike. Slabs are 1024-byte aligned.
+// This is the canonical 128B-swizzle layout for both operand majors, so one tile serves as a K-major
+// operand (K in S = Q K^T) and as an MN-major one (V in O = P V) alike. Slabs are 1024-byte aligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,23 +52,27 @@ __device__ void load_swizzled_fragments(unsigned (&af)[D / 16][4], const unsigne
   for (int k = 0; k < D / 16; ++k) ldmatrix_x4(af[k], tile + swizzled_tile<D>::offset(row, 2 * k + lane / 16));
 }
 
-/// Descriptor of a swizzled tile as wgmma operand B: K-major (rows = N, the k-step advances 32 bytes
-/// inside a slab) or MN-major (rows = K, a k-step of 16 rows advances 2048 bytes; slabs along N).
+/// Descriptor of a swizzled tile as a wgmma operand: K-major (the tile's rows are M or N, a k-step
+/// advances 32 bytes inside a slab) or MN-major (the rows are K, a k-step of 16 rows advances 2048
+/// bytes; slabs lie along M or N).
 __device__ inline std::uint64_t descriptor(const unsigned char* start, int leading_bytes, int stride_bytes) {
   const auto address = static_cast<std::uint64_t>(shared_address(start));
   return ((address & 0x3FFFF) >> 4) | (static_cast<std::uint64_t>(leading_bytes >> 4) << 16) |
          (static_cast<std::uint64_t>(stride_bytes >> 4) << 32) | (std::uint64_t{1} << 62);  // 128-byte swizzle
 }
 
-/// B = K tile (N = 64 keys, K-major), the k-th 16 columns of the head dim.
+/// A swizzled tile of 64 rows and D columns as a K-major operand, the k-th 16 of its columns: K in
+/// S = Q K^T, or A = K and B = Q in S^T = K Q^T.
 template <int D>
-__device__ std::uint64_t key_operand(const unsigned char* tile, int k) {
+__device__ std::uint64_t k_major_operand(const unsigned char* tile, int k) {
   return descriptor(tile + (k / 4) * swizzled_tile<D>::slab_bytes + (k % 4) * 32, 16, 1024);
 }
 
-/// B = V tile (K = 64 keys, MN-major, N = D), the k-th 16 keys.
+/// A swizzled tile of 64 rows and D columns as an MN-major operand (transposed), its rows 16k to
+/// 16k + 15: V in O = P V, dO and Q in dV = P^T dO and dK = dS^T Q, K in dQ = dS K (all B, N = D), and
+/// the dS^T tile [key][query] as A = dS (M = 64).
 template <int D>
-__device__ std::uint64_t value_operand(const unsigned char* tile, int k) {
+__device__ std::uint64_t mn_major_operand(const unsigned char* tile, int k) {
   return descriptor(tile + k * 16 * 128, swizzled_tile<D>::slab_bytes, 1024);
 }
 
@@ -112,39 +117,73 @@ __device__ inline void fence_async_shared() {
 #endif
 }
 
+// The accumulator operands of an m64nN wgmma: N / 2 fp32 registers per thread, as asm operand lists
+// (%0 .. %N/2-1) and their placeholders.
+#define STRIA_WGMMA_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define STRIA_WGMMA_D64 STRIA_WGMMA_D32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define STRIA_WGMMA_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define STRIA_WGMMA_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// One wgmma with the accumulate flag as a predicate: SHAPE_TYPES names the instruction's shape and
+// types, REGS the accumulator placeholders, OPERANDS the placeholders of the A and B operands, the
+// flag (P) and the immediates.
+#define STRIA_WGMMA_ASM(SHAPE_TYPES, REGS, OPERANDS, P) \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned." SHAPE_TYPES " " REGS ", " OPERANDS ";\n}\n"
+
 /// d (64 x N over the warpgroup; this thread's N / 2 values in mma.sync accumulator order) +=
 /// A (registers, 64 x 16) * B (shared, 16 x N). Asynchronous: fence before, commit and wait after.
 template <class T, int N, int TransposeB>
 __device__ inline void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], std::uint64_t desc_b, bool accumulate) {
   static_assert(N == 64 || N == 128, "stria issues wgmma with N = 64 or 128");
 #if STRIA_WGMMA_AVAILABLE
+  const int flag = static_cast<int>(accumulate);
   if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(TransposeB));
+    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.bf16.bf16", STRIA_WGMMA_REGS32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
+                 : STRIA_WGMMA_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
   if constexpr (N == 64 && std::is_same_v<T, __half>)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(TransposeB));
+    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.f16.f16", STRIA_WGMMA_REGS32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
+                 : STRIA_WGMMA_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
   if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(TransposeB));
+    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.bf16.bf16", STRIA_WGMMA_REGS64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
+                 : STRIA_WGMMA_D64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
   if constexpr (N == 128 && std::is_same_v<T, __half>)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(TransposeB));
-
+    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.f16.f16", STRIA_WGMMA_REGS64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
+                 : STRIA_WGMMA_D64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
 #else
   (void)d, (void)a, (void)desc_b, (void)accumulate;
+  __trap();
+#endif
+}
+
+/// d (64 x N) += A (shared, 64 x 16) * B (shared, 16 x N), both from descriptors; Transpose = 1 for an
+/// MN-major operand (the 16 k-rows of a swizzled tile), 0 for K-major. Asynchronous like wgmma_rs.
+template <class T, int N, int TransposeA, int TransposeB>
+__device__ inline void wgmma_ss(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b, bool accumulate) {
+  static_assert(N == 64 || N == 128, "stria issues wgmma with N = 64 or 128");
+#if STRIA_WGMMA_AVAILABLE
+  const int flag = static_cast<int>(accumulate);
+  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.bf16.bf16", STRIA_WGMMA_REGS32, "%32, %33, p, 1, 1, %35, %36", "%34")
+                 : STRIA_WGMMA_D32
+                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
+  if constexpr (N == 64 && std::is_same_v<T, __half>)
+    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.f16.f16", STRIA_WGMMA_REGS32, "%32, %33, p, 1, 1, %35, %36", "%34")
+                 : STRIA_WGMMA_D32
+                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
+  if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>)
+    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.bf16.bf16", STRIA_WGMMA_REGS64, "%64, %65, p, 1, 1, %67, %68", "%66")
+                 : STRIA_WGMMA_D64
+                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
+  if constexpr (N == 128 && std::is_same_v<T, __half>)
+    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.f16.f16", STRIA_WGMMA_REGS64, "%64, %65, p, 1, 1, %67, %68", "%66")
+                 : STRIA_WGMMA_D64
+                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
+#else
+  (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();
 #endif
 }

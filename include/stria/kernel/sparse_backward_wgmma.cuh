@@ -1,0 +1,420 @@
+// SPDX-License-Identifier: Apache-2.0
+// The sparse attention backward on Hopper (wgmma, sm_90a): the passes of sparse_backward.cuh (DESIGN 8)
+// with every product of a tile on wgmma, one warpgroup per CTA and two CTAs per SM. dQ has its own
+// pass in both modes, one CTA per (query block, head) over the row's tiles:
+//   S = Q K^T and dP = dO V^T (A and B from shared memory), dS = P (dP - delta) scale, dQ += dS K
+// with dS from registers. A dQ fused into the dK/dV passes (FlashAttention-2's scheme, the mma.sync
+// atomic mode) must reach global memory by fp32 reductions, one 64 x D tile per 64x64 tile, and those
+// made the fused Hopper passes L2-bound (RESULTS, 2026-12-01); the separate pass costs two more
+// products per tile and no reductions. The dK/dV passes (per KV block over the transposed index, and
+// per 64 vertical tokens over the query blocks that use them) form per tile
+//   S^T = K Q^T and dP^T = V dO^T   (A and B from shared memory, K-major)
+//   P^T = exp2(S^T scale log2 e - lse), dS^T = P^T (dP^T - delta) scale   (registers)
+//   dV += P^T dO and dK += dS^T Q   (A from registers; B = dO, Q MN-major)
+// The vertical tokens' dK/dV go to global memory by fp32 reductions (atomic mode) or to per-entry
+// scratch folded in a fixed order (deterministic). The softmax scale is folded into dS, so neither
+// dK nor dQ is scaled afterwards.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "stria/core/config.hpp"
+#include "stria/index/step_index.hpp"
+#include "stria/kernel/attention_tile.cuh"
+#include "stria/kernel/sparse_backward.cuh"
+#include "stria/kernel/wgmma.cuh"
+
+namespace stria::kernel {
+
+/// Two CTAs of one warpgroup share an SM: dK, dV, S^T and dP^T fill about 250 of a thread's 255
+/// registers at D = 128, and one CTA's products run while the other's elementwise work does.
+inline constexpr int backward_wgmma_ctas_per_sm = 2;
+
+/// Shared memory of the Hopper dK/dV passes (byte offsets from a 1024-byte aligned base): the CTA's
+/// K and V tiles, two stages of (Q, dO) tiles, and two stages of row statistics.
+template <int D>
+struct backward_wgmma_layout {
+  static constexpr int tile = swizzled_tile<D>::bytes;
+  static constexpr int keys = 0;
+  static constexpr int values = tile;
+  static constexpr int stages = 2 * tile;          // stage s: Q at stages + 2 s tile, dO right after it
+  static constexpr int stats = stages + 4 * tile;  // stage s: lse[64], delta[64] floats
+  static constexpr std::size_t bytes = stats + 2 * 2 * block_tokens * sizeof(float) + 1024;  // + slack to align the base
+};
+
+template <int D>
+constexpr std::size_t backward_wgmma_shared_bytes() {
+  return backward_wgmma_layout<D>::bytes;
+}
+
+/// Shared memory of the Hopper dQ pass: the query and dO tiles and two stages of (K, V) tiles.
+template <int D>
+constexpr std::size_t backward_dq_wgmma_shared_bytes() {
+  return 6 * swizzled_tile<D>::bytes + 1024;
+}
+
+namespace detail {
+
+/// at[0] += x, at[1] += y (8-byte aligned, global memory) as one vector reduction.
+__device__ inline void reduce_add_v2(float* at, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
+}
+
+/// One tile of a Hopper dK/dV pass (see the file comment): the warpgroup's keys `ks`, `vs` against
+/// the queries `qs`, `dos` (swizzled tiles) with their row statistics; `masked(key, query)` drops
+/// entries (positions within the tile). Ends with every product complete.
+template <class T, int D, class Masked>
+__device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const unsigned char* ks, const unsigned char* vs,
+                                const unsigned char* qs, const unsigned char* dos, const float* lse, const float* delta, float scale,
+                                float scale_log2, Masked masked) {
+  float s[8][4], dp[8][4];  // S^T and dP^T: rows are this thread's keys, columns queries
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k)
+    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), k_major_operand<D>(ks, k), k_major_operand<D>(qs, k), k > 0);
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k)
+    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), k_major_operand<D>(vs, k), k_major_operand<D>(dos, k), k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(reinterpret_cast<float(&)[32]>(s));
+  fence_registers(reinterpret_cast<float(&)[32]>(dp));
+
+  const int lane = threadIdx.x % 32, key0 = 16 * static_cast<int>((threadIdx.x / 32) % 4) + lane / 4;
+  unsigned pf[4][4], dsf[4][4];  // P^T and dS^T as A operands, 16 queries per k-step
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // S^T and dP^T die as their operands are packed
+#pragma unroll
+    for (int j = 2 * k; j < 2 * k + 2; ++j) {
+      const int query = 8 * j + 2 * (lane % 4);
+      const float2 row_lse = *reinterpret_cast<const float2*>(lse + query), row_delta = *reinterpret_cast<const float2*>(delta + query);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float l = (e & 1) ? row_lse.y : row_lse.x, d = (e & 1) ? row_delta.y : row_delta.x;
+        const float prob = masked(key0 + (e >= 2 ? 8 : 0), query + (e & 1)) ? 0.0f : exp2_ftz(s[j][e] * scale_log2 - l);
+        s[j][e] = prob;
+        dp[j][e] = prob * scale * (dp[j][e] - d);  // dS^T, scaled for dK and dQ
+      }
+    }
+    accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
+    accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dv), pf[k], mn_major_operand<D>(dos, k), true);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dk), dsf[k], mn_major_operand<D>(qs, k), true);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(reinterpret_cast<float(&)[D / 2]>(dv));
+  fence_registers(reinterpret_cast<float(&)[D / 2]>(dk));
+  fence_registers(pf);
+  fence_registers(dsf);
+
+}
+
+}  // namespace detail
+
+/// The dK/dV block pass on Hopper: one CTA per (local KV block, KV head) over the transposed index,
+/// all query heads of its group, as sparse_backward_dkdv<T, D, false>.
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dkdv_wgmma(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  using layout = backward_wgmma_layout<D>;
+  unsigned char* ks = shared + layout::keys;
+  unsigned char* vs = shared + layout::values;
+  auto qs = [&](int stage) { return shared + layout::stages + 2 * stage * layout::tile; };
+  auto dos = [&](int stage) { return qs(stage) + layout::tile; };
+  auto lse = [&](int stage) { return reinterpret_cast<float*>(shared + layout::stats) + 2 * stage * block_tokens; };
+  auto delta = [&](int stage) { return lse(stage) + block_tokens; };
+
+  const index_t kv_block = blockIdx.x, hk = blockIdx.y;
+  const index_t group = p.heads_q / p.heads_kv, kv_blocks = p.index.shape.num_kv_blocks;
+  // The work: for each query head of the group, the query blocks whose tile with this block is active.
+  auto column = [&](index_t j) { return (hk * group + j) * kv_blocks + kv_block; };
+  index_t tiles = 0;
+  for (index_t j = 0; j < group; ++j) tiles += p.index.kv_query_ptr[column(j) + 1] - p.index.kv_query_ptr[column(j)];
+  if (tiles == 0) return;
+
+  struct cursor {
+    index_t j, e;
+  };
+  auto settle = [&](cursor c) {  // skip empty heads
+    while (c.j < group && c.e == p.index.kv_query_ptr[column(c.j) + 1]) {
+      ++c.j;
+      if (c.j < group) c.e = p.index.kv_query_ptr[column(c.j)];
+    }
+    return c;
+  };
+  using tile_layout = swizzled_tile<D>;
+  const std::int64_t q_stride = std::int64_t{p.heads_q} * D;
+  auto load = [&](cursor c, int stage) {
+    const index_t h = hk * group + c.j, q_block = p.index.kv_query[c.e];
+    detail::load_strided_rows_async<tile_layout, T, D>(qs(stage), detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
+    detail::load_strided_rows_async<tile_layout, T, D>(dos(stage), detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
+    detail::load_row_statistics(p, q_block, h, lse(stage), delta(stage));
+  };
+
+  const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
+  detail::load_strided_rows_async<tile_layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
+  detail::load_strided_rows_async<tile_layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
+  cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
+  load(current, 0);
+  detail::cp_async_commit();
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (index_t t = 0; t < tiles; ++t) {
+    const int stage = static_cast<int>(t % 2);
+    const cursor next = settle({current.j, current.e + 1});
+    // The other stage was last read by tile t - 1, which ended with a barrier.
+    if (t + 1 < tiles) {
+      load(next, stage ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    detail::fence_async_shared();
+    __syncthreads();
+    const index_t q_block = p.index.kv_query[current.e];
+    auto tile = [&](auto masked) {
+      detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs(stage), dos(stage), lse(stage), delta(stage), p.scale, p.scale_log2, masked);
+    };
+    if (p.index.needs_causal_mask(q_block, kv_block)) tile([](int key, int query) { return query < key; });
+    else tile([](int, int) { return false; });  // most tiles: no mask arithmetic
+    __syncthreads();  // every warp is done with this stage
+    current = next;
+  }
+  auto rows = [&](float* base) {
+    return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
+  };
+  detail::add_rows<D>(dk, 1.0f, rows(p.dk));  // the scale is in dS already
+  detail::add_rows<D>(dv, 1.0f, rows(p.dv));
+}
+
+/// The vertical-token pass on Hopper: one CTA per 64 of a head's vertical tokens (and, in the atomic
+/// mode, per range of query blocks: gridDim.y) over the query blocks that use them, as
+/// sparse_backward_vertical<T, D, false>.
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_vertical_wgmma(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  using layout = backward_wgmma_layout<D>;
+  unsigned char* ks = shared + layout::keys;
+  unsigned char* vs = shared + layout::values;
+  unsigned char* qs = shared + layout::stages;
+  unsigned char* dos = qs + layout::tile;
+  float* lse = reinterpret_cast<float*>(shared + layout::stats);
+  float* delta = lse + block_tokens;
+  __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
+  __shared__ index_t warp_min[2];
+
+  // This CTA's head and group of 64 consecutive entries of the head's vertical token list. The
+  // deterministic launch (one CTA per group, no query ranges) is (head, group) with the head
+  // fastest, so every head's first group, whose early tokens reach nearly every query block, starts
+  // first instead of forming the pass's tail; CTAs past a head's last group return at once.
+  const step_index_view& index = p.index;
+  index_t group = blockIdx.x, h = 0;
+  if (p.vertical_dk) {
+    h = blockIdx.x, group = blockIdx.y;
+    if ((index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens <= group) return;
+  } else {
+    for (; h < index.shape.num_heads; ++h) {
+      const index_t groups = (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens;
+      if (group < groups) break;
+      group -= groups;
+    }
+    if (h == index.shape.num_heads) return;
+  }
+  const index_t first = index.vtoken_head_ptr[h] + group * block_tokens;
+  const index_t last = index.vtoken_head_ptr[h + 1] < first + block_tokens ? index.vtoken_head_ptr[h + 1] : first + block_tokens;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const int tid = threadIdx.x, warp = tid / 32;
+  // This CTA's range of query blocks (all of them unless the launch splits them: atomic mode only,
+  // where every CTA adds its dK/dV by reductions).
+  const index_t ranges = p.vertical_dk ? 1 : gridDim.y, span = (index.shape.num_query_blocks + ranges - 1) / ranges;
+  const index_t begin = (p.vertical_dk ? 0 : blockIdx.y) * span, end_block = begin + span;
+
+  using tile_layout = swizzled_tile<D>;
+  const std::int64_t key_stride = std::int64_t{p.heads_kv} * D, q_stride = std::int64_t{p.heads_q} * D;
+  detail::load_gathered_rows_async<tile_layout, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
+  detail::load_gathered_rows_async<tile_layout, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
+  detail::cp_async_commit();
+
+  // Thread c < 64 walks column c's ascending query list; each round takes the smallest query block
+  // still ahead of any column, and the columns whose cursor is on it.
+  index_t position = 0, end = 0;
+  if (tid < block_tokens && first + tid < last) {
+    const index_t* list = index.vtoken_query;
+    auto lower_bound = [&](index_t lo, index_t hi, index_t q_block) {
+      while (lo < hi) {
+        const index_t mid = lo + (hi - lo) / 2;
+        if (list[mid] < q_block) lo = mid + 1;
+        else hi = mid;
+      }
+      return lo;
+    };
+    const index_t from = index.vtoken_query_ptr[first + tid], to = index.vtoken_query_ptr[first + tid + 1];
+    position = lower_bound(from, to, begin);
+    end = lower_bound(position, to, end_block);
+  }
+  bool worked = false;  // whether any query block of the range used a column
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (;;) {
+    index_t candidate = INT_MAX;
+    if (tid < block_tokens) {
+      candidate = position < end ? index.vtoken_query[position] : INT_MAX;
+      index_t m = candidate;
+      for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      if (tid % 32 == 0) warp_min[warp] = m;
+    }
+    __syncthreads();
+    const index_t q_block = min(warp_min[0], warp_min[1]);
+    if (q_block == INT_MAX) break;
+    worked = true;
+    if (tid < block_tokens) {
+      used[tid] = candidate == q_block ? 1 : 0;
+      if (candidate == q_block) ++position;
+    }
+    detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
+    detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
+    detail::load_row_statistics(p, q_block, h, lse, delta);
+    detail::cp_async_commit();
+    detail::cp_async_wait<0>();
+    detail::fence_async_shared();
+    __syncthreads();
+    detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs, dos, lse, delta, p.scale, p.scale_log2, [&](int key, int) { return used[key] == 0; });
+    __syncthreads();  // every warp is done with the query tiles and `used`
+  }
+
+  if (!worked && !p.vertical_dk) return;  // no reductions of zeros (the scratch must be written)
+  const int row0 = 16 * warp;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const index_t entry = first + row0 + detail::fragment_row(2 * half);
+    if (entry >= last) continue;
+    const std::int64_t token = index.vtoken[entry];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int d = detail::fragment_col(j, 0);
+      if (p.vertical_dk) {  // deterministic: this entry's own scratch row, folded in order later
+        *reinterpret_cast<float2*>(p.vertical_dk + static_cast<std::int64_t>(entry) * D + d) = make_float2(dk[j][2 * half], dk[j][2 * half + 1]);
+        *reinterpret_cast<float2*>(p.vertical_dv + static_cast<std::int64_t>(entry) * D + d) = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
+      } else {
+        detail::reduce_add_v2(p.dk + (token * p.heads_kv + hk) * D + d, dk[j][2 * half], dk[j][2 * half + 1]);
+        detail::reduce_add_v2(p.dv + (token * p.heads_kv + hk) * D + d, dv[j][2 * half], dv[j][2 * half + 1]);
+      }
+    }
+  }
+}
+
+/// The dQ pass on Hopper (deterministic mode): one CTA per (local query block, query head) over the
+/// row's tiles (its blocks, then its vertical tokens 64 at a time), the sole writer of its dq rows:
+/// S = Q K^T and dP = dO V^T (shared-memory operands), dS = P (dP - delta) scale, dQ += dS K with dS
+/// from registers. K and V tiles are double-buffered, as in the forward.
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dq_wgmma(backward_params<T> p) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  constexpr int tile = swizzled_tile<D>::bytes;
+  unsigned char* qs = shared;
+  unsigned char* dos = qs + tile;
+  auto ks = [&](int stage) { return dos + tile + 2 * stage * tile; };
+  auto vs = [&](int stage) { return ks(stage) + tile; };
+
+  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
+  const index_t tiles = row.count();
+  if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
+
+  using tile_layout = swizzled_tile<D>;
+  auto load_kv = [&](index_t t, int stage) {
+    detail::load_row_tile_async<tile_layout, T, D>(ks(stage), p.k, row, t, p.heads_kv, hk);
+    detail::load_row_tile_async<tile_layout, T, D>(vs(stage), p.v, row, t, p.heads_kv, hk);
+  };
+  const std::int64_t q_stride = std::int64_t{p.heads_q} * D;
+  detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
+  detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
+  load_kv(0, 0);
+  detail::cp_async_commit();
+
+  const int lane = threadIdx.x % 32, row0 = 16 * static_cast<int>(threadIdx.x / 32) + lane / 4;
+  float lse[2], delta[2];  // rows row0 and row0 + 8, log2 domain
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t at = static_cast<std::int64_t>(h) * p.query_tokens + std::int64_t{q_block} * block_tokens + row0 + 8 * half;
+    lse[half] = p.lse[at];
+    delta[half] = p.delta[at];
+  }
+
+  float dq[D / 8][4] = {};
+  for (index_t t = 0; t < tiles; ++t) {
+    const int stage = static_cast<int>(t % 2);
+    // The other stage was last read by tile t - 1, which ended with a barrier.
+    if (t + 1 < tiles) {
+      load_kv(t + 1, stage ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    detail::fence_async_shared();
+    __syncthreads();
+    float s[8][4], dp[8][4];
+    detail::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), detail::k_major_operand<D>(qs, k), detail::k_major_operand<D>(ks(stage), k),
+                                    k > 0);
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), detail::k_major_operand<D>(dos, k),
+                                    detail::k_major_operand<D>(vs(stage), k), k > 0);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
+    detail::fence_registers(reinterpret_cast<float(&)[32]>(dp));
+
+    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
+    const int valid = row.valid_columns(t);
+    unsigned dsf[4][4];  // dS as the A operand of dQ += dS K, 16 keys per k-step
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+      for (int j = 2 * k; j < 2 * k + 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = row0 - lane / 4 + detail::fragment_row(e), c = detail::fragment_col(j, e);
+          const bool masked = (diagonal || valid < block_tokens) && (c >= valid || (diagonal && c > r));
+          const float prob = masked ? 0.0f : detail::exp2_ftz(s[j][e] * p.scale_log2 - lse[e / 2]);
+          dp[j][e] = prob * p.scale * (dp[j][e] - delta[e / 2]);
+        }
+      detail::accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
+    }
+    detail::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dq), dsf[k], detail::mn_major_operand<D>(ks(stage), k), true);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
+    detail::fence_registers(dsf);
+    __syncthreads();  // every warp is done with this stage
+  }
+  detail::add_rows<D>(dq, 1.0f, [&](int r) {  // the scale is in dS already
+    return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+  });
+}
+
+}  // namespace stria::kernel
