@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Benchmark (a program, not a test): the sparse attention kernels on one GPU, one step covering the
-// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128; --head-dim 64 for D 64), bf16, causal; patterns: dense causal, the
-// generator's Vertical-Slash selection at 90% and 95% sparsity, and its slash-only block patterns. Forward and backward (atomic and
+// whole sequence. Qwen2.5-3B shape (Hq 16, Hkv 2, D 128; --head-dim 64 for D 64, --heads-kv for other GQA ratios), bf16,
+// causal; patterns: dense causal, the generator's Vertical-Slash selection at 90% and 95% sparsity, and its slash-only block
+// patterns. Forward and backward (atomic and
 // deterministic; the mma.sync kernels beside the Hopper ones) medians of CUDA-event timings after warm-up, random non-zero inputs,
 // outputs poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry forward, 2.5x that backward,
 // ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
 // rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--forward-only] [--front] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
@@ -176,7 +177,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
-  index_t dim = 128;
+  index_t dim = 128, hkv = 2;
   bool with_backward = true, with_front = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
@@ -196,7 +197,13 @@ int main(int argc, char** argv) {
     else if (flag == "--pattern-dir") pattern_dir = value;
     else if (flag == "--json") json_path = value;
     else if (flag == "--commit") commit = value;
-    else if (flag == "--head-dim") {
+    else if (flag == "--heads-kv") {
+      if (value != "1" && value != "2" && value != "4" && value != "8" && value != "16") {
+        std::fprintf(stderr, "--heads-kv = %s: must divide the 16 query heads (1, 2, 4, 8 or 16)\n", value.c_str());
+        return 2;
+      }
+      hkv = std::stoi(value);
+    } else if (flag == "--head-dim") {
       if (value != "64" && value != "128") {
         std::fprintf(stderr, "--head-dim = %s: must be 64 or 128\n", value.c_str());
         return 2;
@@ -207,7 +214,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const index_t hq = 16, hkv = 2;
+  const index_t hq = 16;
   const double scale = 1.0 / std::sqrt(double(dim));
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

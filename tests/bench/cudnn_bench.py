@@ -13,28 +13,14 @@ alone and says so.
 """
 import argparse
 import json
-import statistics
 import sys
-
-
-def median_ms(torch, fn, repeats, setup=None):
-    """Median of `repeats` timings of fn() after 3 warm-up runs; setup() runs untimed before each."""
-    times = []
-    for i in range(3 + repeats):
-        state = setup() if setup else None
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(state) if setup else fn()
-        stop.record()
-        stop.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def cudnn_row(torch, seq_len, head_dim, heads_q, heads_kv, repeats):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from compare_flex import median_ms  # this script's folder is on the path; that module needs torch
 
     def make(heads, scale):
         return ((torch.rand(1, heads, seq_len, head_dim, device="cuda") * 2 - 1) * scale).to(torch.bfloat16)
@@ -50,8 +36,8 @@ def cudnn_row(torch, seq_len, head_dim, heads_q, heads_kv, repeats):
         out = forward()
         if not torch.isfinite(out).all():
             raise RuntimeError("cuDNN SDPA gave a non-finite output")
-        fwd = median_ms(torch, forward, repeats)
-        bwd = median_ms(torch, lambda o: torch.autograd.grad(o, (q, kx, vx), d_out), repeats, setup=forward)
+        fwd = median_ms(forward, repeats)
+        bwd = median_ms(lambda o: torch.autograd.grad(o, (q, kx, vx), d_out), repeats, setup=forward)
     entries = seq_len * (seq_len + 1) / 2 * heads_q
     del q, k, v, kx, vx, d_out, out
     torch.cuda.empty_cache()

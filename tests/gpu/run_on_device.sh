@@ -86,7 +86,7 @@ for bench in $benches; do
 done
 # PROFILE="regex[,regex...]": Nsight Compute on the first launch of each named kernel in attention_bench
 # (128K vs95, D 128), the main sections, one report each in $OUT.
-for kernel in ${PROFILE//,/ }; do
+for kernel in ${PROFILE:+${PROFILE//,/ }}; do
   run "ncu_$kernel" ncu --clock-control none --kernel-name "regex:$kernel" --launch-count 1 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
     --section SchedulerStats "$bin/attention_bench" --seq-len 131072 --patterns vs95 --repeats 1

@@ -183,6 +183,157 @@ __device__ void add_rows(const float (&acc)[D / 8][4], float scale, RowPointer r
   }
 }
 
+/// at[0] += x, at[1] += y (8-byte aligned, global memory) as one vector reduction (sm90; two
+/// atomics before).
+__device__ inline void reduce_add_v2(float* at, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
+}
+
+/// The query tiles of one (local KV block, KV head) in the transposed index, in the order the dK/dV
+/// block passes walk them: for each query head of the group in turn, its ascending query blocks
+/// whose tile with the block is active. A cursor names a query head of the group and an entry.
+struct kv_column {
+  struct cursor {
+    index_t j, e;
+  };
+  const step_index_view& index;
+  index_t kv_block, hk, group;
+
+  __device__ index_t list_start(index_t j) const { return index.kv_query_ptr[(hk * group + j) * index.shape.num_kv_blocks + kv_block]; }
+  __device__ index_t list_end(index_t j) const { return index.kv_query_ptr[(hk * group + j) * index.shape.num_kv_blocks + kv_block + 1]; }
+  __device__ index_t tiles() const {
+    index_t count = 0;
+    for (index_t j = 0; j < group; ++j) count += list_end(j) - list_start(j);
+    return count;
+  }
+  /// c, moved past the heads whose lists are done.
+  __device__ cursor settle(cursor c) const {
+    while (c.j < group && c.e == list_end(c.j)) {
+      ++c.j;
+      if (c.j < group) c.e = list_start(c.j);
+    }
+    return c;
+  }
+  __device__ cursor first() const { return settle({0, list_start(0)}); }
+  __device__ cursor next(cursor c) const { return settle({c.j, c.e + 1}); }
+  __device__ index_t head(cursor c) const { return hk * group + c.j; }
+  __device__ index_t query_block(cursor c) const { return index.kv_query[c.e]; }
+};
+
+/// One CTA's share of a vertical-token pass: entries [first, last) (at most 64) of head h's vertical
+/// token list against the query blocks [begin, end_block). The launch is linear over the heads'
+/// groups (blockIdx.x), its queries split into gridDim.y ranges; or, with `head_fastest`, (head,
+/// group) = (blockIdx.x, blockIdx.y), queries unsplit, so that every head's first group (whose early
+/// tokens reach nearly every query block) starts first.
+struct vertical_group {
+  index_t h = 0, first = 0, last = 0, begin = 0, end_block = 0;
+
+  /// This CTA's group; false where it has none (past the last group, or past its head's).
+  __device__ static bool of(const step_index_view& index, bool head_fastest, vertical_group& g) {
+    auto groups_of = [&](index_t h) { return (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens; };
+    index_t group = blockIdx.x, ranges = gridDim.y, range = blockIdx.y;
+    if (head_fastest) {
+      g.h = blockIdx.x, group = blockIdx.y, ranges = 1, range = 0;
+      if (group >= groups_of(g.h)) return false;
+    } else {
+      for (g.h = 0; g.h < index.shape.num_heads; ++g.h) {
+        const index_t groups = groups_of(g.h);
+        if (group < groups) break;
+        group -= groups;
+      }
+      if (g.h == index.shape.num_heads) return false;
+    }
+    g.first = index.vtoken_head_ptr[g.h] + group * block_tokens;
+    g.last = min(index.vtoken_head_ptr[g.h + 1], g.first + block_tokens);
+    const index_t span = (index.shape.num_query_blocks + ranges - 1) / ranges;
+    g.begin = range * span;
+    g.end_block = g.begin + span;
+    return true;
+  }
+};
+
+/// The walk of a vertical group's columns over their query blocks: thread c < 64 follows column c's
+/// ascending query list within [begin, end_block); each round takes the smallest query block still
+/// ahead of any column, and the columns whose cursor is on it.
+class vertical_walk {
+ public:
+  __device__ vertical_walk(const step_index_view& index, const vertical_group& g) : list_(index.vtoken_query) {
+    const int tid = static_cast<int>(threadIdx.x);
+    if (tid < block_tokens && g.first + tid < g.last) {
+      const index_t from = index.vtoken_query_ptr[g.first + tid], to = index.vtoken_query_ptr[g.first + tid + 1];
+      position_ = lower_bound(from, to, g.begin);
+      end_ = lower_bound(position_, to, g.end_block);
+    }
+  }
+
+  /// The next round's query block, INT_MAX once every column is done; then used[c] is 1 for the
+  /// columns on it and 0 for the others. Every thread of the CTA calls it (it holds a barrier).
+  __device__ index_t next(index_t (&used)[block_tokens], index_t (&warp_min)[2]) {
+    const int tid = static_cast<int>(threadIdx.x);
+    index_t candidate = INT_MAX;
+    if (tid < block_tokens) {
+      candidate = position_ < end_ ? list_[position_] : INT_MAX;
+      index_t m = candidate;
+      for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      if (tid % 32 == 0) warp_min[tid / 32] = m;
+    }
+    __syncthreads();
+    const index_t q_block = min(warp_min[0], warp_min[1]);
+    if (q_block != INT_MAX && tid < block_tokens) {
+      used[tid] = candidate == q_block ? 1 : 0;
+      if (candidate == q_block) ++position_;
+    }
+    return q_block;
+  }
+
+ private:
+  /// The first position in [lo, hi) of the ascending list whose query block is >= q_block.
+  __device__ index_t lower_bound(index_t lo, index_t hi, index_t q_block) const {
+    while (lo < hi) {
+      const index_t mid = lo + (hi - lo) / 2;
+      if (list_[mid] < q_block) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+
+  const index_t* list_;
+  index_t position_ = 0, end_ = 0;
+};
+
+/// The end of a vertical pass: this warp's rows of the group's dK (times `dk_scale`) and dV, written
+/// to the entries' scratch rows (deterministic mode) or added to dk, dv by reductions.
+template <class T, int D>
+__device__ void write_vertical_gradients(const backward_params<T>& p, const vertical_group& g, const float (&dk)[D / 8][4],
+                                         const float (&dv)[D / 8][4], float dk_scale) {
+  const index_t hk = g.h / (p.heads_q / p.heads_kv);
+  const int row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const index_t entry = g.first + row0 + fragment_row(2 * half);
+    if (entry >= g.last) continue;
+    const std::int64_t token = p.index.vtoken[entry];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int d = fragment_col(j, 0);
+      const float2 k_part = make_float2(dk_scale * dk[j][2 * half], dk_scale * dk[j][2 * half + 1]);
+      const float2 v_part = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
+      if (p.vertical_dk) {
+        *reinterpret_cast<float2*>(p.vertical_dk + static_cast<std::int64_t>(entry) * D + d) = k_part;
+        *reinterpret_cast<float2*>(p.vertical_dv + static_cast<std::int64_t>(entry) * D + d) = v_part;
+      } else {
+        reduce_add_v2(p.dk + (token * p.heads_kv + hk) * D + d, k_part.x, k_part.y);
+        reduce_add_v2(p.dv + (token * p.heads_kv + hk) * D + d, v_part.x, v_part.y);
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 /// out[i] = the final LSE lse[i] in the log2 domain (+inf for a row that saw no keys), what the
@@ -287,25 +438,11 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
   T* ds = reinterpret_cast<T*>(delta + 2 * block_tokens);  // [64 keys][64 + 8] when FusedDq
 
   const index_t kv_block = blockIdx.x, hk = blockIdx.y;
-  const index_t group = p.heads_q / p.heads_kv, kv_blocks = p.index.shape.num_kv_blocks;
-  // The work: for each query head of the group, the query blocks whose tile with this block is active.
-  auto column = [&](index_t j) { return (hk * group + j) * kv_blocks + kv_block; };
-  index_t tiles = 0;
-  for (index_t j = 0; j < group; ++j) tiles += p.index.kv_query_ptr[column(j) + 1] - p.index.kv_query_ptr[column(j)];
+  const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv};
+  const index_t tiles = column.tiles();
   if (tiles == 0) return;
-
-  struct cursor {
-    index_t j, e;
-  };
-  auto settle = [&](cursor c) {  // skip empty heads
-    while (c.j < group && c.e == p.index.kv_query_ptr[column(c.j) + 1]) {
-      ++c.j;
-      if (c.j < group) c.e = p.index.kv_query_ptr[column(c.j)];
-    }
-    return c;
-  };
-  auto load = [&](cursor c, int buffer) {
-    const index_t h = hk * group + c.j, q_block = p.index.kv_query[c.e];
+  auto load = [&](detail::kv_column::cursor c, int buffer) {
+    const index_t h = column.head(c), q_block = column.query_block(c);
     detail::load_query_tiles<T, D>(p, q_block, h, qs + buffer * tile, dos + buffer * tile);
     detail::load_row_statistics(p, q_block, h, lse + buffer * block_tokens, delta + buffer * block_tokens);
   };
@@ -314,14 +451,14 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
   const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
   detail::load_strided_rows_async<layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
   detail::load_strided_rows_async<layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
-  cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
+  detail::kv_column::cursor current = column.first();
   load(current, 0);
   detail::cp_async_commit();
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (index_t t = 0; t < tiles; ++t) {
     const int buffer = static_cast<int>(t % 2);
-    const cursor next = settle({current.j, current.e + 1});
+    const detail::kv_column::cursor next = column.next(current);
     if (t + 1 < tiles) {
       load(next, buffer ^ 1);
       detail::cp_async_commit();
@@ -330,14 +467,14 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
       detail::cp_async_wait<0>();
     }
     __syncthreads();
-    const index_t q_block = p.index.kv_query[current.e];
+    const index_t q_block = column.query_block(current);
     const bool diagonal = p.index.needs_causal_mask(q_block, kv_block);
     detail::accumulate_dkdv<T, D>(p, dk, dv, ks, vs, qs + buffer * tile, dos + buffer * tile, lse + buffer * block_tokens,
                                   delta + buffer * block_tokens, [diagonal](int key, int query) { return diagonal && query < key; },
                                   FusedDq ? ds : nullptr);
     if constexpr (FusedDq) {
       __syncthreads();  // dS^T of all four warps
-      const index_t h = hk * group + current.j;
+      const index_t h = column.head(current);
       detail::add_dq_atomic<T, D>(p, ds, ks, [&](int r) {
         return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
       });
@@ -366,67 +503,24 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
   __shared__ index_t warp_min[2];
 
-  // This CTA's head and group of 64 consecutive entries of the head's vertical token list.
-  index_t group = blockIdx.x, h = 0;
-  const step_index_view& index = p.index;
-  for (; h < index.shape.num_heads; ++h) {
-    const index_t groups = (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens;
-    if (group < groups) break;
-    group -= groups;
-  }
-  if (h == index.shape.num_heads) return;
-  const index_t first = index.vtoken_head_ptr[h] + group * block_tokens;
-  const index_t last = index.vtoken_head_ptr[h + 1] < first + block_tokens ? index.vtoken_head_ptr[h + 1] : first + block_tokens;
-  const index_t hk = h / (p.heads_q / p.heads_kv);
-  const int tid = threadIdx.x, warp = tid / 32;
-  // This CTA's range of query blocks (all of them unless the launch splits them: atomic mode only,
-  // where every CTA adds its dK/dV by atomics).
-  const index_t span = (index.shape.num_query_blocks + gridDim.y - 1) / gridDim.y;
-  const index_t begin = blockIdx.y * span, end_block = begin + span;
-
+  detail::vertical_group g;
+  if (!detail::vertical_group::of(p.index, false, g)) return;
+  const index_t hk = g.h / (p.heads_q / p.heads_kv);
   const std::int64_t key_stride = std::int64_t{p.heads_kv} * D;
-  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
-  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
+  const index_t* tokens = p.index.vtoken + g.first;
+  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
+  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
   detail::cp_async_commit();
 
-  // Thread c < 64 walks column c's ascending query list; each round takes the smallest query block
-  // still ahead of any column, and the columns whose cursor is on it.
-  index_t position = 0, end = 0;
-  if (tid < block_tokens && first + tid < last) {
-    // The column's entries in [begin, end_block), by binary search in its ascending list.
-    const index_t* list = index.vtoken_query;
-    auto lower_bound = [&](index_t lo, index_t hi, index_t q_block) {
-      while (lo < hi) {
-        const index_t mid = lo + (hi - lo) / 2;
-        if (list[mid] < q_block) lo = mid + 1;
-        else hi = mid;
-      }
-      return lo;
-    };
-    const index_t from = index.vtoken_query_ptr[first + tid], to = index.vtoken_query_ptr[first + tid + 1];
-    position = lower_bound(from, to, begin);
-    end = lower_bound(position, to, end_block);
-  }
+  detail::vertical_walk walk(p.index, g);
   bool worked = false;  // whether any query block of the range used a column
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (;;) {
-    index_t candidate = INT_MAX;
-    if (tid < block_tokens) {
-      candidate = position < end ? index.vtoken_query[position] : INT_MAX;
-      index_t m = candidate;
-      for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      if (tid % 32 == 0) warp_min[warp] = m;
-    }
-    __syncthreads();
-    const index_t q_block = min(warp_min[0], warp_min[1]);
+    const index_t q_block = walk.next(used, warp_min);
     if (q_block == INT_MAX) break;
     worked = true;
-    if (tid < block_tokens) {
-      used[tid] = candidate == q_block ? 1 : 0;
-      if (candidate == q_block) ++position;
-    }
-    detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
-    detail::load_row_statistics(p, q_block, h, lse, delta);
+    detail::load_query_tiles<T, D>(p, q_block, g.h, qs, dos);
+    detail::load_row_statistics(p, q_block, g.h, lse, delta);
     detail::cp_async_commit();
     detail::cp_async_wait<0>();
     __syncthreads();
@@ -435,37 +529,13 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
     if constexpr (FusedDq) {
       __syncthreads();  // dS^T of all four warps
       detail::add_dq_atomic<T, D>(p, ds, ks, [&](int r) {
-        return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+        return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + g.h) * D;
       });
     }
     __syncthreads();
   }
-
   if (!worked && p.vertical_dk == nullptr) return;  // no atomics of zeros (the scratch must be written)
-  const int row0 = 16 * warp;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const index_t entry = first + row0 + detail::fragment_row(2 * half);
-    if (entry >= last) continue;
-    const std::int64_t token = index.vtoken[entry];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int d = detail::fragment_col(j, 0);
-      const float2 k_part = make_float2(p.scale * dk[j][2 * half], p.scale * dk[j][2 * half + 1]);
-      const float2 v_part = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
-      if (p.vertical_dk) {
-        *reinterpret_cast<float2*>(p.vertical_dk + static_cast<std::int64_t>(entry) * D + d) = k_part;
-        *reinterpret_cast<float2*>(p.vertical_dv + static_cast<std::int64_t>(entry) * D + d) = v_part;
-      } else {
-        float* k_at = p.dk + (token * p.heads_kv + hk) * D + d;
-        float* v_at = p.dv + (token * p.heads_kv + hk) * D + d;
-        atomicAdd(k_at, k_part.x);
-        atomicAdd(k_at + 1, k_part.y);
-        atomicAdd(v_at, v_part.x);
-        atomicAdd(v_at + 1, v_part.y);
-      }
-    }
-  }
+  detail::write_vertical_gradients<T, D>(p, g, dk, dv, p.scale);
 }
 
 /// Deterministic mode: adds the scratch dK/dV of the vertical entries of query heads h with

@@ -34,16 +34,22 @@ namespace stria::kernel {
 /// registers at D = 128, and one CTA's products run while the other's elementwise work does.
 inline constexpr int backward_wgmma_ctas_per_sm = 2;
 
-/// Shared memory of the Hopper dK/dV passes (byte offsets from a 1024-byte aligned base): the CTA's
-/// K and V tiles, two stages of (Q, dO) tiles, and two stages of row statistics.
+/// Shared memory of the Hopper dK/dV passes, from a 1024-byte aligned base: the CTA's K and V tiles,
+/// two stages of (Q, dO) tiles, and two stages of row statistics (lse[64], delta[64]).
 template <int D>
 struct backward_wgmma_layout {
   static constexpr int tile = swizzled_tile<D>::bytes;
-  static constexpr int keys = 0;
-  static constexpr int values = tile;
   static constexpr int stages = 2 * tile;          // stage s: Q at stages + 2 s tile, dO right after it
-  static constexpr int stats = stages + 4 * tile;  // stage s: lse[64], delta[64] floats
+  static constexpr int stats = stages + 4 * tile;  // stage s: lse at stats + 2 s 64 floats, delta after it
   static constexpr std::size_t bytes = stats + 2 * 2 * block_tokens * sizeof(float) + 1024;  // + slack to align the base
+
+  unsigned char* base;
+  __device__ unsigned char* keys() const { return base; }
+  __device__ unsigned char* values() const { return base + tile; }
+  __device__ unsigned char* queries(int stage) const { return base + stages + 2 * stage * tile; }
+  __device__ unsigned char* d_out(int stage) const { return queries(stage) + tile; }
+  __device__ float* lse(int stage) const { return reinterpret_cast<float*>(base + stats) + 2 * stage * block_tokens; }
+  __device__ float* delta(int stage) const { return lse(stage) + block_tokens; }
 };
 
 template <int D>
@@ -58,16 +64,6 @@ constexpr std::size_t backward_dq_wgmma_shared_bytes() {
 }
 
 namespace detail {
-
-/// at[0] += x, at[1] += y (8-byte aligned, global memory) as one vector reduction.
-__device__ inline void reduce_add_v2(float* at, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
-#else
-  atomicAdd(at, x);
-  atomicAdd(at + 1, y);
-#endif
-}
 
 /// One tile of a Hopper dK/dV pass (see the file comment): the warpgroup's keys `ks`, `vs` against
 /// the queries `qs`, `dos` (swizzled tiles) with their row statistics; `masked(key, query)` drops
@@ -119,7 +115,6 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
   fence_registers(reinterpret_cast<float(&)[D / 2]>(dk));
   fence_registers(pf);
   fence_registers(dsf);
-
 }
 
 }  // namespace detail
@@ -129,37 +124,22 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dkdv_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
-  using layout = backward_wgmma_layout<D>;
-  unsigned char* ks = shared + layout::keys;
-  unsigned char* vs = shared + layout::values;
-  auto qs = [&](int stage) { return shared + layout::stages + 2 * stage * layout::tile; };
-  auto dos = [&](int stage) { return qs(stage) + layout::tile; };
-  auto lse = [&](int stage) { return reinterpret_cast<float*>(shared + layout::stats) + 2 * stage * block_tokens; };
-  auto delta = [&](int stage) { return lse(stage) + block_tokens; };
+  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
+  unsigned char* ks = shared.keys();
+  unsigned char* vs = shared.values();
+  auto qs = [&](int stage) { return shared.queries(stage); };
+  auto dos = [&](int stage) { return shared.d_out(stage); };
+  auto lse = [&](int stage) { return shared.lse(stage); };
+  auto delta = [&](int stage) { return shared.delta(stage); };
 
   const index_t kv_block = blockIdx.x, hk = blockIdx.y;
-  const index_t group = p.heads_q / p.heads_kv, kv_blocks = p.index.shape.num_kv_blocks;
-  // The work: for each query head of the group, the query blocks whose tile with this block is active.
-  auto column = [&](index_t j) { return (hk * group + j) * kv_blocks + kv_block; };
-  index_t tiles = 0;
-  for (index_t j = 0; j < group; ++j) tiles += p.index.kv_query_ptr[column(j) + 1] - p.index.kv_query_ptr[column(j)];
+  const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv};
+  const index_t tiles = column.tiles();
   if (tiles == 0) return;
-
-  struct cursor {
-    index_t j, e;
-  };
-  auto settle = [&](cursor c) {  // skip empty heads
-    while (c.j < group && c.e == p.index.kv_query_ptr[column(c.j) + 1]) {
-      ++c.j;
-      if (c.j < group) c.e = p.index.kv_query_ptr[column(c.j)];
-    }
-    return c;
-  };
   using tile_layout = swizzled_tile<D>;
   const std::int64_t q_stride = std::int64_t{p.heads_q} * D;
-  auto load = [&](cursor c, int stage) {
-    const index_t h = hk * group + c.j, q_block = p.index.kv_query[c.e];
+  auto load = [&](detail::kv_column::cursor c, int stage) {
+    const index_t h = column.head(c), q_block = column.query_block(c);
     detail::load_strided_rows_async<tile_layout, T, D>(qs(stage), detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
     detail::load_strided_rows_async<tile_layout, T, D>(dos(stage), detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
     detail::load_row_statistics(p, q_block, h, lse(stage), delta(stage));
@@ -168,14 +148,14 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
   detail::load_strided_rows_async<tile_layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
   detail::load_strided_rows_async<tile_layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
-  cursor current = settle({0, p.index.kv_query_ptr[column(0)]});
+  detail::kv_column::cursor current = column.first();
   load(current, 0);
   detail::cp_async_commit();
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (index_t t = 0; t < tiles; ++t) {
     const int stage = static_cast<int>(t % 2);
-    const cursor next = settle({current.j, current.e + 1});
+    const detail::kv_column::cursor next = column.next(current);
     // The other stage was last read by tile t - 1, which ended with a barrier.
     if (t + 1 < tiles) {
       load(next, stage ^ 1);
@@ -186,7 +166,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     }
     detail::fence_async_shared();
     __syncthreads();
-    const index_t q_block = p.index.kv_query[current.e];
+    const index_t q_block = column.query_block(current);
     auto tile = [&](auto masked) {
       detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs(stage), dos(stage), lse(stage), delta(stage), p.scale, p.scale_log2, masked);
     };
@@ -208,87 +188,34 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_vertical_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
-  using layout = backward_wgmma_layout<D>;
-  unsigned char* ks = shared + layout::keys;
-  unsigned char* vs = shared + layout::values;
-  unsigned char* qs = shared + layout::stages;
-  unsigned char* dos = qs + layout::tile;
-  float* lse = reinterpret_cast<float*>(shared + layout::stats);
-  float* delta = lse + block_tokens;
+  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};  // one stage
+  unsigned char *ks = shared.keys(), *vs = shared.values(), *qs = shared.queries(0), *dos = shared.d_out(0);
+  float *lse = shared.lse(0), *delta = shared.delta(0);
   __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
   __shared__ index_t warp_min[2];
 
-  // This CTA's head and group of 64 consecutive entries of the head's vertical token list. The
-  // deterministic launch (one CTA per group, no query ranges) is (head, group) with the head
-  // fastest, so every head's first group, whose early tokens reach nearly every query block, starts
-  // first instead of forming the pass's tail; CTAs past a head's last group return at once.
-  const step_index_view& index = p.index;
-  index_t group = blockIdx.x, h = 0;
-  if (p.vertical_dk) {
-    h = blockIdx.x, group = blockIdx.y;
-    if ((index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens <= group) return;
-  } else {
-    for (; h < index.shape.num_heads; ++h) {
-      const index_t groups = (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens;
-      if (group < groups) break;
-      group -= groups;
-    }
-    if (h == index.shape.num_heads) return;
-  }
-  const index_t first = index.vtoken_head_ptr[h] + group * block_tokens;
-  const index_t last = index.vtoken_head_ptr[h + 1] < first + block_tokens ? index.vtoken_head_ptr[h + 1] : first + block_tokens;
-  const index_t hk = h / (p.heads_q / p.heads_kv);
-  const int tid = threadIdx.x, warp = tid / 32;
-  // This CTA's range of query blocks (all of them unless the launch splits them: atomic mode only,
-  // where every CTA adds its dK/dV by reductions).
-  const index_t ranges = p.vertical_dk ? 1 : gridDim.y, span = (index.shape.num_query_blocks + ranges - 1) / ranges;
-  const index_t begin = (p.vertical_dk ? 0 : blockIdx.y) * span, end_block = begin + span;
-
+  // The deterministic launch (one CTA per group, queries unsplit) is head-fastest, so that the
+  // groups with the longest walks start first.
+  detail::vertical_group g;
+  if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g)) return;
+  const index_t hk = g.h / (p.heads_q / p.heads_kv);
   using tile_layout = swizzled_tile<D>;
   const std::int64_t key_stride = std::int64_t{p.heads_kv} * D, q_stride = std::int64_t{p.heads_q} * D;
-  detail::load_gathered_rows_async<tile_layout, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
-  detail::load_gathered_rows_async<tile_layout, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, index.vtoken + first, last - first);
+  const index_t* tokens = p.index.vtoken + g.first;
+  detail::load_gathered_rows_async<tile_layout, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
+  detail::load_gathered_rows_async<tile_layout, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
   detail::cp_async_commit();
 
-  // Thread c < 64 walks column c's ascending query list; each round takes the smallest query block
-  // still ahead of any column, and the columns whose cursor is on it.
-  index_t position = 0, end = 0;
-  if (tid < block_tokens && first + tid < last) {
-    const index_t* list = index.vtoken_query;
-    auto lower_bound = [&](index_t lo, index_t hi, index_t q_block) {
-      while (lo < hi) {
-        const index_t mid = lo + (hi - lo) / 2;
-        if (list[mid] < q_block) lo = mid + 1;
-        else hi = mid;
-      }
-      return lo;
-    };
-    const index_t from = index.vtoken_query_ptr[first + tid], to = index.vtoken_query_ptr[first + tid + 1];
-    position = lower_bound(from, to, begin);
-    end = lower_bound(position, to, end_block);
-  }
+  detail::vertical_walk walk(p.index, g);
   bool worked = false;  // whether any query block of the range used a column
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (;;) {
-    index_t candidate = INT_MAX;
-    if (tid < block_tokens) {
-      candidate = position < end ? index.vtoken_query[position] : INT_MAX;
-      index_t m = candidate;
-      for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      if (tid % 32 == 0) warp_min[warp] = m;
-    }
-    __syncthreads();
-    const index_t q_block = min(warp_min[0], warp_min[1]);
+    const index_t q_block = walk.next(used, warp_min);
     if (q_block == INT_MAX) break;
     worked = true;
-    if (tid < block_tokens) {
-      used[tid] = candidate == q_block ? 1 : 0;
-      if (candidate == q_block) ++position;
-    }
-    detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
-    detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
-    detail::load_row_statistics(p, q_block, h, lse, delta);
+    detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, g.h, D), q_stride);
+    detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, g.h, D), q_stride);
+    detail::load_row_statistics(p, q_block, g.h, lse, delta);
     detail::cp_async_commit();
     detail::cp_async_wait<0>();
     detail::fence_async_shared();
@@ -296,26 +223,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs, dos, lse, delta, p.scale, p.scale_log2, [&](int key, int) { return used[key] == 0; });
     __syncthreads();  // every warp is done with the query tiles and `used`
   }
-
   if (!worked && !p.vertical_dk) return;  // no reductions of zeros (the scratch must be written)
-  const int row0 = 16 * warp;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const index_t entry = first + row0 + detail::fragment_row(2 * half);
-    if (entry >= last) continue;
-    const std::int64_t token = index.vtoken[entry];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int d = detail::fragment_col(j, 0);
-      if (p.vertical_dk) {  // deterministic: this entry's own scratch row, folded in order later
-        *reinterpret_cast<float2*>(p.vertical_dk + static_cast<std::int64_t>(entry) * D + d) = make_float2(dk[j][2 * half], dk[j][2 * half + 1]);
-        *reinterpret_cast<float2*>(p.vertical_dv + static_cast<std::int64_t>(entry) * D + d) = make_float2(dv[j][2 * half], dv[j][2 * half + 1]);
-      } else {
-        detail::reduce_add_v2(p.dk + (token * p.heads_kv + hk) * D + d, dk[j][2 * half], dk[j][2 * half + 1]);
-        detail::reduce_add_v2(p.dv + (token * p.heads_kv + hk) * D + d, dv[j][2 * half], dv[j][2 * half + 1]);
-      }
-    }
-  }
+  detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
 }
 
 /// The dQ pass on Hopper (deterministic mode): one CTA per (local query block, query head) over the
@@ -325,7 +234,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dq_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  unsigned char* shared = detail::align_1024(shared_raw);
   constexpr int tile = swizzled_tile<D>::bytes;
   unsigned char* qs = shared;
   unsigned char* dos = qs + tile;

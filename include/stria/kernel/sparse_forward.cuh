@@ -219,7 +219,7 @@ constexpr std::size_t forward_wgmma_shared_bytes() {
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  unsigned char* shared = shared_raw + ((1024 - detail::shared_address(shared_raw) % 1024) % 1024);
+  unsigned char* shared = detail::align_1024(shared_raw);
   constexpr int tile = swizzled_tile<D>::bytes;
   unsigned char* ks = shared;         // 2 tiles: K(t) in ks + (t % 2) * tile
   unsigned char* vs = ks + 2 * tile;  // 2 tiles: V(t) likewise

@@ -44,6 +44,9 @@ struct swizzled_tile {
 
 namespace detail {
 
+/// The first 1024-byte aligned address at or after `p` (shared memory): swizzled tiles start there.
+__device__ inline unsigned char* align_1024(unsigned char* p) { return p + ((1024 - shared_address(p) % 1024) % 1024); }
+
 /// This warp's A fragments (rows 16w .. 16w + 15 of the warpgroup) of a swizzled tile.
 template <int D>
 __device__ void load_swizzled_fragments(unsigned (&af)[D / 16][4], const unsigned char* tile) {
@@ -130,6 +133,10 @@ __device__ inline void fence_async_shared() {
 #define STRIA_WGMMA_ASM(SHAPE_TYPES, REGS, OPERANDS, P) \
   "{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned." SHAPE_TYPES " " REGS ", " OPERANDS ";\n}\n"
 
+// Whether a 16-bit element type is bf16 (else fp16): it names the wgmma instruction's types.
+template <class T>
+inline constexpr bool is_bf16 = std::is_same_v<T, __nv_bfloat16>;
+
 /// d (64 x N over the warpgroup; this thread's N / 2 values in mma.sync accumulator order) +=
 /// A (registers, 64 x 16) * B (shared, 16 x N). Asynchronous: fence before, commit and wait after.
 template <class T, int N, int TransposeB>
@@ -137,22 +144,21 @@ __device__ inline void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4], std::
   static_assert(N == 64 || N == 128, "stria issues wgmma with N = 64 or 128");
 #if STRIA_WGMMA_AVAILABLE
   const int flag = static_cast<int>(accumulate);
-  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.bf16.bf16", STRIA_WGMMA_REGS32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
-                 : STRIA_WGMMA_D32
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
-  if constexpr (N == 64 && std::is_same_v<T, __half>)
-    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.f16.f16", STRIA_WGMMA_REGS32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37")
-                 : STRIA_WGMMA_D32
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
-  if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.bf16.bf16", STRIA_WGMMA_REGS64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
-                 : STRIA_WGMMA_D64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
-  if constexpr (N == 128 && std::is_same_v<T, __half>)
-    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.f16.f16", STRIA_WGMMA_REGS64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69")
-                 : STRIA_WGMMA_D64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB));
+#define STRIA_WGMMA_RS(...) STRIA_WGMMA_RS_(__VA_ARGS__)  // expands STRIA_RS64 / STRIA_RS128 into arguments
+#define STRIA_WGMMA_RS_(SHAPE_TYPES, REGS, OPERANDS, P, ...)                                            \
+  asm volatile(STRIA_WGMMA_ASM(SHAPE_TYPES, REGS, OPERANDS, P)                                             \
+               : __VA_ARGS__                                                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(flag), "n"(TransposeB))
+#define STRIA_RS64 STRIA_WGMMA_REGS32, "{%32, %33, %34, %35}, %36, p, 1, 1, %38", "%37", STRIA_WGMMA_D32
+#define STRIA_RS128 STRIA_WGMMA_REGS64, "{%64, %65, %66, %67}, %68, p, 1, 1, %70", "%69", STRIA_WGMMA_D64
+  if constexpr (N == 64 && is_bf16<T>) STRIA_WGMMA_RS("m64n64k16.f32.bf16.bf16", STRIA_RS64);
+  if constexpr (N == 64 && !is_bf16<T>) STRIA_WGMMA_RS("m64n64k16.f32.f16.f16", STRIA_RS64);
+  if constexpr (N == 128 && is_bf16<T>) STRIA_WGMMA_RS("m64n128k16.f32.bf16.bf16", STRIA_RS128);
+  if constexpr (N == 128 && !is_bf16<T>) STRIA_WGMMA_RS("m64n128k16.f32.f16.f16", STRIA_RS128);
+#undef STRIA_RS64
+#undef STRIA_RS128
+#undef STRIA_WGMMA_RS
+#undef STRIA_WGMMA_RS_
 #else
   (void)d, (void)a, (void)desc_b, (void)accumulate;
   __trap();
@@ -166,22 +172,21 @@ __device__ inline void wgmma_ss(float (&d)[N / 2], std::uint64_t desc_a, std::ui
   static_assert(N == 64 || N == 128, "stria issues wgmma with N = 64 or 128");
 #if STRIA_WGMMA_AVAILABLE
   const int flag = static_cast<int>(accumulate);
-  if constexpr (N == 64 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.bf16.bf16", STRIA_WGMMA_REGS32, "%32, %33, p, 1, 1, %35, %36", "%34")
-                 : STRIA_WGMMA_D32
-                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
-  if constexpr (N == 64 && std::is_same_v<T, __half>)
-    asm volatile(STRIA_WGMMA_ASM("m64n64k16.f32.f16.f16", STRIA_WGMMA_REGS32, "%32, %33, p, 1, 1, %35, %36", "%34")
-                 : STRIA_WGMMA_D32
-                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
-  if constexpr (N == 128 && std::is_same_v<T, __nv_bfloat16>)
-    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.bf16.bf16", STRIA_WGMMA_REGS64, "%64, %65, p, 1, 1, %67, %68", "%66")
-                 : STRIA_WGMMA_D64
-                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
-  if constexpr (N == 128 && std::is_same_v<T, __half>)
-    asm volatile(STRIA_WGMMA_ASM("m64n128k16.f32.f16.f16", STRIA_WGMMA_REGS64, "%64, %65, p, 1, 1, %67, %68", "%66")
-                 : STRIA_WGMMA_D64
-                 : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB));
+#define STRIA_WGMMA_SS(...) STRIA_WGMMA_SS_(__VA_ARGS__)  // expands STRIA_SS64 / STRIA_SS128 into arguments
+#define STRIA_WGMMA_SS_(SHAPE_TYPES, REGS, OPERANDS, P, ...) \
+  asm volatile(STRIA_WGMMA_ASM(SHAPE_TYPES, REGS, OPERANDS, P) \
+               : __VA_ARGS__                                   \
+               : "l"(desc_a), "l"(desc_b), "r"(flag), "n"(TransposeA), "n"(TransposeB))
+#define STRIA_SS64 STRIA_WGMMA_REGS32, "%32, %33, p, 1, 1, %35, %36", "%34", STRIA_WGMMA_D32
+#define STRIA_SS128 STRIA_WGMMA_REGS64, "%64, %65, p, 1, 1, %67, %68", "%66", STRIA_WGMMA_D64
+  if constexpr (N == 64 && is_bf16<T>) STRIA_WGMMA_SS("m64n64k16.f32.bf16.bf16", STRIA_SS64);
+  if constexpr (N == 64 && !is_bf16<T>) STRIA_WGMMA_SS("m64n64k16.f32.f16.f16", STRIA_SS64);
+  if constexpr (N == 128 && is_bf16<T>) STRIA_WGMMA_SS("m64n128k16.f32.bf16.bf16", STRIA_SS128);
+  if constexpr (N == 128 && !is_bf16<T>) STRIA_WGMMA_SS("m64n128k16.f32.f16.f16", STRIA_SS128);
+#undef STRIA_SS64
+#undef STRIA_SS128
+#undef STRIA_WGMMA_SS
+#undef STRIA_WGMMA_SS_
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate;
   __trap();
