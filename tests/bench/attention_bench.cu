@@ -157,7 +157,6 @@ std::pair<double, double> front_template_ms(const global_selection& g, const dev
     ms.first = bench::median_ms(repeats, forward, st);
     ms.second = bench::median_ms(repeats, backward, st);
     stream.synchronize();
-    std::vector<T> grads;
     for (const auto* b : {&out, &dq, &dk, &dv})
       for (const T x : b->download()) bad += std::isfinite(to_float(x)) ? 0 : 1;
   });
@@ -181,8 +180,9 @@ int main(int argc, char** argv) {
   bool with_backward = true, with_front = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--forward-only" || flag == "--front") {
-      (flag == "--front" ? with_front : with_backward) = flag == "--front";
+    if (flag == "--forward-only" || flag == "--front") {  // flags without a value
+      if (flag == "--front") with_front = true;
+      else with_backward = false;
       --i;
       continue;
     }

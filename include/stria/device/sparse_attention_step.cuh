@@ -234,9 +234,9 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                            {dk.data(), "dk"},
                            {dv.data(), "dv"}});
 
-  if (which == backward_kernel::wgmma && !hopper_kernels_available())
+  const bool hopper = which != backward_kernel::mma_sync && hopper_kernels_available();
+  if (which == backward_kernel::wgmma && !hopper)
     throw invalid_argument("which", "backward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
-  const bool hopper = which == backward_kernel::wgmma || (which == backward_kernel::automatic && hopper_kernels_available());
   const auto entries = static_cast<index_t>(index.vtoken.size());
   const bool deterministic = mode == determinism::deterministic && entries > 0;
   device_buffer<float> vertical_dk(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);

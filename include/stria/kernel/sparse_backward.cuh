@@ -71,12 +71,21 @@ inline constexpr int ds_stride = block_tokens + 8;  // elements per row of the d
 /// A row's LSE in the log2 domain; +inf for a row that saw no keys anywhere, so its P is 0.
 __device__ inline float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * log2e; }
 
-/// Query and dO rows of one (local query block, head), queued as cp.async copies.
-template <class T, int D>
-__device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, index_t h, T* qs, T* dos) {
+/// Query and dO rows of one (local query block, head), queued as cp.async copies into tiles of
+/// `Layout` (padded for the mma.sync passes, swizzled for the Hopper ones).
+template <class Layout, class T, int D>
+__device__ void load_query_tiles(const backward_params<T>& p, index_t q_block, index_t h, void* qs, void* dos) {
   const std::int64_t stride = std::int64_t{p.heads_q} * D;
-  load_strided_rows_async<padded_tile<T, D>, T, D>(qs, block_start(p.q, q_block, p.heads_q, h, D), stride);
-  load_strided_rows_async<padded_tile<T, D>, T, D>(dos, block_start(p.d_out, q_block, p.heads_q, h, D), stride);
+  load_strided_rows_async<Layout, T, D>(qs, block_start(p.q, q_block, p.heads_q, h, D), stride);
+  load_strided_rows_async<Layout, T, D>(dos, block_start(p.d_out, q_block, p.heads_q, h, D), stride);
+}
+
+/// K and V rows of one (local KV block, KV head), likewise.
+template <class Layout, class T, int D>
+__device__ void load_key_tiles(const backward_params<T>& p, index_t kv_block, index_t hk, void* ks, void* vs) {
+  const std::int64_t stride = std::int64_t{p.heads_kv} * D;
+  load_strided_rows_async<Layout, T, D>(ks, block_start(p.k, kv_block, p.heads_kv, hk, D), stride);
+  load_strided_rows_async<Layout, T, D>(vs, block_start(p.v, kv_block, p.heads_kv, hk, D), stride);
 }
 
 /// The 64 rows' lse (log2 domain) and delta of one (local query block, head), queued as cp.async
@@ -306,6 +315,17 @@ class vertical_walk {
   index_t position_ = 0, end_ = 0;
 };
 
+/// K and V rows of a vertical group's tokens (zeros past the last), queued as cp.async copies into
+/// tiles of `Layout`.
+template <class Layout, class T, int D>
+__device__ void load_vertical_key_tiles(const backward_params<T>& p, const vertical_group& g, void* ks, void* vs) {
+  const index_t hk = g.h / (p.heads_q / p.heads_kv);
+  const std::int64_t stride = std::int64_t{p.heads_kv} * D;
+  const index_t* tokens = p.index.vtoken + g.first;
+  load_gathered_rows_async<Layout, T, D>(ks, p.k + std::int64_t{hk} * D, stride, tokens, g.last - g.first);
+  load_gathered_rows_async<Layout, T, D>(vs, p.v + std::int64_t{hk} * D, stride, tokens, g.last - g.first);
+}
+
 /// The end of a vertical pass: this warp's rows of the group's dK (times `dk_scale`) and dV, written
 /// to the entries' scratch rows (deterministic mode) or added to dk, dv by reductions.
 template <class T, int D>
@@ -380,7 +400,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dq(backward
     detail::load_row_tile_async<padded_tile<T, D>, T, D>(ks + buffer * tile, p.k, row, t, p.heads_kv, hk);
     detail::load_row_tile_async<padded_tile<T, D>, T, D>(vs + buffer * tile, p.v, row, t, p.heads_kv, hk);
   };
-  detail::load_query_tiles<T, D>(p, q_block, h, qs, dos);
+  detail::load_query_tiles<padded_tile<T, D>, T, D>(p, q_block, h, qs, dos);
   load_kv(0, 0);
   detail::cp_async_commit();
 
@@ -443,14 +463,11 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_dkdv(backwa
   if (tiles == 0) return;
   auto load = [&](detail::kv_column::cursor c, int buffer) {
     const index_t h = column.head(c), q_block = column.query_block(c);
-    detail::load_query_tiles<T, D>(p, q_block, h, qs + buffer * tile, dos + buffer * tile);
+    detail::load_query_tiles<padded_tile<T, D>, T, D>(p, q_block, h, qs + buffer * tile, dos + buffer * tile);
     detail::load_row_statistics(p, q_block, h, lse + buffer * block_tokens, delta + buffer * block_tokens);
   };
 
-  using layout = padded_tile<T, D>;
-  const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
-  detail::load_strided_rows_async<layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
-  detail::load_strided_rows_async<layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
+  detail::load_key_tiles<padded_tile<T, D>, T, D>(p, kv_block, hk, ks, vs);
   detail::kv_column::cursor current = column.first();
   load(current, 0);
   detail::cp_async_commit();
@@ -505,11 +522,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
 
   detail::vertical_group g;
   if (!detail::vertical_group::of(p.index, false, g)) return;
-  const index_t hk = g.h / (p.heads_q / p.heads_kv);
-  const std::int64_t key_stride = std::int64_t{p.heads_kv} * D;
-  const index_t* tokens = p.index.vtoken + g.first;
-  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
-  detail::load_gathered_rows_async<padded_tile<T, D>, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
+  detail::load_vertical_key_tiles<padded_tile<T, D>, T, D>(p, g, ks, vs);
   detail::cp_async_commit();
 
   detail::vertical_walk walk(p.index, g);
@@ -519,7 +532,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
     const index_t q_block = walk.next(used, warp_min);
     if (q_block == INT_MAX) break;
     worked = true;
-    detail::load_query_tiles<T, D>(p, q_block, g.h, qs, dos);
+    detail::load_query_tiles<padded_tile<T, D>, T, D>(p, q_block, g.h, qs, dos);
     detail::load_row_statistics(p, q_block, g.h, lse, delta);
     detail::cp_async_commit();
     detail::cp_async_wait<0>();

@@ -125,29 +125,18 @@ template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dkdv_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
-  unsigned char* ks = shared.keys();
-  unsigned char* vs = shared.values();
-  auto qs = [&](int stage) { return shared.queries(stage); };
-  auto dos = [&](int stage) { return shared.d_out(stage); };
-  auto lse = [&](int stage) { return shared.lse(stage); };
-  auto delta = [&](int stage) { return shared.delta(stage); };
 
   const index_t kv_block = blockIdx.x, hk = blockIdx.y;
   const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv};
   const index_t tiles = column.tiles();
   if (tiles == 0) return;
   using tile_layout = swizzled_tile<D>;
-  const std::int64_t q_stride = std::int64_t{p.heads_q} * D;
   auto load = [&](detail::kv_column::cursor c, int stage) {
     const index_t h = column.head(c), q_block = column.query_block(c);
-    detail::load_strided_rows_async<tile_layout, T, D>(qs(stage), detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
-    detail::load_strided_rows_async<tile_layout, T, D>(dos(stage), detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
-    detail::load_row_statistics(p, q_block, h, lse(stage), delta(stage));
+    detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, shared.queries(stage), shared.d_out(stage));
+    detail::load_row_statistics(p, q_block, h, shared.lse(stage), shared.delta(stage));
   };
-
-  const std::int64_t kv_stride = std::int64_t{p.heads_kv} * D;
-  detail::load_strided_rows_async<tile_layout, T, D>(ks, detail::block_start(p.k, kv_block, p.heads_kv, hk, D), kv_stride);
-  detail::load_strided_rows_async<tile_layout, T, D>(vs, detail::block_start(p.v, kv_block, p.heads_kv, hk, D), kv_stride);
+  detail::load_key_tiles<tile_layout, T, D>(p, kv_block, hk, shared.keys(), shared.values());
   detail::kv_column::cursor current = column.first();
   load(current, 0);
   detail::cp_async_commit();
@@ -168,7 +157,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     __syncthreads();
     const index_t q_block = column.query_block(current);
     auto tile = [&](auto masked) {
-      detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs(stage), dos(stage), lse(stage), delta(stage), p.scale, p.scale_log2, masked);
+      detail::dkdv_tile_wgmma<T, D>(dk, dv, shared.keys(), shared.values(), shared.queries(stage), shared.d_out(stage), shared.lse(stage),
+                                    shared.delta(stage), p.scale, p.scale_log2, masked);
     };
     if (p.index.needs_causal_mask(q_block, kv_block)) tile([](int key, int query) { return query < key; });
     else tile([](int, int) { return false; });  // most tiles: no mask arithmetic
@@ -198,12 +188,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   // groups with the longest walks start first.
   detail::vertical_group g;
   if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g)) return;
-  const index_t hk = g.h / (p.heads_q / p.heads_kv);
   using tile_layout = swizzled_tile<D>;
-  const std::int64_t key_stride = std::int64_t{p.heads_kv} * D, q_stride = std::int64_t{p.heads_q} * D;
-  const index_t* tokens = p.index.vtoken + g.first;
-  detail::load_gathered_rows_async<tile_layout, T, D>(ks, p.k + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
-  detail::load_gathered_rows_async<tile_layout, T, D>(vs, p.v + std::int64_t{hk} * D, key_stride, tokens, g.last - g.first);
+  detail::load_vertical_key_tiles<tile_layout, T, D>(p, g, ks, vs);
   detail::cp_async_commit();
 
   detail::vertical_walk walk(p.index, g);
@@ -213,8 +199,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     const index_t q_block = walk.next(used, warp_min);
     if (q_block == INT_MAX) break;
     worked = true;
-    detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, g.h, D), q_stride);
-    detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, g.h, D), q_stride);
+    detail::load_query_tiles<tile_layout, T, D>(p, q_block, g.h, qs, dos);
     detail::load_row_statistics(p, q_block, g.h, lse, delta);
     detail::cp_async_commit();
     detail::cp_async_wait<0>();
@@ -252,9 +237,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::load_row_tile_async<tile_layout, T, D>(ks(stage), p.k, row, t, p.heads_kv, hk);
     detail::load_row_tile_async<tile_layout, T, D>(vs(stage), p.v, row, t, p.heads_kv, hk);
   };
-  const std::int64_t q_stride = std::int64_t{p.heads_q} * D;
-  detail::load_strided_rows_async<tile_layout, T, D>(qs, detail::block_start(p.q, q_block, p.heads_q, h, D), q_stride);
-  detail::load_strided_rows_async<tile_layout, T, D>(dos, detail::block_start(p.d_out, q_block, p.heads_q, h, D), q_stride);
+  detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, qs, dos);
   load_kv(0, 0);
   detail::cp_async_commit();
 
