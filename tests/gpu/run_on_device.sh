@@ -89,7 +89,9 @@ done
 for kernel in ${PROFILE:+${PROFILE//,/ }}; do
   run "ncu_$kernel" ncu --clock-control none --kernel-name "regex:$kernel" --launch-count 1 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section SchedulerStats "$bin/attention_bench" --seq-len 131072 --patterns vs95 --repeats 1
+    --section SchedulerStats \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio|sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active' \
+    "$bin/attention_bench" --seq-len 131072 --patterns vs95 --repeats 1
 done
 if [ "${COMPARE:-0}" = 1 ]; then
   run compare_flex python3 tests/bench/compare_flex.py "$OUT/patterns"

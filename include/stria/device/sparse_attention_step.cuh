@@ -163,7 +163,7 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
     if (hopper) {
       constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
       detail::allow_shared_bytes(kernel::sparse_forward_wgmma<T, D>, bytes);
-      kernel::sparse_forward_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+      kernel::sparse_forward_wgmma<T, D><<<grid, kernel::forward_wgmma_threads, bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
     } else {
       constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();

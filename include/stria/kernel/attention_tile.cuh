@@ -13,6 +13,7 @@
 #include "stria/core/tile.hpp"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/mma.cuh"
+#include "stria/kernel/pipeline.cuh"
 
 namespace stria::kernel {
 
@@ -200,6 +201,45 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
     load_gathered_rows_async<Layout, T, D>(tile, head, stride, row.tokens + first, row.num_tokens - first);
   }
 }
+
+/// The K and V rings of a row's tiles (Hopper forward and dQ pass), with the global block of each
+/// block tile in the K ring: what the consumer's causal-mask test needs, delivered with the tile so that
+/// no global-memory round trip sits between its products and its softmax.
+template <int KStages, int VStages>
+struct row_tile_rings {
+  stage_ring<KStages> k;
+  stage_ring<VStages> v;
+  index_t kv_global_block[KStages];
+
+  __device__ void init() {
+    k.init();
+    v.init();
+  }
+
+  /// The producer warpgroup: copies K(t) and V(t) of every tile of the row into the rings (`ks`, `vs`:
+  /// the stages' tiles, `Layout::bytes` apart), each once its stage is free.
+  template <class Layout, class T, int D>
+  __device__ void produce(const row_tiles& row, const step_index_view& index, const T* keys, const T* values, unsigned char* ks,
+                          unsigned char* vs, index_t heads_kv, index_t hk) {
+    const index_t tiles = row.count();
+    for (index_t t = 0; t < tiles; ++t) {
+      k.acquire(t);
+      load_row_tile_async<Layout, T, D>(ks + k.stage(t) * Layout::bytes, keys, row, t, heads_kv, hk);
+      if (threadIdx.x % attention_threads == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
+      k.commit(t);
+      v.acquire(t);
+      load_row_tile_async<Layout, T, D>(vs + v.stage(t) * Layout::bytes, values, row, t, heads_kv, hk);
+      v.commit(t);
+    }
+    cp_async_wait_all();
+  }
+
+  /// Consumer, after k.wait(t) and before k.release(t): whether tile t crosses the diagonal of the
+  /// query block at `query_global` (-1 without the causal mask).
+  __device__ bool diagonal(const row_tiles& row, index_t t, index_t query_global) const {
+    return row.is_block(t) && kv_global_block[k.stage(t)] == query_global;
+  }
+};
 
 /// The local query block of a CTA launched over (query blocks, heads). Later query blocks have longer
 /// lists under causal attention, so they are launched first (a shorter tail).

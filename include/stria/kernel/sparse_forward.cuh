@@ -15,6 +15,7 @@
 #include "stria/core/softmax_merge.hpp"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/attention_tile.cuh"
+#include "stria/kernel/pipeline.cuh"
 #include "stria/kernel/wgmma.cuh"
 
 namespace stria::kernel {
@@ -22,12 +23,6 @@ namespace stria::kernel {
 /// The mma.sync forward is held to 168 registers so that three CTAs (12 warps) share an SM: at
 /// 170-175 registers only two fit, which measured 10-20% slower.
 inline constexpr int forward_ctas_per_sm = 3;
-/// The Hopper forward keeps S(t + 1), P(t) and O in registers while both products run; under the
-/// 168-register cap of three CTAs per SM ptxas serializes the products (C7512), so it asks for two:
-/// at D = 128 that is what fits (172 registers); at D = 64 four still do (125 registers; asking for
-/// two, three or four measured within 2% of each other).
-inline constexpr int forward_wgmma_ctas_per_sm = 2;
-
 template <class T>
 struct forward_params {
   step_index_view index;  // device pointers
@@ -45,14 +40,14 @@ struct forward_params {
 
 namespace detail {
 
-/// One tile of the online softmax (FlashAttention-2): scales this warp's scores `s` into the log2
-/// domain, masks them (the causal triangle of a diagonal tile; columns past `valid` of the last
-/// vertical gather), updates the running row statistics and leaves P in `s`. The output must then
-/// be multiplied by `correction` (rescale_rows), which the Hopper kernel defers until its previous
-/// P V product has landed.
+/// One tile of the online softmax (FlashAttention-2): masks this warp's raw scores `s` (the causal
+/// triangle of a diagonal tile; columns past `valid` of the last vertical gather), updates the running
+/// row statistics (log2 domain) and leaves P in `s`. The scale enters once per element, fused into the
+/// exponent's argument as s scale log2 e - max (the maximum is taken over raw scores: the scale is
+/// positive). The output must then be multiplied by `correction` (rescale_rows), which the Hopper
+/// kernel defers until its previous P V product has landed.
 __device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2], float scale_log2,
                                     bool diagonal, int valid) {
-  float tile_max[2] = {-INFINITY, -INFINITY};
   if (diagonal || valid < block_tokens) {  // warp-uniform: most tiles skip the mask arithmetic
     const int warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
 #pragma unroll
@@ -60,30 +55,25 @@ __device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = warp_row0 + fragment_row(e), c = fragment_col(j, e);
-        const bool masked = c >= valid || (diagonal && c > r);
-        s[j][e] = masked ? -INFINITY : s[j][e] * scale_log2;
+        if (c >= valid || (diagonal && c > r)) s[j][e] = -INFINITY;
       }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
   }
+  float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]));
+    const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]) * scale_log2);
     const float base = new_max == -INFINITY ? 0.0f : new_max;  // a row masked so far stays at 0
     correction[half] = exp2_ftz(row_max[half] - base);
     row_max[half] = new_max;
     row_sum[half] *= correction[half];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      s[j][2 * half] = exp2_ftz(s[j][2 * half] - base);
-      s[j][2 * half + 1] = exp2_ftz(s[j][2 * half + 1] - base);
+      s[j][2 * half] = exp2_ftz(fmaf(s[j][2 * half], scale_log2, -base));
+      s[j][2 * half + 1] = exp2_ftz(fmaf(s[j][2 * half + 1], scale_log2, -base));
       row_sum[half] += s[j][2 * half] + s[j][2 * half + 1];
     }
   }
@@ -202,61 +192,94 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }
 
-/// Dynamic shared memory of the Hopper forward: two K and two V tiles in the swizzled layout, plus
-/// slack to align them to 1024 bytes. The query tile is staged through the second V tile.
+/// Tuning of the Hopper forward, per head dim. A CTA is a consumer warpgroup and a producer
+/// warpgroup; `setmaxnreg` moves registers from the producer to the consumer, which keeps S(t + 1),
+/// P(t), O and Q's fragments live while both products run. On each SM sub-partition every CTA places
+/// one warp of each, so ctas_per_sm x (consumer + producer registers) <= 512, and their sum is at
+/// most the launch share 65536 / (256 x ctas_per_sm) x 2. `stages` K and V tiles are in flight.
+struct forward_wgmma_tuning {
+  int stages;
+  int ctas_per_sm;
+  int producer_registers;
+  int consumer_registers;
+};
+template <int D>
+inline constexpr forward_wgmma_tuning forward_wgmma_config =
+    D == 128 ? forward_wgmma_tuning{.stages = 3, .ctas_per_sm = 2, .producer_registers = 40, .consumer_registers = 216}   // 96 KiB
+             : forward_wgmma_tuning{.stages = 4, .ctas_per_sm = 3, .producer_registers = 24, .consumer_registers = 136};  // 64 KiB
+
+inline constexpr int forward_wgmma_threads = 2 * attention_threads;
+
+/// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, plus
+/// slack to align them to 1024 bytes.
 template <int D>
 constexpr std::size_t forward_wgmma_shared_bytes() {
-  return 4 * swizzled_tile<D>::bytes + 1024;
+  return 2 * forward_wgmma_config<D>.stages * swizzled_tile<D>::bytes + 1024;
 }
 
-/// The forward on Hopper: the same walk, online softmax and epilogue as sparse_forward, with both
-/// products on wgmma (one warpgroup per 64-row block): S = Q K^T with Q's fragments in registers
-/// and K from shared memory (K-major), O += P V with P in registers and V from shared memory
-/// (MN-major). Software pipelined as in FlashAttention-3 (intra-warpgroup overlap): iteration t
-/// issues S(t + 1) and O += P(t) V(t) together, runs the softmax of tile t + 1 while the P V product
-/// is in flight, and rescales O once it has landed. Loads run one tile further ahead: K(t + 2) and
-/// V(t + 1) are copied during iteration t.
+namespace detail {
+
+/// This warp's A fragments of the query block (rows 16w .. 16w + 15) straight from global memory:
+/// the fragment layout of mma.sync's A operand, which is also wgmma's register A.
 template <class T, int D>
-__global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
+__device__ void load_query_fragments(unsigned (&qf)[D / 16][4], const T* block, std::int64_t stride) {
+  const int lane = static_cast<int>(threadIdx.x % 32), row = 16 * static_cast<int>((threadIdx.x / 32) % 4) + lane / 4;
+  const T* low = block + row * stride + 2 * (lane % 4);
+  const T* high = low + 8 * stride;
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k) {
+    qf[k][0] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * k));
+    qf[k][1] = __ldg(reinterpret_cast<const unsigned*>(high + 16 * k));
+    qf[k][2] = __ldg(reinterpret_cast<const unsigned*>(low + 16 * k + 8));
+    qf[k][3] = __ldg(reinterpret_cast<const unsigned*>(high + 16 * k + 8));
+  }
+}
+
+}  // namespace detail
+
+/// The forward on Hopper: the same walk, online softmax and epilogue as sparse_forward, with both
+/// products on wgmma and the loads in a warp of their own (warp specialization, as FlashAttention-3):
+/// a producer warpgroup copies the row's K and V tiles (blocks and vertical gathers alike) into two rings
+/// of stages guarded by mbarriers, running up to `stages` tiles ahead; the consumer
+/// warpgroup computes S = Q K^T with Q's fragments in registers and K from shared memory (K-major),
+/// O += P V with P in registers and V from shared memory (MN-major). The consumer is software
+/// pipelined (intra-warpgroup overlap): iteration t issues S(t + 1) and O += P(t) V(t) together, runs
+/// the softmax of tile t + 1 while the P V product is in flight, and rescales O once it has landed.
+template <class T, int D>
+__global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>.ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
+  constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D>;
+  constexpr int stages = tuning.stages, tile = swizzled_tile<D>::bytes;
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  unsigned char* shared = detail::align_1024(shared_raw);
-  constexpr int tile = swizzled_tile<D>::bytes;
-  unsigned char* ks = shared;         // 2 tiles: K(t) in ks + (t % 2) * tile
-  unsigned char* vs = ks + 2 * tile;  // 2 tiles: V(t) likewise
+  __shared__ detail::row_tile_rings<stages, stages> rings;
+  unsigned char* ks = detail::align_1024(shared_raw);  // K(t) in ks + (t % stages) * tile
+  unsigned char* vs = ks + stages * tile;              // V(t) likewise
 
   const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
+  if (threadIdx.x == 0) rings.init();
+  __syncthreads();
 
-  using layout = swizzled_tile<D>;
-  auto load_tile = [&](const T* base, index_t t, unsigned char* to) {
-    detail::load_row_tile_async<layout, T, D>(to, base, row, t, p.heads_kv, hk);
-  };
+  if (threadIdx.x >= attention_threads) {  // the producer warpgroup
+    detail::set_registers_decrease<tuning.producer_registers>();
+    rings.template produce<swizzled_tile<D>, T, D>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
+    return;
+  }
+  detail::set_registers_increase<tuning.consumer_registers>();
+
   auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + (t % 2) * tile, k), k > 0);
+      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + rings.k.stage(t) * tile, k), k > 0);
   };
-  auto softmax = [&](index_t t, float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2]) {
-    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
+  const index_t q_global = p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
+  auto softmax = [&](index_t t, bool diagonal, float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2]) {
     detail::softmax_tile(s, row_max, row_sum, correction, p.scale_log2, diagonal, row.valid_columns(t));
   };
 
-  // Prologue: the query tile (staged in V buffer 1), K(0), V(0) and K(1); then S(0) and its softmax.
-  detail::load_strided_rows_async<layout, T, D>(vs + tile, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
-  if (tiles > 0) {
-    load_tile(p.k, 0, ks);
-    load_tile(p.v, 0, vs);
-  }
-  if (tiles > 1) load_tile(p.k, 1, ks + tile);
-  detail::cp_async_commit();
-  detail::cp_async_wait<0>();
-  detail::fence_async_shared();
-  __syncthreads();
   unsigned qf[D / 16][4];
-  detail::load_swizzled_fragments<D>(qf, vs + tile);
-
+  detail::load_query_fragments<T, D>(qf, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   float o[D / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
@@ -264,30 +287,31 @@ __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) 
   float correction[2];  // of tile t + 1, applied to O after P(t) V(t)
   if (tiles > 0) {
     float s[8][4];
+    rings.k.wait(0);
+    const bool first_diagonal = rings.diagonal(row, 0, q_global);
+    detail::fence_async_shared();
     detail::wgmma_fence();
     scores(0, s, qf);
     detail::wgmma_commit();
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-    softmax(0, s, row_max, row_sum, correction);
+    rings.k.release(0);
+    softmax(0, first_diagonal, s, row_max, row_sum, correction);
 #pragma unroll
     for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
   }
 
   // One tile: the body runs in two copies, with and without a next tile, so that no branch sits
-  // between the products in flight (ptxas serializes wgmma across one).
+  // between the products in flight (ptxas serializes wgmma across one); both waits come first.
   auto step = [&](index_t t, auto has_next) {
     constexpr bool more = decltype(has_next)::value;
-    // K(t + 1) and V(t) were copied during iteration t - 1 (or the prologue). The barrier also ends
-    // every use of K(t) (S(t) waited) and V(t - 1) (P V waited), whose buffers are refilled now.
-    detail::cp_async_wait<0>();
-    detail::fence_async_shared();
-    __syncthreads();
+    bool next_diagonal = false;
     if constexpr (more) {
-      if (t + 2 < tiles) load_tile(p.k, t + 2, ks + (t % 2) * tile);
-      load_tile(p.v, t + 1, vs + ((t + 1) % 2) * tile);
+      rings.k.wait(t + 1);
+      next_diagonal = rings.diagonal(row, t + 1, q_global);
     }
-    detail::cp_async_commit();
+    rings.v.wait(t);
+    detail::fence_async_shared();
 
     float s[8][4];  // S(t + 1), then P(t + 1): registers of their own, apart from the A operand pf
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
@@ -298,18 +322,22 @@ __global__ void __launch_bounds__(attention_threads, forward_wgmma_ctas_per_sm) 
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::mn_major_operand<D>(vs + (t % 2) * tile, k), true);
+      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::mn_major_operand<D>(vs + rings.v.stage(t) * tile, k), true);
     detail::wgmma_commit();
     if constexpr (more) {
       detail::wgmma_wait<1>();  // S(t + 1); the P V product may still run
       detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-      softmax(t + 1, s, row_max, row_sum, correction);
+      rings.k.release(t + 1);
+      softmax(t + 1, next_diagonal, s, row_max, row_sum, correction);
     }
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
     detail::fence_registers(pf);
+    rings.v.release(t);
     if constexpr (more) {
-      detail::rescale_rows<D>(o, correction);
+      // Once the rows' maxima settle (most tiles of a long row), no row of the warp moves: skip the
+      // D / 2 multiplications by 1.
+      if (__any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) detail::rescale_rows<D>(o, correction);
 #pragma unroll
       for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
     }
