@@ -207,6 +207,11 @@ TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
   device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
   out.fill_bytes(0xff);
   lse.fill_bytes(0xff);
+  // The last step once more from the state before it, writing the output in T itself (final_out).
+  device_buffer<float> out_before(out_ref.size()), lse_before(lse_ref.size());
+  device_buffer<T> direct_out(out_ref.size());
+  direct_out.fill_bytes(0xff);
+  std::vector<float> running_before;
   for (index_t step = 0; step < world; ++step) {
     const step_index index = build_local_index(g, sharding::striped<64>{}, world, 1, (1 - step + world) % world, {});
     auto k = random_tensor<T>(rng, std::size_t(sq) * hkv * dim, 2.0f);
@@ -221,8 +226,17 @@ TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
       host::merge_partial<double>(view3(out_ref, sq, hq, dim), view2(lse_ref, hq, sq), view3(std::as_const(part_out), sq, hq, dim),
                                   view2(std::as_const(part_lse), hq, sq));
     }
-    device::sparse_forward<T>(upload_step_index(index, nullptr), q_view, tensor_view<const T, 3>(k.device.data(), {sq, hkv, dim}),
-                              tensor_view<const T, 3>(v.device.data(), {sq, hkv, dim}), scale, tensor_view<float, 3>(out.data(), {sq, hq, dim}),
+    const device_step_index on_device = upload_step_index(index, nullptr);
+    const tensor_view<const T, 3> k_view(k.device.data(), {sq, hkv, dim}), v_view(v.device.data(), {sq, hkv, dim});
+    if (step == world - 1) {
+      STRIA_CUDA_CHECK(cudaMemcpy(out_before.data(), out.data(), out_ref.size() * sizeof(float), cudaMemcpyDeviceToDevice));
+      STRIA_CUDA_CHECK(cudaMemcpy(lse_before.data(), lse.data(), lse_ref.size() * sizeof(float), cudaMemcpyDeviceToDevice));
+      running_before = out_before.download();
+      device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, tensor_view<float, 3>(out_before.data(), {sq, hq, dim}),
+                                tensor_view<float, 2>(lse_before.data(), {hq, sq}), device::running_state::merge, nullptr,
+                                device::forward_kernel::automatic, tensor_view<T, 3>(direct_out.data(), {sq, hq, dim}));
+    }
+    device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, tensor_view<float, 3>(out.data(), {sq, hq, dim}),
                               tensor_view<float, 2>(lse.data(), {hq, sq}),
                               step == 0 ? device::running_state::overwrite : device::running_state::merge, nullptr);
   }
@@ -239,6 +253,13 @@ TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
   bool exact = true;
   for (std::size_t i = 0; i < cast.size(); ++i) exact = exact && to_float(cast[i]) == to_float(from_float<T>(running[i]));
   CHECK(exact);
+
+  // The last step writing the output itself: the same bits as the cast, the same LSE, and the running
+  // output left as it was.
+  auto same_bits = [](const auto& a, const auto& b) { return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0; };
+  CHECK(same_bits(direct_out.download(), cast));
+  CHECK(same_bits(lse_before.download(), lse.download()));
+  CHECK(same_bits(out_before.download(), running_before));
 }
 
 TEST_CASE("sparse attention calls reject bad input with the argument named") {

@@ -141,11 +141,12 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
     const T* chunk = ring.begin_step(s);
     const tensor_view<const T, 3> k_step(chunk, {shape.kv_tokens, shape.heads_kv, shape.head_dim});
     const tensor_view<const T, 3> v_step(chunk + ring.elements(), {shape.kv_tokens, shape.heads_kv, shape.head_dim});
+    // The last step writes `out` itself (rounded to T), so the running output needs no final pass.
+    const bool last = s + 1 == topology.num_steps();
     sparse_forward(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
-                   s == 0 ? running_state::overwrite : running_state::merge, stream, which);
+                   s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
   }
   ring.finish();
-  write_output(tensor_view<const float, 3>(running_view), out, stream);
 }
 
 /// This rank's ring backward on `stream` (transfers on `transfer_stream`). out and lse are the

@@ -36,6 +36,7 @@ struct forward_params {
   index_t query_tokens;
   float scale_log2;  // softmax scale * log2(e)
   bool merge;        // merge into the running state (false: overwrite it, the first step)
+  T* final_out;      // [Sq, Hq, D] or null: the last step writes the merged output here in T, not to `out`
 };
 
 namespace detail {
@@ -88,7 +89,8 @@ __device__ void rescale_rows(float (&o)[D / 8][4], const float (&correction)[2])
 }
 
 /// Epilogue: normalises this warp's rows and overwrites or merges the running state (each CTA
-/// owns its rows, so plain read-modify-write).
+/// owns its rows, so plain read-modify-write); on the last step (`final_out`) the merged rows go
+/// out in T instead, which saves the running output's write and a pass that casts it.
 template <class T, int D>
 __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, index_t h, const float (&o)[D / 8][4],
                                    const float (&row_max)[2], const float (&row_sum)[2]) {
@@ -119,7 +121,12 @@ __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, 
         value.x += weight_old * old.x;
         value.y += weight_old * old.y;
       }
-      *at = value;
+      if (p.final_out) {
+        T* final_at = p.final_out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D + fragment_col(j, 0);
+        *reinterpret_cast<unsigned*>(final_at) = pack_pair<T>(value.x, value.y);
+      } else {
+        *at = value;
+      }
     }
     if (lane % 4 == 0) *lse_at = lse;
   }
