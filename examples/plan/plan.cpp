@@ -17,6 +17,8 @@
 #include <stria/topology/flat_ring.hpp>
 #include <stria/topology/hierarchical_ring.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -24,12 +26,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "json.hpp"
+#include "../common/cli.hpp"
 
 namespace {
 
@@ -81,33 +84,20 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value (see --help)");
       return argv[++i];
     };
-    auto integer = [&]() {
-      const std::string text = next();
-      char* end = nullptr;
-      const long long v = std::strtoll(text.c_str(), &end, 10);
-      if (end == text.c_str() || *end != '\0') throw stria::invalid_argument(arg, text, "must be an integer");
-      return v;
-    };
-    auto real = [&]() {
-      const std::string text = next();
-      char* end = nullptr;
-      const double v = std::strtod(text.c_str(), &end);
-      if (end == text.c_str() || *end != '\0') throw stria::invalid_argument(arg, text, "must be a number");
-      return v;
-    };
-    if (arg == "--seq-len") o.seq_len = static_cast<stria::index_t>(integer());
-    else if (arg == "--world") o.world = static_cast<stria::index_t>(integer());
-    else if (arg == "--nodes") o.nodes = static_cast<stria::index_t>(integer());
-    else if (arg == "--sparsity") o.sparsity = real();
-    else if (arg == "--heads-q") o.heads_q = static_cast<stria::index_t>(integer());
-    else if (arg == "--heads-kv") o.heads_kv = static_cast<stria::index_t>(integer());
-    else if (arg == "--head-dim") o.head_dim = static_cast<stria::index_t>(integer());
-    else if (arg == "--rope-theta") o.rope_theta = real();
-    else if (arg == "--seed") o.seed = static_cast<unsigned long long>(integer());
+    auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, next(), 1); };
+    if (arg == "--seq-len") o.seq_len = size();
+    else if (arg == "--world") o.world = size();
+    else if (arg == "--nodes") o.nodes = size();
+    else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0 - 1e-9);
+    else if (arg == "--heads-q") o.heads_q = size();
+    else if (arg == "--heads-kv") o.heads_kv = size();
+    else if (arg == "--head-dim") o.head_dim = size();
+    else if (arg == "--rope-theta") o.rope_theta = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
+    else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, next());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;
-    else if (arg == "--solver") o.solver_chunks = static_cast<stria::index_t>(integer());
-    else if (arg == "--volume-cap") o.volume_cap = real();
+    else if (arg == "--solver") o.solver_chunks = size();
+    else if (arg == "--volume-cap") o.volume_cap = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
     else if (arg == "--estimate") o.estimate = true;
     else if (arg == "--help") {
       std::fputs(usage, stdout);
@@ -124,39 +114,72 @@ options parse(int argc, char** argv) {
   return o;
 }
 
+/// The deepest nesting a selection file may have: its format needs 3 (the object, "heads", a head's
+/// lists); the limit keeps a hostile file from costing memory or time.
+constexpr int selection_max_depth = 8;
+
+/// A JSON integer at `where` in [min, max]: an integer literal (not 1.0, not true), no narrowing.
+stria::index_t selection_integer(const nlohmann::json& value, const std::string& where, std::int64_t min, std::int64_t max) {
+  if (!value.is_number_integer()) throw stria::invalid_argument(where, value.dump(), "must be an integer");
+  // Unsigned values past INT64_MAX compare as unsigned; the rest as signed.
+  const bool in_range = value.is_number_unsigned() ? value.get<std::uint64_t>() <= static_cast<std::uint64_t>(max) && value.get<std::uint64_t>() >= static_cast<std::uint64_t>(std::max<std::int64_t>(min, 0))
+                                                   : value.get<std::int64_t>() >= min && value.get<std::int64_t>() <= max;
+  if (!in_range) throw stria::invalid_argument(where, value.dump(), "must lie in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+  return static_cast<stria::index_t>(value.get<std::int64_t>());
+}
+
 /// Reads a recorded selection: {"seq_len": S, "causal": true, "heads": [{"vertical": [...], "slash_blocks": [...]}, ...]}.
+/// Every value is type- and range-checked; an error names the file and the key path (parse errors:
+/// the line and column).
 stria::global_selection read_selection(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw stria::invalid_argument("--selection", path, "cannot be opened");
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string content = text.str();
-  const plan_json::value root = plan_json::parser(content).parse();
-  auto integers = [&](const plan_json::value* list, const std::string& name) {
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(in, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > selection_max_depth)
+        throw stria::invalid_argument("--selection", path, "nests deeper than " + std::to_string(selection_max_depth) + " levels");
+      return true;
+    });
+  } catch (const nlohmann::json::parse_error& e) {
+    throw stria::invalid_argument("--selection", path, std::string("is not valid JSON: ") + e.what());
+  }
+  const std::string file = "selection " + path;
+  if (!root.is_object()) throw stria::invalid_argument(file, root.type_name(), "must be a JSON object");
+  for (const auto& [key, value] : root.items())
+    if (key != "seq_len" && key != "causal" && key != "heads")
+      throw stria::invalid_argument(file + ": key", key, "is not known (seq_len, causal, heads)");
+  if (!root.contains("seq_len")) throw stria::invalid_argument(file, "(no seq_len)", "needs \"seq_len\"");
+  stria::global_selection g;
+  g.seq_len = selection_integer(root["seq_len"], file + ": seq_len", 1, std::numeric_limits<stria::index_t>::max());
+  if (root.contains("causal")) {
+    if (!root["causal"].is_boolean()) throw stria::invalid_argument(file + ": causal", root["causal"].dump(), "must be true or false");
+    g.causal = root["causal"].get<bool>();
+  }
+  if (!root.contains("heads") || !root["heads"].is_array() || root["heads"].empty())
+    throw stria::invalid_argument(file + ": heads", root.contains("heads") ? root["heads"].dump().substr(0, 40) : "(missing)",
+                                  "must be a non-empty array of heads");
+  const nlohmann::json& heads = root["heads"];
+  const std::int64_t blocks = (std::int64_t{g.seq_len} + 63) / 64;
+  auto integers = [&](const nlohmann::json& head, const char* key, const std::string& where, std::int64_t max) {
     std::vector<stria::index_t> out;
-    if (!list) return out;
-    if (list->type != plan_json::value::kind::array) throw stria::invalid_argument(name, "(not an array)", "must be an array of integers");
-    for (const auto& x : list->array) {
-      if (x.type != plan_json::value::kind::number) throw stria::invalid_argument(name, "(not a number)", "must be an array of integers");
-      out.push_back(static_cast<stria::index_t>(x.number));
-    }
+    if (!head.contains(key)) return out;
+    const nlohmann::json& list = head[key];
+    if (!list.is_array()) throw stria::invalid_argument(where, list.dump().substr(0, 40), "must be an array of integers");
+    for (std::size_t i = 0; i < list.size(); ++i) out.push_back(selection_integer(list[i], where + "[" + std::to_string(i) + "]", 0, max));
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;
   };
-  const plan_json::value* seq = root.find("seq_len");
-  const plan_json::value* heads = root.find("heads");
-  if (!seq || seq->type != plan_json::value::kind::number) throw stria::invalid_argument("--selection", path, "needs a numeric \"seq_len\"");
-  if (!heads || heads->type != plan_json::value::kind::array || heads->array.empty())
-    throw stria::invalid_argument("--selection", path, "needs a non-empty \"heads\" array");
-  stria::global_selection g;
-  g.seq_len = static_cast<stria::index_t>(seq->number);
-  if (const plan_json::value* causal = root.find("causal")) g.causal = causal->boolean;
-  for (std::size_t h = 0; h < heads->array.size(); ++h) {
-    const std::string where = "heads[" + std::to_string(h) + "]";
+  for (std::size_t h = 0; h < heads.size(); ++h) {
+    const std::string where = file + ": heads[" + std::to_string(h) + "]";
+    const nlohmann::json& entry = heads[h];
+    if (!entry.is_object()) throw stria::invalid_argument(where, entry.dump().substr(0, 40), "must be an object {vertical, slash_blocks}");
+    for (const auto& [key, value] : entry.items())
+      if (key != "vertical" && key != "slash_blocks") throw stria::invalid_argument(where + ": key", key, "is not known (vertical, slash_blocks)");
     stria::head_selection head;
-    head.vertical_tokens = integers(heads->array[h].find("vertical"), where + ".vertical");
-    head.slash_deltas = integers(heads->array[h].find("slash_blocks"), where + ".slash_blocks");
+    head.vertical_tokens = integers(entry, "vertical", where + ".vertical", std::int64_t{g.seq_len} - 1);
+    head.slash_deltas = integers(entry, "slash_blocks", where + ".slash_blocks", blocks - 1);
     // Diagonal 0 keeps every causal row non-empty, as every stria estimator guarantees.
     if (g.causal && !std::binary_search(head.slash_deltas.begin(), head.slash_deltas.end(), 0))
       head.slash_deltas.insert(head.slash_deltas.begin(), 0);
@@ -271,29 +294,33 @@ int main(int argc, char** argv) try {
   const double density = rows.front().total_flops / (4.0 * o.head_dim) / causal_entries;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (o.json) {
-    std::printf("{\"config\": {\"seq_len\": %d, \"world\": %d, \"nodes\": %d, \"heads_q\": %d, \"heads_kv\": %d, \"head_dim\": %d, "
-                "\"sparsity\": %.6f, \"density\": %.6f, \"source\": \"%s\", \"seed\": %llu, \"seconds\": %.3f",
-                g.seq_len, o.world, o.nodes, g.num_heads(), o.heads_kv, o.head_dim, 1.0 - density, density, source.c_str(), o.seed, seconds);
+    nlohmann::ordered_json config = {{"seq_len", g.seq_len}, {"world", o.world},   {"nodes", o.nodes},           {"heads_q", g.num_heads()},
+                                     {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", 1.0 - density}, {"density", density},
+                                     {"source", source},     {"seed", o.seed},     {"seconds", seconds}};
     if (o.estimate) {
-      std::printf(", \"estimator\": \"vertical_slash_top_p\", \"estimate_seconds\": %.3f", estimate_seconds);
-      if (recall_mean >= 0) std::printf(", \"recall_mean\": %.6f, \"recall_min\": %.6f", recall_mean, recall_min);
-      else std::printf(", \"recall_mean\": null, \"recall_min\": null");
+      config["estimator"] = "vertical_slash_top_p";
+      config["estimate_seconds"] = estimate_seconds;
+      config["recall_mean"] = recall_mean >= 0 ? nlohmann::ordered_json(recall_mean) : nlohmann::ordered_json();
+      config["recall_min"] = recall_min >= 0 ? nlohmann::ordered_json(recall_min) : nlohmann::ordered_json();
     }
-    std::printf("},\n \"rows\": [");
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const row& r = rows[i];
-      std::printf("%s\n  {\"sharding\": \"%s\", \"topology\": \"%s\", \"worker_imbalance\": %.4f, \"worker_imbalance_max\": %.4f, "
-                  "\"step_imbalance\": %.4f, \"step_imbalance_max\": %.4f, \"max_rank_flops\": %.6e}",
-                  i ? "," : "", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean, r.imbalance.worker_max,
-                  r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops);
-    }
-    std::printf("\n]");
+    nlohmann::ordered_json out = {{"config", config}, {"rows", nlohmann::ordered_json::array()}};
+    for (const row& r : rows)
+      out["rows"].push_back({{"sharding", r.sharding},
+                             {"topology", r.topology},
+                             {"worker_imbalance", r.imbalance.worker_mean},
+                             {"worker_imbalance_max", r.imbalance.worker_max},
+                             {"step_imbalance", r.imbalance.step_mean},
+                             {"step_imbalance_max", r.imbalance.step_max},
+                             {"max_rank_flops", r.max_rank_flops}});
     if (o.solver_chunks > 0)
-      std::printf(",\n \"solver\": {\"chunks_per_rank\": %d, \"volume_cap\": %.3f, \"max_load_over_mean\": %.4f, \"volume_over_ring\": %.4f, "
-                  "\"feasible\": %s, \"moves\": %zu, \"solve_ms\": %.3f}",
-                  o.solver_chunks, o.volume_cap, solved.max_load_over_mean, solved.volume_over_ring, solved.feasible ? "true" : "false",
-                  solved.moves, solved.solve_ms);
-    std::printf("}\n");
+      out["solver"] = {{"chunks_per_rank", o.solver_chunks},
+                       {"volume_cap", o.volume_cap},
+                       {"max_load_over_mean", solved.max_load_over_mean},
+                       {"volume_over_ring", solved.volume_over_ring},
+                       {"feasible", solved.feasible},
+                       {"moves", solved.moves},
+                       {"solve_ms", solved.solve_ms}};
+    std::printf("%s\n", out.dump(1).c_str());
     return 0;
   }
   std::printf("plan: seq_len %d, world %d (%d node%s), heads %d, head_dim %d, %s pattern, density %.2f%% of causal entries\n",

@@ -11,6 +11,8 @@
 #include <stria/core/config.hpp>
 #include <stria/core/error.hpp>
 
+#include "../common/cli.hpp"
+
 namespace quickstart {
 
 enum class backend_choice { automatic, host, gpu };
@@ -43,15 +45,17 @@ inline options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value");
       return argv[++i];
     };
-    if (arg == "--seq-len") o.seq_len = std::stoi(value());
-    else if (arg == "--world") o.world = std::stoi(value());
-    else if (arg == "--nodes") o.nodes = std::stoi(value());
-    else if (arg == "--heads-q") o.heads_q = std::stoi(value());
-    else if (arg == "--heads-kv") o.heads_kv = std::stoi(value());
-    else if (arg == "--head-dim") o.head_dim = std::stoi(value());
-    else if (arg == "--sparsity") o.sparsity = std::stod(value());
-    else if (arg == "--seed") o.seed = std::stoull(value());
-    else if (arg == "--repeats") o.repeats = std::stoi(value());
+    // Sizes start at 1: 0 is what the options hold for "the backend's default", never a user's value.
+    auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, value(), 1); };
+    if (arg == "--seq-len") o.seq_len = size();
+    else if (arg == "--world") o.world = size();
+    else if (arg == "--nodes") o.nodes = size();
+    else if (arg == "--heads-q") o.heads_q = size();
+    else if (arg == "--heads-kv") o.heads_kv = size();
+    else if (arg == "--head-dim") o.head_dim = size();
+    else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, value(), 1e-6, 1.0 - 1e-6);
+    else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, value());
+    else if (arg == "--repeats") o.repeats = stria::cli::parse_integer<int>(arg, value(), 1, 1000000);
     else if (arg == "--host") o.backend = backend_choice::host;
     else if (arg == "--gpu") o.backend = backend_choice::gpu;
     else if (arg == "--nccl") o.use_nccl = true;

@@ -33,6 +33,7 @@
 #include "stria/index/local_index.cuh"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sparse_attention.cuh"
+#include "args.hpp"
 #include "timing.cuh"
 
 using namespace stria;
@@ -172,7 +173,7 @@ std::vector<std::string> split(const std::string& s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
@@ -193,7 +194,7 @@ int main(int argc, char** argv) {
     const std::string value = argv[i + 1];
     if (flag == "--seq-len") lengths = split(value);
     else if (flag == "--patterns") patterns = split(value);
-    else if (flag == "--repeats") repeats = std::stoi(value);
+    else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
     else if (flag == "--pattern-dir") pattern_dir = value;
     else if (flag == "--json") json_path = value;
     else if (flag == "--commit") commit = value;
@@ -202,13 +203,13 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--heads-kv = %s: must divide the 16 query heads (1, 2, 4, 8 or 16)\n", value.c_str());
         return 2;
       }
-      hkv = std::stoi(value);
+      hkv = cli::parse_integer<index_t>(flag, value, 1);
     } else if (flag == "--head-dim") {
       if (value != "64" && value != "128") {
         std::fprintf(stderr, "--head-dim = %s: must be 64 or 128\n", value.c_str());
         return 2;
       }
-      dim = std::stoi(value);
+      dim = cli::parse_integer<index_t>(flag, value, 1);
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
               "bwd TF", "det ms", "det TF", "mma ms", "mma TF", "mma bwd", "mma bTF", "index ms", "check");
   std::vector<json_row> rows;
   for (const std::string& length : lengths) {
-    const index_t s = std::stoi(length);
+    const index_t s = cli::parse_integer<index_t>("--seq-len", length, 1);
     const std::int64_t q_elements = std::int64_t{s} * hq * dim, kv_elements = std::int64_t{s} * hkv * dim;
     device_buffer<T> q = random_buffer(static_cast<std::size_t>(q_elements), 1, 2.0f);
     device_buffer<T> k = random_buffer(static_cast<std::size_t>(kv_elements), 2, 2.0f);
@@ -315,4 +316,7 @@ int main(int argc, char** argv) {
   }
   if (!json_path.empty()) write_json(json_path, commit, prop.name, rows);
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "%s\n", e.what());
+  return 2;
 }

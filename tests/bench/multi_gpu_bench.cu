@@ -309,14 +309,14 @@ int main(int argc, char** argv) try {
     }
     if (i + 1 >= argc) throw invalid_argument(flag, "(missing)", "needs a value");
     const std::string value = argv[++i];
-    if (flag == "--seq-len") seq_len = static_cast<index_t>(std::stoll(value));
-    else if (flag == "--tokens-per-gpu") tokens_per_gpu = static_cast<index_t>(std::stoll(value));
-    else if (flag == "--gpus") gpu_counts = bench::parse_list(value);
+    if (flag == "--seq-len") seq_len = cli::parse_integer<index_t>(flag, value, 1);
+    else if (flag == "--tokens-per-gpu") tokens_per_gpu = cli::parse_integer<index_t>(flag, value, 1);
+    else if (flag == "--gpus") gpu_counts = bench::parse_sizes(flag, value);
     else if (flag == "--variants") variants = split_names(value);
-    else if (flag == "--repeats") o.repeats = std::stoi(value);
-    else if (flag == "--dense-repeats") o.dense_repeats = std::stoi(value);
-    else if (flag == "--solver-chunks") o.solver_chunks = static_cast<index_t>(std::stoll(value));
-    else if (flag == "--solver-volume-cap") o.solver_volume_cap = std::stod(value);
+    else if (flag == "--repeats") o.repeats = cli::parse_integer<int>(flag, value, 1);
+    else if (flag == "--dense-repeats") o.dense_repeats = cli::parse_integer<int>(flag, value, 1);
+    else if (flag == "--solver-chunks") o.solver_chunks = cli::parse_integer<index_t>(flag, value, 1);
+    else if (flag == "--solver-volume-cap") o.solver_volume_cap = cli::parse_real(flag, value, 1e-9, 1e9);
     else throw invalid_argument("flag", flag, "is not known (see the comment at the top of multi_gpu_bench.cu)");
   }
   int devices = 0;

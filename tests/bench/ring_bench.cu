@@ -107,9 +107,9 @@ int main(int argc, char** argv) try {
   int repeats = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--seq-len") seq_lens = bench::parse_list(value);
-    else if (flag == "--world") world = static_cast<index_t>(std::stoll(value));
-    else if (flag == "--repeats") repeats = std::stoi(value);
+    if (flag == "--seq-len") seq_lens = bench::parse_sizes(flag, value);
+    else if (flag == "--world") world = cli::parse_integer<index_t>(flag, value, 1);
+    else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
     else throw invalid_argument("flag", flag, "must be --seq-len, --world or --repeats");
   }
   cudaDeviceProp prop{};

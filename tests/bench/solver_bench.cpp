@@ -104,9 +104,9 @@ int main(int argc, char** argv) try {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--json") json = true;
-    else if (flag == "--world" && i + 1 < argc) worlds = bench::parse_list(argv[++i]);
+    else if (flag == "--world" && i + 1 < argc) worlds = bench::parse_sizes(flag, argv[++i]);
     else if (flag == "--mask" && i + 1 < argc) masks = argv[++i];
-    else if (flag == "--volume-cap" && i + 1 < argc) solve_options.volume_cap = std::stod(argv[++i]);
+    else if (flag == "--volume-cap" && i + 1 < argc) solve_options.volume_cap = cli::parse_real(flag, argv[++i], 1e-9, 1e9);
     else throw invalid_argument("flag", flag, "must be --world LIST, --mask LIST (of full, causal, document, vs), --volume-cap X or --json");
   }
   const auto wanted = [&](const std::string& mask) { return ("," + masks + ",").find("," + mask + ",") != std::string::npos; };

@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+// Command-line numbers for the examples and the benchmarks, parsed one way: the whole argument must
+// be the number (no "64k", no trailing characters), within the option's range (sizes start at 1, so
+// 0 never stands in for a default), and no value wraps or narrows. A bad one is a
+// stria::invalid_argument naming the option, the text and the rule.
+#pragma once
+
+#include <charconv>
+#include <cmath>
+#include <concepts>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include <stria/core/error.hpp>
+
+namespace stria::cli {
+
+namespace detail {
+
+template <class Number>
+std::string range_rule(std::string_view what, Number min, Number max) {
+  std::ostringstream rule;
+  rule << "must be " << what << " in [" << min << ", " << max << "]";
+  return rule.str();
+}
+
+}  // namespace detail
+
+/// The whole of `text` as an integer in [min, max] (decimal, an optional leading '-').
+template <std::integral Int>
+Int parse_integer(std::string_view option, std::string_view text, Int min = std::numeric_limits<Int>::min(),
+                  Int max = std::numeric_limits<Int>::max()) {
+  Int value{};
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error == std::errc::result_out_of_range) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
+  if (error != std::errc{} || end != text.data() + text.size()) throw invalid_argument(option, text, "must be an integer (digits only)");
+  if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
+  return value;
+}
+
+/// The whole of `text` as a finite real number in [min, max].
+inline double parse_real(std::string_view option, std::string_view text, double min, double max) {
+  double value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc{} || end != text.data() + text.size() || !std::isfinite(value))
+    throw invalid_argument(option, text, "must be a finite number");
+  if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("a number", min, max));
+  return value;
+}
+
+/// A comma-separated list of integers in [min, max] ("8,16,32"), at least one.
+template <std::integral Int>
+std::vector<Int> parse_integer_list(std::string_view option, std::string_view text, Int min = std::numeric_limits<Int>::min(),
+                                    Int max = std::numeric_limits<Int>::max()) {
+  std::vector<Int> values;
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = text.find(',', start);
+    values.push_back(parse_integer<Int>(option, text.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start), min, max));
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return values;
+}
+
+}  // namespace stria::cli

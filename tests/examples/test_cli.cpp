@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0
+// The examples' and benchmarks' command-line numbers (examples/common/cli.hpp): whole arguments only,
+// ranges checked before any narrowing, errors that name the option, the text and the rule.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../../examples/common/cli.hpp"
+
+using namespace stria;
+
+namespace {
+
+std::string error_of(auto&& call) {
+  try {
+    call();
+  } catch (const invalid_argument& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("command-line integers: the whole argument, within the range, no wrap") {
+  CHECK(cli::parse_integer<int>("--n", "131072", 1) == 131072);
+  CHECK(cli::parse_integer<int>("--n", "-3") == -3);
+  CHECK(cli::parse_integer<unsigned long long>("--seed", "18446744073709551615") == 18446744073709551615ull);
+  CHECK(error_of([] { cli::parse_integer<std::int32_t>("--seq-len", "4294971392", 1); }) ==
+        "stria: --seq-len = 4294971392: must be an integer in [1, 2147483647]");
+  CHECK(error_of([] { cli::parse_integer<std::int32_t>("--seq-len", "0", 1); }) == "stria: --seq-len = 0: must be an integer in [1, 2147483647]");
+  for (const char* junk : {"64k", "", " 8", "8 ", "0x10", "+8", "1e3", "--", "8,16"})
+    CHECK_MESSAGE(error_of([&] { cli::parse_integer<int>("--n", junk); }) == std::string("stria: --n = ") + junk + ": must be an integer (digits only)",
+                  junk);
+  CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1"); }).find("must be an integer") != std::string::npos);
+  CHECK(error_of([] { cli::parse_integer<std::int8_t>("--small", "128"); }) == "stria: --small = 128: must be an integer in [-128, 127]");
+}
+
+TEST_CASE("command-line reals: finite, whole argument, within the range") {
+  CHECK(cli::parse_real("--sparsity", "0.95", 0.0, 1.0) == doctest::Approx(0.95));
+  CHECK(cli::parse_real("--cap", "1e3", 0.0, 1e9) == 1000.0);
+  for (const char* junk : {"nan", "inf", "-inf", "0.5x", "", "x"})
+    CHECK_MESSAGE(error_of([&] { cli::parse_real("--x", junk, -1e9, 1e9); }) == std::string("stria: --x = ") + junk + ": must be a finite number",
+                  junk);
+  CHECK(error_of([] { cli::parse_real("--sparsity", "1.5", 0.0, 1.0); }) == "stria: --sparsity = 1.5: must be a number in [0, 1]");
+}
+
+TEST_CASE("command-line lists: every item checked") {
+  CHECK(cli::parse_integer_list<int>("--world", "8,16,32", 1) == std::vector<int>{8, 16, 32});
+  CHECK(cli::parse_integer_list<int>("--world", "8", 1) == std::vector<int>{8});
+  CHECK(error_of([] { cli::parse_integer_list<int>("--world", "8,,16", 1); }) == "stria: --world = : must be an integer (digits only)");
+  CHECK(error_of([] { cli::parse_integer_list<int>("--world", "8,0", 1); }).find("--world = 0: must be an integer in [1,") != std::string::npos);
+  CHECK(error_of([] { cli::parse_integer_list<int>("--world", "8,", 1); }) == "stria: --world = : must be an integer (digits only)");
+}
