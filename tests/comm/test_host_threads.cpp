@@ -91,17 +91,55 @@ TEST_CASE("ranks that call different collectives get a comm_error naming both ca
                        doctest::Contains("all_reduce(8 x float)"), stria::comm_error);
 }
 
-TEST_CASE("a receive with no matching send times out with a clear error instead of hanging") {
+TEST_CASE("receives with no matching send time out with a clear error instead of hanging") {
   host_world world(2, 200ms);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         int x = 0;
+                         c.recv(&x, 1, 1 - c.rank());  // each waits for the other: a deadlock the timeout ends
+                       }),
+                       doctest::Contains("timed out after 200 ms waiting for a message from rank"), stria::comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
+TEST_CASE("a rank that returns while a peer waits for its message fails that wait at once, naming it") {
+  host_world world(2, 300s);
   const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
                          if (c.rank() == 1) {
                            int x = 0;
-                           c.recv(&x, 1, 0);
+                           c.recv(&x, 1, 0, 5);
                          }
                        }),
-                       doctest::Contains("rank 1 timed out after 200 ms waiting for a message from rank 0"), stria::comm_error);
-  CHECK(std::chrono::steady_clock::now() - start < 5s);
+                       "stria: rank 1 waits for a message from rank 0 (tag 5), but rank 0 has returned without posting it", stria::comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 1s);
+}
+
+TEST_CASE("a rank that returns before a collective fails the others' wait at once, naming it") {
+  host_world world(4, 300s);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(world.run([](host_threads& c) {
+                         if (c.rank() != 2) c.barrier();
+                       }),
+                       doctest::Contains("but rank 2 has returned without posting it"), stria::comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 1s);
+}
+
+TEST_CASE("a failure does not outlive its run; the timeout must be positive") {
+  host_world world(3, 30s);
+  CHECK_THROWS_AS(world.run([](host_threads& c) {
+                    if (c.rank() == 0) throw std::runtime_error("first run fails");
+                    c.barrier();
+                  }),
+                  std::runtime_error);
+  std::vector<int> sums(3);
+  world.run([&](host_threads& c) {  // the same world again: runs as if new
+    const int mine = c.rank() + 1;
+    c.all_reduce(&mine, &sums[static_cast<std::size_t>(c.rank())], 1, comm::reduce_op::sum);
+  });
+  CHECK(sums == std::vector<int>{6, 6, 6});
+  CHECK_THROWS_WITH_AS(host_world(2, 0ms), "stria: timeout (ms) = 0: must be positive", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(host_world(2, -5ms), "stria: timeout (ms) = -5: must be positive", stria::invalid_argument);
 }
 
 TEST_CASE("a receive of the wrong size or type is an error naming both sides") {

@@ -3,6 +3,8 @@
 // finite differences, empty rows stay finite, and LSE merges are order independent.
 #include <doctest/doctest.h>
 
+#include <utility>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -288,4 +290,17 @@ TEST_CASE("bad attention inputs are rejected with the argument, the value and th
   CHECK_THROWS_WITH_AS(host::reference_forward(view3(p.q, 128, 4, 64), view3(p.k, 128, 2, 64), tensor_view<const float, 3>(nullptr, {128, 2, 64}),
                                                index.view(), p.scale(), view3(out, 128, 4, 64), view2(lse, 4, 128)),
                        doctest::Contains("v.data() = nullptr"), stria::invalid_argument);
+
+  // The softmax scale (issue 20, defect 5): the host backend's tile math rejects what the kernels do.
+  for (const double bad : {0.0, -0.125, std::nan(""), double(INFINITY)}) {
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(host::reference_forward(view3(p.q, 128, 4, 64), view3(p.k, 128, 2, 64), view3(p.v, 128, 2, 64), index.view(), bad,
+                                                 view3(out, 128, 4, 64), view2(lse, 4, 128)),
+                         doctest::Contains("softmax_scale = "), stria::invalid_argument);
+    std::vector<float> dq(p.q.size()), dk(p.k.size()), dv(p.v.size());
+    CHECK_THROWS_WITH_AS(host::reference_backward(view3(p.q, 128, 4, 64), view3(p.k, 128, 2, 64), view3(p.v, 128, 2, 64),
+                                                  view3(p.q, 128, 4, 64), view3(p.q, 128, 4, 64), view2(std::as_const(lse), 4, 128), index.view(),
+                                                  bad, view3(dq, 128, 4, 64), view3(dk, 128, 2, 64), view3(dv, 128, 2, 64)),
+                         doctest::Contains("must be positive and finite"), stria::invalid_argument);
+  }
 }

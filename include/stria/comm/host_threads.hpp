@@ -72,17 +72,41 @@ struct world_state {
   std::vector<operation> ops;
   std::vector<const void*> data;
   std::string failure;  // non-empty once any rank failed: every wait then throws
+  std::vector<char> finished;  // per rank: its body has returned (it will post nothing more)
 
   world_state(index_t world, std::chrono::milliseconds t)
       : world_size(world), timeout(t), ops(static_cast<std::size_t>(world)),
-        data(static_cast<std::size_t>(world)) {}
+        data(static_cast<std::size_t>(world)), finished(static_cast<std::size_t>(world), 0) {}
 
-  /// Waits under `lock` until `ready()`; throws comm_error on another rank's failure or on timeout.
-  template <class Ready>
-  void wait(std::unique_lock<std::mutex>& lock, index_t rank, const std::string& what, Ready ready) {
+  /// A fresh start for the next run: a failure or a message left by the previous one stays there.
+  void reset() {
+    mailbox.clear();
+    arrived = 0;
+    departed = 0;
+    failure.clear();
+    finished.assign(finished.size(), 0);
+  }
+
+  /// The first finished rank, or -1.
+  [[nodiscard]] index_t first_finished() const {
+    for (index_t r = 0; r < world_size; ++r)
+      if (finished[static_cast<std::size_t>(r)]) return r;
+    return -1;
+  }
+
+  /// Waits under `lock` until `ready()`; throws comm_error on another rank's failure, on timeout,
+  /// or as soon as `waiting_on()` names a finished rank whose part can no longer come (-1: none).
+  template <class Ready, class WaitingOn>
+  void wait(std::unique_lock<std::mutex>& lock, index_t rank, const std::string& what, Ready ready, WaitingOn waiting_on) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!ready()) {
       if (!failure.empty()) throw comm_error("rank " + std::to_string(rank) + " stopped waiting for " + what + ": " + failure);
+      if (const index_t gone = waiting_on(); gone >= 0) {
+        const std::string reason =
+            "rank " + std::to_string(rank) + " waits for " + what + ", but rank " + std::to_string(gone) + " has returned without posting it";
+        fail(reason);
+        throw comm_error(reason);
+      }
       if (changed.wait_until(lock, deadline) == std::cv_status::timeout && !ready()) {
         const std::string reason = "rank " + std::to_string(rank) + " timed out after " + std::to_string(timeout.count()) +
                                    " ms waiting for " + what + " (a peer never posted the matching operation)";
@@ -91,6 +115,10 @@ struct world_state {
       }
     }
     if (!failure.empty()) throw comm_error("rank " + std::to_string(rank) + " stopped waiting for " + what + ": " + failure);
+  }
+  template <class Ready>
+  void wait(std::unique_lock<std::mutex>& lock, index_t rank, const std::string& what, Ready ready) {
+    wait(lock, rank, what, ready, [] { return index_t{-1}; });
   }
 
   void fail(const std::string& reason) {
@@ -114,13 +142,15 @@ std::string type_name() {
 class host_world {
  public:
   explicit host_world(index_t world_size, std::chrono::milliseconds timeout = std::chrono::seconds(300))
-      : state_(std::make_shared<detail::world_state>(check_world(world_size), timeout)) {}
+      : state_(std::make_shared<detail::world_state>(check_world(world_size), check_timeout(timeout))) {}
 
   [[nodiscard]] index_t world_size() const { return state_->world_size; }
 
   /// Runs `body(host_threads&)` on one thread per rank and joins them. If any rank throws, the
-  /// others are released from their waits (comm_error) and the first exception is rethrown here.
-  /// Messages sent but never received are an error too: nothing is lost silently.
+  /// others are released from their waits (comm_error) and the first exception is rethrown here; a
+  /// rank that returns while a peer waits for its message or a collective fails that wait at once,
+  /// naming it. Messages sent but never received are an error too: nothing is lost silently. Each
+  /// run starts afresh: a failure does not outlive the run it happened in.
   template <class Body>
   void run(Body&& body);
 
@@ -128,6 +158,10 @@ class host_world {
   static index_t check_world(index_t world_size) {
     if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
     return world_size;
+  }
+  static std::chrono::milliseconds check_timeout(std::chrono::milliseconds timeout) {
+    if (timeout.count() <= 0) throw invalid_argument("timeout (ms)", timeout.count(), "must be positive");
+    return timeout;
   }
 
   std::shared_ptr<detail::world_state> state_;
@@ -243,8 +277,9 @@ class host_threads {
   void complete_recv(T* data, std::size_t count, index_t peer, int tag) {
     std::unique_lock lock(state_->mutex);
     auto& box = state_->mailbox[{peer, rank_, tag}];
-    state_->wait(lock, rank_, "a message from rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")",
-                 [&] { return !box.empty(); });
+    state_->wait(
+        lock, rank_, "a message from rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")", [&] { return !box.empty(); },
+        [&] { return state_->finished[static_cast<std::size_t>(peer)] ? peer : index_t{-1}; });
     detail::message m = std::move(box.front());
     box.pop_front();
     if (m.type != detail::type_name<T>() || m.count != count) {
@@ -269,7 +304,9 @@ class host_threads {
     s.ops[static_cast<std::size_t>(rank_)] = op;
     s.data[static_cast<std::size_t>(rank_)] = data;
     if (++s.arrived == s.world_size) s.changed.notify_all();
-    s.wait(lock, rank_, op.text(), [&] { return s.generation != generation || s.arrived == s.world_size; });
+    // A rank that has returned can never arrive.
+    s.wait(
+        lock, rank_, op.text(), [&] { return s.generation != generation || s.arrived == s.world_size; }, [&] { return s.first_finished(); });
     for (index_t r = 0; r < s.world_size; ++r)
       if (!(s.ops[static_cast<std::size_t>(r)] == op)) {
         const std::string reason = "collective mismatch: rank " + std::to_string(rank_) + " called " + op.text() +
@@ -298,6 +335,10 @@ class host_threads {
 template <class Body>
 void host_world::run(Body&& body) {
   const index_t world = state_->world_size;
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->reset();
+  }
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(world));
@@ -306,6 +347,9 @@ void host_world::run(Body&& body) {
       host_threads comm(state_, r);
       try {
         body(comm);
+        std::lock_guard lock(state_->mutex);
+        state_->finished[static_cast<std::size_t>(r)] = 1;
+        state_->changed.notify_all();
       } catch (const std::exception& e) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
         std::lock_guard lock(state_->mutex);

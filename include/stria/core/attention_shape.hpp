@@ -2,6 +2,7 @@
 // attention_shape: the sizes of one attention call, checked once with messages that name the tensor.
 #pragma once
 
+#include <cmath>
 #include <string>
 
 #include "stria/core/config.hpp"
@@ -35,6 +36,12 @@ struct attention_shape {
       throw invalid_argument("q.extent(2) (head_dim)", head_dim, "unsupported head dim: stria supports 64 and 128");
   }
 };
+
+/// Throws unless the softmax scale is a positive, finite number (every backend checks it the same way).
+inline void check_softmax_scale(double softmax_scale) {
+  if (!(softmax_scale > 0.0) || !std::isfinite(softmax_scale))
+    throw invalid_argument("softmax_scale", softmax_scale, "must be positive and finite");
+}
 
 /// Throws unless `view` has exactly the extents `expected` (names the tensor and the dimension).
 template <class View, std::size_t Rank>

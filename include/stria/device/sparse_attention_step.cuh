@@ -111,8 +111,7 @@ attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3>
   check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
   for (auto [view, name] : {std::pair{q, "q"}, std::pair{k, "k"}, std::pair{v, "v"}}) check_layout(view, name, 16);
   check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, index.shape.causal});
-  if (!(softmax_scale > 0.0) || !std::isfinite(softmax_scale))
-    throw invalid_argument("softmax_scale", softmax_scale, "must be positive and finite");
+  check_softmax_scale(softmax_scale);
   return shape;
 }
 

@@ -69,6 +69,7 @@ void reference_forward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, ten
                        const step_index_view& index, double softmax_scale, tensor_view<Out, 3> out,
                        tensor_view<Lse, 2> lse) {
   detail::check_inputs(q, k, v, index, index.shape.causal);
+  check_softmax_scale(softmax_scale);
   const attention_shape shape = detail::shape_of(q, k);
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
@@ -120,6 +121,7 @@ void reference_backward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, te
                         const step_index_view& index, double softmax_scale, tensor_view<Grad, 3> dq,
                         tensor_view<Grad, 3> dk, tensor_view<Grad, 3> dv) {
   detail::check_inputs(q, k, v, index, index.shape.causal);
+  check_softmax_scale(softmax_scale);
   const attention_shape shape = detail::shape_of(q, k);
   detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
 
