@@ -104,3 +104,36 @@ TEST_CASE("solver execution refuses a plan or tensors that do not fit") {
   CHECK_THROWS_WITH_AS(run_with(3, 128), doctest::Contains("comm.world_size() = 3: must equal the plan's world size 2"), invalid_argument);
   CHECK_THROWS_WITH_AS(run_with(2, 64), doctest::Contains("q.extent(0) = 64: must equal the rank's chunks x chunk tokens = 128"), invalid_argument);
 }
+
+TEST_CASE("a corrupted plan is refused naming the entry, never reaching a lookup that throws out_of_range") {
+  const global_selection g = test::band_selection(4 * 64, 2, 0, 3, true);
+  const solver::problem p = solver::problem_from_selection(g, 2, 2, 1);  // chunks 0, 1 on rank 0; 2, 3 on rank 1
+  const solver::plan good = solver::solve(p);
+  const std::vector<float> q(4 * 64 * 2 * 64, 0.5f), kv(4 * 64 * 64, 0.5f);
+  const auto run_with = [&](const solver::plan& plan) {
+    comm::host_world host(2, std::chrono::seconds(10));
+    host.run([&](comm::host_threads& c) {
+      std::vector<float> mine(std::size_t{128} * 2 * 64), mine_lse(std::size_t{2} * 128);
+      host::solver_forward(c, p, plan, g, view3(q, 128, 2, 64), view3(kv, 128, 1, 64), view3(kv, 128, 1, 64), 0.125, view3(mine, 128, 2, 64),
+                           view2(mine_lse, 2, 128));
+    });
+  };
+  CHECK_NOTHROW(run_with(good));
+  solver::plan bad = good;
+  bad.local_tasks[0].push_back({2, 0, 1});
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("2 x 0: a local task's chunks must both belong to rank 0"), invalid_argument);
+  bad = good;
+  bad.remote_tasks[1].push_back({7, 2, 1});
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains(".query_chunk = 7: must be a chunk in [0, 4)"), invalid_argument);
+  bad = good;
+  bad.moves.push_back({solver::chunk_move::kind::kv, 3, 1});
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains(".to = 1: must be a rank in [0, 2) other than the chunk's owner 1"), invalid_argument);
+  bad = good;
+  bad.moves.clear();
+  bad.remote_tasks.assign(2, {});
+  bad.remote_tasks[0].push_back({1, 3, 1});
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.remote_tasks[0][0] = 1 x 3: a remote task needs one chunk of rank 0"), invalid_argument);
+  bad = good;
+  bad.remote_tasks.pop_back();
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("must equal the problem's world size 2"), invalid_argument);
+}

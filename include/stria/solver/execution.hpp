@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "stria/core/config.hpp"
 #include "stria/core/error.hpp"
@@ -16,12 +17,54 @@ namespace stria::solver {
 /// What a message of a plan's execution carries; with the chunk it names the message (its tag).
 enum class message : int { kv, kv_values, query, query_backward, d_out_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
 
-/// Throws unless `x` has per-rank task lists for p's world size (a plan of this problem).
+/// Throws unless `x` is structurally a plan of `p`: per-rank task lists for p's world size, every
+/// chunk in range, a local task's two chunks owned by its rank, a remote task's other chunk brought
+/// there by a move, and moves to another rank than the chunk's owner. A corrupted or foreign plan is
+/// refused here, naming the entry, before any rank acts on it.
 inline void check_plan_of(const problem& p, const plan& x) {
   const auto world = static_cast<std::size_t>(p.world_size);
   if (x.local_tasks.size() != world || x.remote_tasks.size() != world)
     throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(),
                            "must equal the problem's world size " + std::to_string(world) + " (a plan of another problem?)");
+  const index_t chunks = p.num_chunks();
+  auto check_chunk = [&](const std::string& where, index_t chunk) {
+    if (chunk < 0 || chunk >= chunks) throw invalid_argument(where, chunk, "must be a chunk in [0, " + std::to_string(chunks) + ")");
+  };
+  std::vector<char> kv_here(world * static_cast<std::size_t>(chunks), 0), qo_here(kv_here.size(), 0);
+  for (std::size_t m = 0; m < x.moves.size(); ++m) {
+    const chunk_move& move = x.moves[m];
+    const std::string where = "plan.moves[" + std::to_string(m) + "]";
+    check_chunk(where + ".chunk", move.chunk);
+    if (move.to < 0 || move.to >= p.world_size || move.to == p.owner(move.chunk))
+      throw invalid_argument(where + ".to", move.to,
+                             "must be a rank in [0, " + std::to_string(p.world_size) + ") other than the chunk's owner " + std::to_string(p.owner(move.chunk)));
+    auto& here = move.what == chunk_move::kind::kv ? kv_here : qo_here;
+    here[static_cast<std::size_t>(move.to) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>(move.chunk)] = 1;
+  }
+  for (index_t r = 0; r < p.world_size; ++r) {
+    const auto at = [&](index_t chunk) { return static_cast<std::size_t>(r) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>(chunk); };
+    const auto& local = x.local_tasks[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      const std::string where = "plan.local_tasks[" + std::to_string(r) + "][" + std::to_string(i) + "]";
+      check_chunk(where + ".query_chunk", local[i].query_chunk);
+      check_chunk(where + ".kv_chunk", local[i].kv_chunk);
+      if (p.owner(local[i].query_chunk) != r || p.owner(local[i].kv_chunk) != r)
+        throw invalid_argument(where, std::to_string(local[i].query_chunk) + " x " + std::to_string(local[i].kv_chunk),
+                               "a local task's chunks must both belong to rank " + std::to_string(r));
+    }
+    const auto& remote = x.remote_tasks[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < remote.size(); ++i) {
+      const std::string where = "plan.remote_tasks[" + std::to_string(r) + "][" + std::to_string(i) + "]";
+      const index_t qc = remote[i].query_chunk, kc = remote[i].kv_chunk;
+      check_chunk(where + ".query_chunk", qc);
+      check_chunk(where + ".kv_chunk", kc);
+      const bool kv_moved_in = p.owner(qc) == r && kv_here[at(kc)];
+      const bool query_moved_in = p.owner(kc) == r && qo_here[at(qc)];
+      if (!kv_moved_in && !query_moved_in)
+        throw invalid_argument(where, std::to_string(qc) + " x " + std::to_string(kc),
+                               "a remote task needs one chunk of rank " + std::to_string(r) + " and the other brought there by a move");
+    }
+  }
 }
 
 /// One rank's chunks in a plan's execution.
