@@ -214,6 +214,11 @@ TEST_CASE("topologies reject world sizes that do not match") {
   CHECK_THROWS_WITH_AS(topology::flat_ring(4).check_world(3), doctest::Contains("does not match flat_ring(4)"), stria::invalid_argument);
   CHECK_THROWS_AS(topology::hierarchical_ring(0, 4), stria::invalid_argument);
   CHECK_THROWS_AS(topology::flat_ring(0), stria::invalid_argument);
+  // Past the index widths (issue 20, defect 4): 65536 x 65537 ranks wrapped to 65536 in 32 bits.
+  CHECK_THROWS_WITH_AS(topology::hierarchical_ring(65536, 65537), "stria: nodes x cards_per_node = 4295032832: must be at most 65536 ranks",
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(topology::flat_ring(max_world_size + 1), "stria: world_size = 65537: must be at most 65536 ranks", stria::invalid_argument);
+  CHECK_NOTHROW(topology::hierarchical_ring(256, 256));
 }
 
 TEST_CASE("topology::solver refuses bad sizes, naming the argument and the rule") {

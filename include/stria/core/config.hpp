@@ -20,4 +20,9 @@ namespace stria {
 /// block-level entries; token-level products that can exceed it are computed in std::int64_t.
 using index_t = std::int32_t;
 
+/// The most context-parallel ranks a topology takes: rank and step arithmetic (rank x cards, message
+/// tags of rank x chunk kinds) stays far inside index_t below it, and it is 64x the largest CP degree
+/// in published training runs.
+inline constexpr index_t max_world_size = 65536;
+
 }  // namespace stria

@@ -17,6 +17,7 @@ struct flat_ring {
   constexpr flat_ring() = default;
   explicit flat_ring(index_t world_size) : world_(world_size) {
     if (world_size < 1) throw invalid_argument("world_size", world_size, "a ring needs at least 1 rank");
+    if (world_size > max_world_size) throw invalid_argument("world_size", world_size, "must be at most " + std::to_string(max_world_size) + " ranks");
   }
 
   /// Throws unless the ring was built for `world_size` ranks (e.g. the communicator's size).

@@ -4,6 +4,7 @@
 // whole inner round (MTraining's hierarchical balanced ring; LoongTrain's double ring).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -23,6 +24,9 @@ struct hierarchical_ring {
   hierarchical_ring(index_t nodes, index_t cards_per_node) : nodes_(nodes), cards_(cards_per_node) {
     if (nodes < 1) throw invalid_argument("nodes", nodes, "a hierarchical ring needs at least 1 node");
     if (cards_per_node < 1) throw invalid_argument("cards_per_node", cards_per_node, "a hierarchical ring needs at least 1 card per node");
+    // Checked in 64 bits: the product in index_t is what would overflow.
+    if (const std::int64_t ranks = std::int64_t{nodes} * cards_per_node; ranks > max_world_size)
+      throw invalid_argument("nodes x cards_per_node", ranks, "must be at most " + std::to_string(max_world_size) + " ranks");
   }
 
   /// Throws unless the ring was built for `world_size` ranks.
