@@ -131,3 +131,12 @@ TEST_CASE("an index built for another configuration is rejected with both number
   CHECK_THROWS_WITH_AS(check_index_shape(built, {16, 4, 8, true}), doctest::Contains("num_query_blocks = 8"), stria::invalid_argument);
   CHECK_THROWS_WITH_AS(check_index_shape(built, {16, 8, 8, false}), doctest::Contains("asks for full attention"), stria::invalid_argument);
 }
+
+TEST_CASE("entry counts past the 32-bit CSR offsets are an error, not a wrapped offset") {
+  CHECK(csr_offset(0, "tiles") == 0);
+  CHECK(csr_offset(2147483647u, "tiles") == 2147483647);
+  CHECK_THROWS_WITH_AS(csr_offset(std::size_t{2147483648u}, "step index tiles"),
+                       "stria: step index tiles = 2147483648: exceed the 32-bit offsets of a step index (2147483647): fewer heads or tokens "
+                       "per rank, or more ranks",
+                       stria::invalid_argument);
+}

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -119,6 +120,15 @@ struct step_index {
 /// Builds the CSR and transposed forms from per-row lists (row = head * num_query_blocks + query
 /// block). Rows are sorted; nothing else is changed, so `validate()` still reports duplicates,
 /// out-of-range and non-causal entries.
+/// An entry count as a CSR offset: the offsets are index_t, so a step index holds at most 2^31 - 1
+/// entries of each kind (blocks, vertical tokens); past that it is an error, never a wrapped offset.
+inline index_t csr_offset(std::size_t entries, const char* what) {
+  if (entries > static_cast<std::size_t>(std::numeric_limits<index_t>::max()))
+    throw invalid_argument(what, entries,
+                           "exceed the 32-bit offsets of a step index (2147483647): fewer heads or tokens per rank, or more ranks");
+  return static_cast<index_t>(entries);
+}
+
 inline step_index build_step_index(const step_index_shape& shape, const step_index_origin& origin,
                                    std::vector<index_t> query_global_block, std::vector<index_t> kv_global_block,
                                    std::vector<std::vector<index_t>> blocks_per_row,
@@ -137,16 +147,16 @@ inline step_index build_step_index(const step_index_shape& shape, const step_ind
   index.query_global_block = std::move(query_global_block);
   index.kv_global_block = std::move(kv_global_block);
 
-  auto flatten = [](std::vector<std::vector<index_t>>& lists, std::vector<index_t>& ptr, std::vector<index_t>& values) {
+  auto flatten = [](std::vector<std::vector<index_t>>& lists, std::vector<index_t>& ptr, std::vector<index_t>& values, const char* what) {
     ptr.assign(1, 0);
     for (auto& list : lists) {
       std::sort(list.begin(), list.end());
       values.insert(values.end(), list.begin(), list.end());
-      ptr.push_back(static_cast<index_t>(values.size()));
+      ptr.push_back(csr_offset(values.size(), what));
     }
   };
-  flatten(blocks_per_row, index.block_ptr, index.block_col);
-  flatten(tokens_per_row, index.col_ptr, index.col_token);
+  flatten(blocks_per_row, index.block_ptr, index.block_col, "step index tiles");
+  flatten(tokens_per_row, index.col_ptr, index.col_token, "step index vertical entries");
 
   // Transposed blocks: walking rows in order appends query blocks in ascending order. Entries
   // out of range are skipped here; validate() reports them from the forward form.
@@ -162,7 +172,7 @@ inline step_index build_step_index(const step_index_shape& shape, const step_ind
       for (index_t t : tokens_per_row[r]) vertical.emplace_back(h, t, q);
     }
   }
-  flatten(queries_per_kv, index.kv_query_ptr, index.kv_query);
+  flatten(queries_per_kv, index.kv_query_ptr, index.kv_query, "step index transposed tiles");
 
   std::sort(vertical.begin(), vertical.end());
   index.vtoken_head_ptr.assign(static_cast<std::size_t>(shape.num_heads) + 1, 0);
