@@ -134,6 +134,10 @@ TEST_CASE("a corrupted plan is refused naming the entry, never reaching a lookup
   bad.remote_tasks[0].push_back({1, 3, 1});
   CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.remote_tasks[0][0] = 1 x 3: a remote task needs one chunk of rank 0"), invalid_argument);
   bad = good;
+  bad.moves = {{solver::chunk_move::kind::kv, 2, 0}, {solver::chunk_move::kind::kv, 2, 0}};
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.moves[1] = (out of order or repeated): moves must be sorted and unique"),
+                       invalid_argument);
+  bad = good;
   bad.remote_tasks.pop_back();
   CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("must equal the problem's world size 2"), invalid_argument);
 }

@@ -48,6 +48,7 @@ inline solver_task_indices build_solver_indices(const device_selection& selectio
                                                 index_t rank, cudaStream_t stream) {
   if (rank < 0 || rank >= p.world_size) throw invalid_argument("rank", rank, "must lie in [0, " + std::to_string(p.world_size) + ")");
   solver::check_plan_of(p, plan);
+  solver::check_rank_tasks(p, plan, rank);
   // One batch (one host synchronisation) for all of the rank's tasks, local first.
   const std::vector<solver::task>&local = plan.local_tasks[static_cast<std::size_t>(rank)], &remote = plan.remote_tasks[static_cast<std::size_t>(rank)];
   std::vector<index_request> requests;

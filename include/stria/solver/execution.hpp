@@ -4,9 +4,10 @@
 // selection and the rank's tensors belong together, and the tags that name the plan's messages.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "stria/core/config.hpp"
 #include "stria/core/error.hpp"
@@ -17,53 +18,54 @@ namespace stria::solver {
 /// What a message of a plan's execution carries; with the chunk it names the message (its tag).
 enum class message : int { kv, kv_values, query, query_backward, d_out_backward, lse_backward, partial_out, partial_lse, partial_dq, partial_dkv };
 
-/// Throws unless `x` is structurally a plan of `p`: per-rank task lists for p's world size, every
-/// chunk in range, a local task's two chunks owned by its rank, a remote task's other chunk brought
-/// there by a move, and moves to another rank than the chunk's owner. A corrupted or foreign plan is
-/// refused here, naming the entry, before any rank acts on it.
+/// Throws unless `x` is a plan of `p` in the parts every rank reads: per-rank task lists for p's
+/// world size, and moves (sorted and unique, as solve() writes them) of chunks in range to another
+/// rank than the chunk's owner. O(moves); no message is built unless a check fails.
 inline void check_plan_of(const problem& p, const plan& x) {
   const auto world = static_cast<std::size_t>(p.world_size);
   if (x.local_tasks.size() != world || x.remote_tasks.size() != world)
     throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(),
                            "must equal the problem's world size " + std::to_string(world) + " (a plan of another problem?)");
   const index_t chunks = p.num_chunks();
-  auto check_chunk = [&](const std::string& where, index_t chunk) {
-    if (chunk < 0 || chunk >= chunks) throw invalid_argument(where, chunk, "must be a chunk in [0, " + std::to_string(chunks) + ")");
-  };
-  std::vector<char> kv_here(world * static_cast<std::size_t>(chunks), 0), qo_here(kv_here.size(), 0);
   for (std::size_t m = 0; m < x.moves.size(); ++m) {
     const chunk_move& move = x.moves[m];
-    const std::string where = "plan.moves[" + std::to_string(m) + "]";
-    check_chunk(where + ".chunk", move.chunk);
+    if (move.chunk < 0 || move.chunk >= chunks)
+      throw invalid_argument("plan.moves[" + std::to_string(m) + "].chunk", move.chunk, "must be a chunk in [0, " + std::to_string(chunks) + ")");
     if (move.to < 0 || move.to >= p.world_size || move.to == p.owner(move.chunk))
-      throw invalid_argument(where + ".to", move.to,
+      throw invalid_argument("plan.moves[" + std::to_string(m) + "].to", move.to,
                              "must be a rank in [0, " + std::to_string(p.world_size) + ") other than the chunk's owner " + std::to_string(p.owner(move.chunk)));
-    auto& here = move.what == chunk_move::kind::kv ? kv_here : qo_here;
-    here[static_cast<std::size_t>(move.to) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>(move.chunk)] = 1;
+    if (m > 0 && !(x.moves[m - 1] < move))
+      throw invalid_argument("plan.moves[" + std::to_string(m) + "]", "(out of order or repeated)", "moves must be sorted and unique");
   }
-  for (index_t r = 0; r < p.world_size; ++r) {
-    const auto at = [&](index_t chunk) { return static_cast<std::size_t>(r) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>(chunk); };
-    const auto& local = x.local_tasks[static_cast<std::size_t>(r)];
-    for (std::size_t i = 0; i < local.size(); ++i) {
-      const std::string where = "plan.local_tasks[" + std::to_string(r) + "][" + std::to_string(i) + "]";
-      check_chunk(where + ".query_chunk", local[i].query_chunk);
-      check_chunk(where + ".kv_chunk", local[i].kv_chunk);
-      if (p.owner(local[i].query_chunk) != r || p.owner(local[i].kv_chunk) != r)
-        throw invalid_argument(where, std::to_string(local[i].query_chunk) + " x " + std::to_string(local[i].kv_chunk),
-                               "a local task's chunks must both belong to rank " + std::to_string(r));
-    }
-    const auto& remote = x.remote_tasks[static_cast<std::size_t>(r)];
-    for (std::size_t i = 0; i < remote.size(); ++i) {
-      const std::string where = "plan.remote_tasks[" + std::to_string(r) + "][" + std::to_string(i) + "]";
-      const index_t qc = remote[i].query_chunk, kc = remote[i].kv_chunk;
-      check_chunk(where + ".query_chunk", qc);
-      check_chunk(where + ".kv_chunk", kc);
-      const bool kv_moved_in = p.owner(qc) == r && kv_here[at(kc)];
-      const bool query_moved_in = p.owner(kc) == r && qo_here[at(qc)];
-      if (!kv_moved_in && !query_moved_in)
-        throw invalid_argument(where, std::to_string(qc) + " x " + std::to_string(kc),
-                               "a remote task needs one chunk of rank " + std::to_string(r) + " and the other brought there by a move");
-    }
+}
+
+/// Throws unless `rank`'s own tasks in `x` (checked by check_plan_of) can run there: chunks in range,
+/// a local task's two chunks owned by the rank, a remote task's other chunk brought there by a move.
+/// A corrupted plan is refused here, naming the entry, before the rank acts on it. O(tasks x log moves).
+inline void check_rank_tasks(const problem& p, const plan& x, index_t rank) {
+  const index_t chunks = p.num_chunks();
+  const auto entry = [&](const char* list, std::size_t i) { return std::string("plan.") + list + "[" + std::to_string(rank) + "][" + std::to_string(i) + "]"; };
+  const auto pair_text = [](const task& t) { return std::to_string(t.query_chunk) + " x " + std::to_string(t.kv_chunk); };
+  const auto check_chunks = [&](const char* list, std::size_t i, const task& t) {
+    for (const auto& [field, chunk] : {std::pair{".query_chunk", t.query_chunk}, std::pair{".kv_chunk", t.kv_chunk}})
+      if (chunk < 0 || chunk >= chunks) throw invalid_argument(entry(list, i) + field, chunk, "must be a chunk in [0, " + std::to_string(chunks) + ")");
+  };
+  const auto moved_here = [&](chunk_move::kind what, index_t chunk) { return std::binary_search(x.moves.begin(), x.moves.end(), chunk_move{what, chunk, rank}); };
+  const auto& local = x.local_tasks[static_cast<std::size_t>(rank)];
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    check_chunks("local_tasks", i, local[i]);
+    if (p.owner(local[i].query_chunk) != rank || p.owner(local[i].kv_chunk) != rank)
+      throw invalid_argument(entry("local_tasks", i), pair_text(local[i]), "a local task's chunks must both belong to rank " + std::to_string(rank));
+  }
+  const auto& remote = x.remote_tasks[static_cast<std::size_t>(rank)];
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    const task& t = remote[i];
+    check_chunks("remote_tasks", i, t);
+    const bool kv_moved_in = p.owner(t.query_chunk) == rank && moved_here(chunk_move::kind::kv, t.kv_chunk);
+    const bool query_moved_in = p.owner(t.kv_chunk) == rank && moved_here(chunk_move::kind::qo, t.query_chunk);
+    if (!kv_moved_in && !query_moved_in)
+      throw invalid_argument(entry("remote_tasks", i), pair_text(t),
+                             "a remote task needs one chunk of rank " + std::to_string(rank) + " and the other brought there by a move");
   }
 }
 
@@ -77,6 +79,7 @@ class rank_chunks {
       : p_(p), rank_(rank) {
     if (world != p.world_size) throw invalid_argument("comm.world_size()", world, "must equal the plan's world size " + std::to_string(p.world_size));
     check_plan_of(p, x);
+    check_rank_tasks(p, x, rank);
     if (selection_seq_len != p.num_chunks() * p.chunk_tokens)
       throw invalid_argument("selection.seq_len", selection_seq_len,
                              "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens));
