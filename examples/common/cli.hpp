@@ -30,6 +30,12 @@ std::string range_rule(std::string_view what, Number min, Number max) {
 
 }  // namespace detail
 
+/// The value after option argv[i] (advancing i past it), or an error naming the option.
+inline std::string option_value(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) throw invalid_argument(argv[i], "(missing)", "needs a value (see --help)");
+  return argv[++i];
+}
+
 /// The whole of `text` as an integer in [min, max] (decimal, an optional leading '-').
 template <std::integral Int>
 Int parse_integer(std::string_view option, std::string_view text, Int min = std::numeric_limits<Int>::min(),

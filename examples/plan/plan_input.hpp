@@ -65,10 +65,7 @@ inline options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value (see --help)");
-      return argv[++i];
-    };
+    auto next = [&] { return stria::cli::option_value(argc, argv, i); };
     auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, next(), 1); };
     if (arg == "--seq-len") o.seq_len = size();
     else if (arg == "--world") o.world = size();

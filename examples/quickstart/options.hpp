@@ -41,10 +41,7 @@ inline options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw stria::invalid_argument(arg, "(missing)", "needs a value");
-      return argv[++i];
-    };
+    auto value = [&] { return stria::cli::option_value(argc, argv, i); };
     // Sizes start at 1: 0 is what the options hold for "the backend's default", never a user's value.
     auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, value(), 1); };
     if (arg == "--seq-len") o.seq_len = size();

@@ -307,8 +307,7 @@ int main(int argc, char** argv) try {
       json = true;
       continue;
     }
-    if (i + 1 >= argc) throw invalid_argument(flag, "(missing)", "needs a value");
-    const std::string value = argv[++i];
+    const std::string value = cli::option_value(argc, argv, i);
     if (flag == "--seq-len") seq_len = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--tokens-per-gpu") tokens_per_gpu = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--gpus") gpu_counts = bench::parse_sizes(flag, value);

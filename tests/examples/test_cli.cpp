@@ -53,3 +53,13 @@ TEST_CASE("command-line lists: every item checked") {
   CHECK(error_of([] { cli::parse_integer_list<int>("--world", "8,0", 1); }).find("--world = 0: must be an integer in [1,") != std::string::npos);
   CHECK(error_of([] { cli::parse_integer_list<int>("--world", "8,", 1); }) == "stria: --world = : must be an integer (digits only)");
 }
+
+TEST_CASE("command-line option values: the next argument, or an error naming the option") {
+  std::string words[] = {"prog", "--world", "8", "--seq-len"};
+  char* argv[] = {words[0].data(), words[1].data(), words[2].data(), words[3].data()};
+  int i = 1;
+  CHECK(cli::option_value(4, argv, i) == "8");
+  CHECK(i == 2);
+  i = 3;
+  CHECK(error_of([&] { cli::option_value(4, argv, i); }) == "stria: --seq-len = (missing): needs a value (see --help)");
+}

@@ -4,8 +4,9 @@
 // parsers). Seeds come from tests/fuzz/corpus; each input is a seed mutated 1-8 times (bit flips,
 // byte edits, splices of two seeds, repeated runs, brackets, digits and extreme numbers). Every
 // input must end in a result or a stria::invalid_argument; anything else (another exception, a
-// crash, a sanitizer report in the ASan/UBSan build) fails. CTest runs it with 100000 inputs.
-//   fuzz_inputs CORPUS_DIR [INPUTS] [SEED]
+// crash, a sanitizer report in the ASan/UBSan build) fails. CTest runs it with 100000 inputs, seeded
+// also with the examples' selection files (good and bad) where they already live.
+//   fuzz_inputs INPUTS SEED PATH...   (a path: a directory of seeds, or one seed file)
 #include <stria/core/error.hpp>
 
 #include <algorithm>
@@ -31,18 +32,27 @@ struct corpus {
   std::vector<std::string> command_lines;  // one per line of the cli_*.txt files
 };
 
-corpus load(const std::filesystem::path& dir) {
+/// Seeds: .json files are selections; .txt files hold one command line per line.
+void add_seed(corpus& c, const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (file.extension() == ".json") c.selections.push_back(text.str());
+  else if (file.extension() == ".txt")
+    for (std::string line; std::getline(text, line);)
+      if (!line.empty()) c.command_lines.push_back(line);
+}
+
+corpus load(const std::vector<std::filesystem::path>& paths) {
   corpus c;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    std::ifstream in(entry.path(), std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (entry.path().extension() == ".json") c.selections.push_back(text.str());
-    else
-      for (std::string line; std::getline(text, line);)
-        if (!line.empty()) c.command_lines.push_back(line);
+  for (const auto& path : paths) {
+    if (!std::filesystem::is_directory(path)) {
+      add_seed(c, path);
+      continue;
+    }
+    for (const auto& entry : std::filesystem::directory_iterator(path)) add_seed(c, entry.path());
   }
-  if (c.selections.empty() || c.command_lines.empty()) throw stria::invalid_argument("corpus", dir.string(), "needs .json seeds and cli_*.txt lines");
+  if (c.selections.empty() || c.command_lines.empty()) throw stria::invalid_argument("seed paths", paths.size(), "need .json selections and .txt command lines");
   return c;
 }
 
@@ -138,15 +148,15 @@ void expect_clean(tally& t, Body&& body) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: fuzz_inputs CORPUS_DIR [INPUTS] [SEED]\n");
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: fuzz_inputs INPUTS SEED PATH...\n");
     return 2;
   }
   std::string input;  // the input being tried, printed when it fails
   try {
-    const corpus seeds = load(argv[1]);
-    const long inputs = argc > 2 ? stria::cli::parse_integer<long>("INPUTS", argv[2], 1) : 100000;
-    const auto seed = argc > 3 ? stria::cli::parse_integer<std::uint64_t>("SEED", argv[3]) : std::uint64_t{20261202};
+    const long inputs = stria::cli::parse_integer<long>("INPUTS", argv[1], 1);
+    const auto seed = stria::cli::parse_integer<std::uint64_t>("SEED", argv[2]);
+    const corpus seeds = load(std::vector<std::filesystem::path>(argv + 3, argv + argc));
     mutator m(seed);
     tally selection, plan_cli, quickstart_cli, numbers;
     const auto start = std::chrono::steady_clock::now();
