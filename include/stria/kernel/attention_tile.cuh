@@ -14,6 +14,7 @@
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/mma.cuh"
 #include "stria/kernel/pipeline.cuh"
+#include "stria/kernel/wgmma.cuh"
 
 namespace stria::kernel {
 
@@ -202,13 +203,58 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
   }
 }
 
-/// The K and V rings of a row's tiles (Hopper forward and dQ pass), with the global block of each
-/// block tile in the K ring: what the consumer's causal-mask test needs, delivered with the tile so that
-/// no global-memory round trip sits between its products and its softmax.
+/// Queues cp.async copies of tile t of a row, as load_row_tile_async does, into a swizzled tile by
+/// 64 threads (`thread` 0 .. 63): thread (r, c) = (thread / 8, thread % 8) copies chunk c of every
+/// slab of rows r, r + 8, ..., so its rows keep one swizzle phase and its shared address advances by
+/// a constant. A warpgroup's K and V copies thus run as two independent streams of two warps each.
+template <class T, int D>
+__device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk,
+                                             int thread) {
+  static_assert(sizeof(T) == 2, "a 128-byte slab holds 64 elements of 2 bytes");
+  using layout = swizzled_tile<D>;
+  constexpr int slabs = D / 64, passes = block_tokens / 8;
+  const int r = thread / 8, c = thread % 8;
+  const std::int64_t stride = std::int64_t{heads_kv} * D;
+  const T* head = base + std::int64_t{hk} * D + c * 8;
+  unsigned char* to = tile + layout::offset(r, c);
+  if (row.is_block(t)) {
+    const T* from = head + (std::int64_t{row.blocks[t]} * block_tokens + r) * stride;
+#pragma unroll
+    for (int pass = 0; pass < passes; ++pass)
+#pragma unroll
+      for (int slab = 0; slab < slabs; ++slab)
+        cp_async_16(to + pass * 8 * layout::row_pitch + slab * layout::slab_bytes, from + pass * 8 * stride + slab * 64, true);
+  } else {
+    const index_t first = (t - row.num_blocks) * block_tokens;
+    const index_t count = row.num_tokens - first;
+    // One read of the token list per thread, then shuffles: lane L of the thread's warp reads row
+    // 4 w + L % 4 + 8 (L / 4) (w: which of the two warps), exactly the rows the warp copies, so
+    // every pass finds its token one shuffle away instead of one global round trip.
+    const int lane = thread % 32, warp = thread / 32;
+    const int read_row = 4 * warp + lane % 4 + 8 * (lane / 4);
+    const index_t read_token = read_row < count ? row.tokens[first + read_row] : 0;
+#pragma unroll 1  // unrolled, the addresses of several passes stay live and spill the producer's registers
+    for (int pass = 0; pass < passes; ++pass) {
+      const int j = r + 8 * pass;
+      const bool valid = j < count;  // past the end: zero-fill, still naming a readable address (token 0)
+      const index_t token = __shfl_sync(0xffffffffu, read_token, r - 4 * warp + 4 * pass);
+      const T* from = head + std::int64_t{token} * stride;
+#pragma unroll
+      for (int slab = 0; slab < slabs; ++slab)
+        cp_async_16(to + pass * 8 * layout::row_pitch + slab * layout::slab_bytes, from + slab * 64, valid);
+    }
+  }
+}
+
+/// The K and V rings of a row's tiles (Hopper forward), with the global block of each block tile in
+/// the K ring: what the consumer's causal-mask test needs, delivered with the tile so that no
+/// global-memory round trip sits between its products and its softmax. Each ring is filled by its
+/// own two producer warps.
 template <int KStages, int VStages>
 struct row_tile_rings {
-  stage_ring<KStages> k;
-  stage_ring<VStages> v;
+  static constexpr int copier_threads = 64;
+  stage_ring<KStages, copier_threads> k;
+  stage_ring<VStages, copier_threads> v;
   index_t kv_global_block[KStages];
 
   __device__ void init() {
@@ -216,20 +262,28 @@ struct row_tile_rings {
     v.init();
   }
 
-  /// The producer warpgroup: copies K(t) and V(t) of every tile of the row into the rings (`ks`, `vs`:
-  /// the stages' tiles, `Layout::bytes` apart), each once its stage is free.
-  template <class Layout, class T, int D>
+  /// The producer warpgroup: its first two warps copy K(t) of every tile of the row into the K ring,
+  /// its last two V(t) into the V ring (`ks`, `vs`: the stages' swizzled tiles), each tile once its
+  /// stage is free. Apart, the K stream is not held back by a full V ring, nor the other way round.
+  template <class T, int D>
   __device__ void produce(const row_tiles& row, const step_index_view& index, const T* keys, const T* values, unsigned char* ks,
                           unsigned char* vs, index_t heads_kv, index_t hk) {
+    constexpr int bytes = swizzled_tile<D>::bytes;
+    const int thread = static_cast<int>(threadIdx.x % attention_threads);
     const index_t tiles = row.count();
-    for (index_t t = 0; t < tiles; ++t) {
-      k.acquire(t);
-      load_row_tile_async<Layout, T, D>(ks + k.stage(t) * Layout::bytes, keys, row, t, heads_kv, hk);
-      if (threadIdx.x % attention_threads == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
-      k.commit(t);
-      v.acquire(t);
-      load_row_tile_async<Layout, T, D>(vs + v.stage(t) * Layout::bytes, values, row, t, heads_kv, hk);
-      v.commit(t);
+    if (thread < copier_threads) {
+      for (index_t t = 0; t < tiles; ++t) {
+        k.acquire(t);
+        load_row_tile_swizzled_async<T, D>(ks + k.stage(t) * bytes, keys, row, t, heads_kv, hk, thread);
+        if (thread == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
+        k.commit(t);
+      }
+    } else {
+      for (index_t t = 0; t < tiles; ++t) {
+        v.acquire(t);
+        load_row_tile_swizzled_async<T, D>(vs + v.stage(t) * bytes, values, row, t, heads_kv, hk, thread - copier_threads);
+        v.commit(t);
+      }
     }
     cp_async_wait_all();
   }

@@ -73,14 +73,14 @@ __device__ inline void cp_async_wait_all() {
 #endif
 }
 
-/// The barriers of a ring of `Stages` stages: full (the producer warpgroup's 128 threads arrive as their
+/// The barriers of a ring of `Stages` stages: full (the `Copiers` producer threads arrive as their
 /// copies land) and empty (the consumer warpgroup's 4 warps arrive once they are done with the stage).
-template <int Stages>
+template <int Stages, int Copiers>
 struct stage_ring {
   std::uint64_t full[Stages];
   std::uint64_t empty[Stages];
 
-  static constexpr int producer_arrivals = 128;
+  static constexpr int producer_arrivals = Copiers;
   static constexpr int consumer_arrivals = 4;
 
   /// By one thread, before a __syncthreads that publishes the barriers to the CTA.

@@ -77,36 +77,50 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
 #pragma unroll
   for (int k = 0; k < D / 16; ++k)
     wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), k_major_operand<D>(ks, k), k_major_operand<D>(qs, k), k > 0);
+  wgmma_commit();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k)
     wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), k_major_operand<D>(vs, k), k_major_operand<D>(dos, k), k > 0);
   wgmma_commit();
-  wgmma_wait<0>();
+  wgmma_wait<1>();  // S^T; dP^T may still run
   fence_registers(reinterpret_cast<float(&)[32]>(s));
-  fence_registers(reinterpret_cast<float(&)[32]>(dp));
 
+  // P^T while dP^T runs, then dV += P^T dO while dS^T is formed: each product's operands are ready
+  // one elementwise phase before it is issued.
   const int lane = threadIdx.x % 32, key0 = 16 * static_cast<int>((threadIdx.x / 32) % 4) + lane / 4;
   unsigned pf[4][4], dsf[4][4];  // P^T and dS^T as A operands, 16 queries per k-step
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {  // S^T and dP^T die as their operands are packed
+  for (int k = 0; k < 4; ++k) {
 #pragma unroll
     for (int j = 2 * k; j < 2 * k + 2; ++j) {
       const int query = 8 * j + 2 * (lane % 4);
-      const float2 row_lse = *reinterpret_cast<const float2*>(lse + query), row_delta = *reinterpret_cast<const float2*>(delta + query);
+      const float2 row_lse = *reinterpret_cast<const float2*>(lse + query);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float l = (e & 1) ? row_lse.y : row_lse.x, d = (e & 1) ? row_delta.y : row_delta.x;
-        const float prob = masked(key0 + (e >= 2 ? 8 : 0), query + (e & 1)) ? 0.0f : exp2_ftz(s[j][e] * scale_log2 - l);
-        s[j][e] = prob;
-        dp[j][e] = prob * scale * (dp[j][e] - d);  // dS^T, scaled for dK and dQ
+        const float l = (e & 1) ? row_lse.y : row_lse.x;
+        s[j][e] = masked(key0 + (e >= 2 ? 8 : 0), query + (e & 1)) ? 0.0f : exp2_ftz(s[j][e] * scale_log2 - l);
       }
     }
     accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
-    accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
   }
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < 4; ++k) wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dv), pf[k], mn_major_operand<D>(dos, k), true);
+  wgmma_commit();
+  wgmma_wait<1>();  // dP^T; the dV product may still run
+  fence_registers(reinterpret_cast<float(&)[32]>(dp));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // P^T and dP^T die as dS^T is packed
+#pragma unroll
+    for (int j = 2 * k; j < 2 * k + 2; ++j) {
+      const int query = 8 * j + 2 * (lane % 4);
+      const float2 row_delta = *reinterpret_cast<const float2*>(delta + query);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * scale * (dp[j][e] - ((e & 1) ? row_delta.y : row_delta.x));  // dS^T, scaled
+    }
+    accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
+  }
+  wgmma_fence();
 #pragma unroll
   for (int k = 0; k < 4; ++k) wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dk), dsf[k], mn_major_operand<D>(qs, k), true);
   wgmma_commit();
@@ -174,15 +188,15 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
 
 /// The vertical-token pass on Hopper: one CTA per 64 of a head's vertical tokens (and, in the atomic
 /// mode, per range of query blocks: gridDim.y) over the query blocks that use them, as
-/// sparse_backward_vertical<T, D, false>.
+/// sparse_backward_vertical<T, D, false>. The walk runs one round ahead, so that the next query
+/// block's tiles load while the current one is computed.
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_vertical_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};  // one stage
-  unsigned char *ks = shared.keys(), *vs = shared.values(), *qs = shared.queries(0), *dos = shared.d_out(0);
-  float *lse = shared.lse(0), *delta = shared.delta(0);
-  __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
-  __shared__ index_t warp_min[2];
+  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
+  unsigned char *ks = shared.keys(), *vs = shared.values();
+  __shared__ index_t used[2][block_tokens];  // per stage: 1 where the token of the column uses its query block
+  __shared__ index_t warp_min[2][2];  // per stage, as `used`: the walk runs a round ahead of the barriers
 
   // The deterministic launch (one CTA per group, queries unsplit) is head-fastest, so that the
   // groups with the longest walks start first.
@@ -190,25 +204,40 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g)) return;
   using tile_layout = swizzled_tile<D>;
   detail::load_vertical_key_tiles<tile_layout, T, D>(p, g, ks, vs);
-  detail::cp_async_commit();
+  auto load = [&](index_t q_block, int stage) {
+    detail::load_query_tiles<tile_layout, T, D>(p, q_block, g.h, shared.queries(stage), shared.d_out(stage));
+    detail::load_row_statistics(p, q_block, g.h, shared.lse(stage), shared.delta(stage));
+  };
 
   detail::vertical_walk walk(p.index, g);
-  bool worked = false;  // whether any query block of the range used a column
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (;;) {
-    const index_t q_block = walk.next(used, warp_min);
-    if (q_block == INT_MAX) break;
-    worked = true;
-    detail::load_query_tiles<tile_layout, T, D>(p, q_block, g.h, qs, dos);
-    detail::load_row_statistics(p, q_block, g.h, lse, delta);
-    detail::cp_async_commit();
+  index_t q_block = walk.next(used[0], warp_min[0]);
+  if (q_block == INT_MAX) {  // no query block of the range uses a column
     detail::cp_async_wait<0>();
+    if (!p.vertical_dk) return;  // no reductions of zeros (the scratch must be written)
+  } else {
+    load(q_block, 0);
+  }
+  detail::cp_async_commit();
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int stage = 0; q_block != INT_MAX; stage ^= 1) {
+    // The other stage was last read by the previous round, which ended with a barrier.
+    const index_t next = walk.next(used[stage ^ 1], warp_min[stage ^ 1]);
+    if (next != INT_MAX) {
+      load(next, stage ^ 1);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
     detail::fence_async_shared();
     __syncthreads();
-    detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, qs, dos, lse, delta, p.scale, p.scale_log2, [&](int key, int) { return used[key] == 0; });
-    __syncthreads();  // every warp is done with the query tiles and `used`
+    const index_t* round_used = used[stage];
+    detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, shared.queries(stage), shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale,
+                                  p.scale_log2, [&](int key, int) { return round_used[key] == 0; });
+    __syncthreads();  // every warp is done with this stage and its `used`
+    q_block = next;
   }
-  if (!worked && !p.vertical_dk) return;  // no reductions of zeros (the scratch must be written)
   detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
 }
 
@@ -269,29 +298,34 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     for (int k = 0; k < D / 16; ++k)
       detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), detail::k_major_operand<D>(qs, k), detail::k_major_operand<D>(ks(stage), k),
                                     k > 0);
+    detail::wgmma_commit();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
       detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), detail::k_major_operand<D>(dos, k),
                                     detail::k_major_operand<D>(vs(stage), k), k > 0);
     detail::wgmma_commit();
-    detail::wgmma_wait<0>();
+    detail::wgmma_wait<1>();  // S; dP may still run while P is formed
     detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-    detail::fence_registers(reinterpret_cast<float(&)[32]>(dp));
 
     const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
     const int valid = row.valid_columns(t);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = row0 - lane / 4 + detail::fragment_row(e), c = detail::fragment_col(j, e);
+        const bool masked = (diagonal || valid < block_tokens) && (c >= valid || (diagonal && c > r));
+        s[j][e] = masked ? 0.0f : detail::exp2_ftz(s[j][e] * p.scale_log2 - lse[e / 2]);
+      }
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[32]>(dp));
     unsigned dsf[4][4];  // dS as the A operand of dQ += dS K, 16 keys per k-step
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
 #pragma unroll
       for (int j = 2 * k; j < 2 * k + 2; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = row0 - lane / 4 + detail::fragment_row(e), c = detail::fragment_col(j, e);
-          const bool masked = (diagonal || valid < block_tokens) && (c >= valid || (diagonal && c > r));
-          const float prob = masked ? 0.0f : detail::exp2_ftz(s[j][e] * p.scale_log2 - lse[e / 2]);
-          dp[j][e] = prob * p.scale * (dp[j][e] - delta[e / 2]);
-        }
+        for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * p.scale * (dp[j][e] - delta[e / 2]);
       detail::accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
     }
     detail::wgmma_fence();

@@ -202,20 +202,32 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// Tuning of the Hopper forward, per head dim. A CTA is a consumer warpgroup and a producer
 /// warpgroup; `setmaxnreg` moves registers from the producer to the consumer, which keeps S(t + 1),
 /// P(t), O and Q's fragments live while both products run. On each SM sub-partition every CTA places
-/// one warp of each, so ctas_per_sm x (consumer + producer registers) <= 512, and their sum is at
-/// most the launch share 65536 / (256 x ctas_per_sm) x 2. `stages` K and V tiles are in flight.
+/// one warp of each; the CTA is launched with the registers its share of the SM allows (65536 /
+/// (256 x ctas_per_sm), rounded down to a multiple of 8), and the consumer can only take what the
+/// producer gives back, so the two counts sum to at most twice that (setmaxnreg would wait forever
+/// for more). `stages` K and V tiles are in flight. The producer's copies fill its registers: at
+/// D 64 it needs 32 (with 24 its gathers spill), which leaves the consumer 128.
 struct forward_wgmma_tuning {
   int stages;
   int ctas_per_sm;
   int producer_registers;
   int consumer_registers;
+
+  constexpr int launch_registers(int threads) const { return 65536 / (threads * ctas_per_sm) / 8 * 8; }
 };
 template <int D>
 inline constexpr forward_wgmma_tuning forward_wgmma_config =
     D == 128 ? forward_wgmma_tuning{.stages = 3, .ctas_per_sm = 2, .producer_registers = 40, .consumer_registers = 216}   // 96 KiB
-             : forward_wgmma_tuning{.stages = 4, .ctas_per_sm = 3, .producer_registers = 24, .consumer_registers = 136};  // 64 KiB
+             : forward_wgmma_tuning{.stages = 4, .ctas_per_sm = 3, .producer_registers = 32, .consumer_registers = 128};  // 64 KiB
 
 inline constexpr int forward_wgmma_threads = 2 * attention_threads;
+
+static_assert(forward_wgmma_config<128>.producer_registers + forward_wgmma_config<128>.consumer_registers <=
+                  2 * forward_wgmma_config<128>.launch_registers(forward_wgmma_threads),
+              "the D 128 forward's consumer asks for more registers than its producer gives back");
+static_assert(forward_wgmma_config<64>.producer_registers + forward_wgmma_config<64>.consumer_registers <=
+                  2 * forward_wgmma_config<64>.launch_registers(forward_wgmma_threads),
+              "the D 64 forward's consumer asks for more registers than its producer gives back");
 
 /// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, plus
 /// slack to align them to 1024 bytes.
@@ -270,7 +282,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
 
   if (threadIdx.x >= attention_threads) {  // the producer warpgroup
     detail::set_registers_decrease<tuning.producer_registers>();
-    rings.template produce<swizzled_tile<D>, T, D>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
+    rings.template produce<T, D>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
     return;
   }
   detail::set_registers_increase<tuning.consumer_registers>();
