@@ -1,11 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Benchmark (a program, not a test; host only): the dynamic solver's solve time, balance and
 // communication volume against the flat ring, MagiAttention's setting: 8K tokens per rank, GQA 64:8,
-// chunks of 1K tokens (8 per rank), W = 8 to 128, for full, causal and causal-document masks
-// (task areas computed exactly in closed form), and VS selections (the generator's, task areas from
-// the workload counter); plus, at S = 128K and W = 8 on a VS input, the flat striped ring's imbalance.
-//   solver_bench [--world 8,16,32,64,128] [--mask full,causal,document,vs] [--volume-cap X] [--json]
-// (--volume-cap: a plan may move X times the flat ring's volume; default 1)
+// chunks of 1K tokens (8 per rank), W = 8 to 256, for full, causal and causal-document (varlen:
+// documents of 1K-64K tokens) masks (task areas computed exactly in closed form), and VS selections
+// (the generator's, task areas from the workload counter); plus, at S = 128K and W = 8 on a VS
+// input, the flat striped ring's imbalance.
+//   solver_bench [--world 8,16,32,64,128,256] [--mask full,causal,document,vs] [--volume-cap X]
+//                [--runs N] [--json] [--commit SHA]
+// (--volume-cap: a plan may move X times the flat ring's volume; default 1. Each row solves N times,
+// default 7: solve_ms is the median, first_solve_ms the first solve of the row, which also pays for
+// the fresh memory its plan is written to. --json: the rows as JSON on stdout, as
+// tests/bench/results/solver_host.json; --commit names the commit measured there.)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -75,31 +80,41 @@ std::vector<std::pair<std::int64_t, std::int64_t>> random_documents(std::int64_t
 struct row {
   index_t world;
   std::string mask;
-  double solve_ms, max_load_over_mean;
-  std::int64_t comm_volume, ring_comm_volume;
+  double solve_ms, first_solve_ms, max_load_over_mean;
+  std::int64_t comm_volume, ring_comm_volume, max_rank_traffic, ring_rank_traffic;
+  std::size_t third_rank_tasks;
   bool feasible;
 };
 
 solver::options solve_options;
+int runs = 7;
 
 row run(const solver::problem& p, const std::string& mask) {
   std::vector<double> times;
   solver::plan x;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < runs; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    x = solver::solve(p, solve_options);
+    solver::plan y = solver::solve(p, solve_options);
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    x = std::move(y);  // the previous plan is freed outside the timed call
   }
+  const double first = times.front();
   std::sort(times.begin(), times.end());
-  return {p.world_size, mask, times[1], x.max_load_over_mean(), solver::comm_volume(p, x), p.ring_volume(), x.feasible};
+  std::size_t third = 0;  // tasks on a rank that owns neither chunk
+  for (index_t r = 0; r < p.world_size; ++r)
+    for (const solver::task& t : x.remote_tasks[static_cast<std::size_t>(r)]) third += p.owner(t.query_chunk) != r && p.owner(t.kv_chunk) != r;
+  // The flat ring's busiest rank receives every other rank's KV chunks.
+  const std::int64_t ring_rank = std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost();
+  return {p.world_size, mask, times[times.size() / 2], first, x.max_load_over_mean(), solver::comm_volume(p, x), p.ring_volume(), x.max_rank_traffic,
+          ring_rank, third, x.feasible};
 }
 
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::vector<index_t> worlds{8, 16, 32, 64, 128};
-  std::string masks = "full,causal,document,vs";
+  std::vector<index_t> worlds{8, 16, 32, 64, 128, 256};
+  std::string masks = "full,causal,document,vs", commit;
   bool json = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -107,7 +122,11 @@ int main(int argc, char** argv) try {
     else if (flag == "--world" && i + 1 < argc) worlds = bench::parse_sizes(flag, argv[++i]);
     else if (flag == "--mask" && i + 1 < argc) masks = argv[++i];
     else if (flag == "--volume-cap" && i + 1 < argc) solve_options.volume_cap = cli::parse_real(flag, argv[++i], 1e-9, 1e9);
-    else throw invalid_argument("flag", flag, "must be --world LIST, --mask LIST (of full, causal, document, vs), --volume-cap X or --json");
+    else if (flag == "--runs" && i + 1 < argc) runs = cli::parse_integer<int>(flag, argv[++i], 1, 1000);
+    else if (flag == "--commit" && i + 1 < argc) commit = argv[++i];
+    else
+      throw invalid_argument("flag", flag,
+                             "must be --world LIST, --mask LIST (of full, causal, document, vs), --volume-cap X, --runs N, --json or --commit SHA");
   }
   const auto wanted = [&](const std::string& mask) { return ("," + masks + ",").find("," + mask + ",") != std::string::npos; };
   std::vector<row> rows;
@@ -125,22 +144,29 @@ int main(int argc, char** argv) try {
     }
   }
   if (json) {
-    std::printf("{\"rows\": [");
+    std::printf("{\n \"commit\": \"%s\",\n \"setting\": \"8K tokens per rank in 1K chunks, GQA 64:8, mu %.2f, volume cap %.2f\",\n \"runs\": %d,\n \"rows\": [",
+                commit.c_str(), solve_options.mu, solve_options.volume_cap, runs);
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const row& r = rows[i];
-      std::printf("%s{\"world\": %d, \"mask\": \"%s\", \"solve_ms\": %.3f, \"max_load_over_mean\": %.4f, \"comm_volume\": %lld, "
-                  "\"ring_comm_volume\": %lld, \"feasible\": %s}",
-                  i ? ", " : "", r.world, r.mask.c_str(), r.solve_ms, r.max_load_over_mean, static_cast<long long>(r.comm_volume),
-                  static_cast<long long>(r.ring_comm_volume), r.feasible ? "true" : "false");
+      std::printf("%s\n  {\"world\": %d, \"mask\": \"%s\", \"solve_ms\": %.3f, \"first_solve_ms\": %.3f, \"max_load_over_mean\": %.4f, "
+                  "\"comm_volume\": %lld, \"ring_comm_volume\": %lld, \"volume_over_ring\": %.4f, \"max_rank_traffic\": %lld, "
+                  "\"ring_rank_traffic\": %lld, \"third_rank_tasks\": %zu, \"feasible\": %s}",
+                  i ? "," : "", r.world, r.mask.c_str(), r.solve_ms, r.first_solve_ms, r.max_load_over_mean, static_cast<long long>(r.comm_volume),
+                  static_cast<long long>(r.ring_comm_volume), double(r.comm_volume) / double(r.ring_comm_volume),
+                  static_cast<long long>(r.max_rank_traffic), static_cast<long long>(r.ring_rank_traffic), r.third_rank_tasks,
+                  r.feasible ? "true" : "false");
     }
-    std::printf("]}\n");
+    std::printf("\n ]\n}\n");
     return 0;
   }
-  std::printf("solver_bench: 8K tokens per rank in 1K chunks, GQA 64:8, mu 1.10 (median of 3 solves)\n");
-  std::printf("%6s %-9s %10s %9s %14s %9s\n", "world", "mask", "solve ms", "max/mean", "volume / ring", "feasible");
+  std::printf("solver_bench: 8K tokens per rank in 1K chunks, GQA 64:8, mu %.2f (median of %d solves; first: the row's first solve)\n",
+              solve_options.mu, runs);
+  std::printf("%6s %-9s %10s %9s %9s %14s %16s %9s\n", "world", "mask", "solve ms", "first ms", "max/mean", "volume / ring", "busiest / ring's",
+              "feasible");
   for (const row& r : rows)
-    std::printf("%6d %-9s %10.2f %9.3f %14.3f %9s\n", r.world, r.mask.c_str(), r.solve_ms, r.max_load_over_mean,
-                double(r.comm_volume) / double(r.ring_comm_volume), r.feasible ? "yes" : "no");
+    std::printf("%6d %-9s %10.2f %9.2f %9.3f %14.3f %16.3f %9s\n", r.world, r.mask.c_str(), r.solve_ms, r.first_solve_ms, r.max_load_over_mean,
+                double(r.comm_volume) / double(r.ring_comm_volume), double(r.max_rank_traffic) / double(r.ring_rank_traffic),
+                r.feasible ? "yes" : "no");
   if (!wanted("vs")) return 0;
   // The flat striped ring on a VS input at 128K over 8 ranks (what the solver is an alternative to).
   host::synthetic_vs_options o;

@@ -132,17 +132,18 @@ TEST_CASE("local_device collectives: all_gather, all_reduce in rank order, broad
 TEST_CASE("attention run as the dynamic solver plans it, over local_device, equals the whole-sequence reference") {
   STRIA_SEEDED_RNG(rng);
   using T = __nv_bfloat16;
-  std::size_t moved = 0;
+  std::size_t moved = 0, third_rank = 0;
   bool moved_twice = false;
   const auto tally = [&](const solver::plan& plan) {
     moved += plan.moves.size();
     moved_twice = moved_twice || moves_a_chunk_twice(plan);
+    third_rank += third_rank_tasks(plan);
   };
   struct solver_case {
     index_t world, chunks_per_rank, hkv, dim;
   };
   for (const solver_case& sc : {solver_case{1, 2, 2, 64}, solver_case{2, 2, 2, 64}, solver_case{3, 1, 1, 128}, solver_case{4, 2, 4, 64},
-                                solver_case{5, 1, 2, 128}, solver_case{8, 1, 1, 64}}) {
+                                solver_case{5, 1, 2, 128}, solver_case{8, 1, 1, 64}, solver_case{6, 4, 1, 64}}) {
     const index_t seq_len = sc.world * sc.chunks_per_rank * 256, nb = seq_len / 64;
     const std::string where = ", W" + std::to_string(sc.world) + " m" + std::to_string(sc.chunks_per_rank) + " D" + std::to_string(sc.dim);
     tally(check_solver(make_problem<T>(rng, random_selection(rng, seq_len, 4, true, 0.2, 0.03), sc.hkv, sc.dim), sc.world, sc.chunks_per_rank,
@@ -154,4 +155,5 @@ TEST_CASE("attention run as the dynamic solver plans it, over local_device, equa
   }
   CHECK(moved > 0);     // chunks did move: the remote stages ran
   CHECK(moved_twice);   // and some chunk went to several ranks, each returning its partial results
+  CHECK(third_rank > 0);  // and some tasks ran where neither chunk lives (query and KV both moved there)
 }

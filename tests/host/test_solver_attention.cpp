@@ -2,7 +2,8 @@
 // Attention executed as the dynamic solver plans it (query/output and key/value chunks both move)
 // equals single-rank attention in double on the same selection, forward and backward, for full,
 // causal, causal-document, sliding-window and VS masks, world sizes 1-5 (odd ones too), 1 and 2
-// chunks per rank, GQA 1/2, D 64/128; plans that do not fit the call are refused by name.
+// chunks per rank, GQA 1/2, D 64/128, and plans whose tasks run on third ranks (query and KV chunks
+// both moved there); plans that do not fit the call are refused by name.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -25,12 +26,18 @@ namespace {
 
 /// Runs the plan on `world` threads and compares with single-rank attention in double.
 test::attention_errors compare_solver(test::seeded_rng& rng, const global_selection& g, index_t world, index_t chunks_per_rank, index_t heads_kv,
-                                      index_t dim, std::size_t* moves = nullptr) {
+                                      index_t dim, std::size_t* moves = nullptr, std::size_t* third_rank_tasks = nullptr) {
   const test::whole_problem p(rng, g, heads_kv, dim);
   const index_t seq = p.seq, hq = p.hq, local = seq / world;
   const solver::problem problem = solver::problem_from_selection(g, world, chunks_per_rank, heads_kv);
   const solver::plan plan = solver::solve(problem);
   if (moves) *moves = plan.moves.size();
+  if (third_rank_tasks) {
+    *third_rank_tasks = 0;
+    for (index_t r = 0; r < world; ++r)
+      for (const solver::task& t : plan.remote_tasks[static_cast<std::size_t>(r)])
+        *third_rank_tasks += problem.owner(t.query_chunk) != r && problem.owner(t.kv_chunk) != r;
+  }
   // Sequential sharding: rank r's shard is rows [r local, (r + 1) local) of every tensor, LSE columns likewise.
   std::vector<float> out(p.q.size()), lse(p.lse.size()), dq(p.q.size()), dk(p.k.size()), dv(p.k.size());
   comm::host_world host(world, std::chrono::seconds(120));
@@ -88,6 +95,28 @@ TEST_CASE("attention run as the solver plans it equals single-rank attention, ev
   CHECK(plans_with_moves > 0);  // the sweep exercised moved chunks, not only local tasks
 }
 
+TEST_CASE("attention equals single-rank attention where the plan runs tasks on third ranks (GQA 4:1)") {
+  // A query chunk costs 4x a KV chunk to move here, so the solver balances causal and document masks
+  // by sending a busy rank's queries to a light rank together with KV chunks of other ranks: the
+  // light rank returns partial O/LSE (forward) and dQ, dK/dV (backward) for chunks it does not own.
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = 6, m = 4, seq = world * m * 64, nb = seq / block_tokens;
+  const std::pair<std::string, global_selection> masks[] = {
+      {"causal", test::band_selection(seq, 4, 0, nb - 1, true)},
+      {"causal documents", test::document_selection(rng, seq, 4)},
+      {"VS", test::random_selection(rng, seq, 4, true, 0.3, 0.03)},
+  };
+  std::size_t with_third_rank = 0;
+  for (const auto& [name, g] : masks) {
+    CAPTURE(name);
+    std::size_t third = 0;
+    test::check_errors(compare_solver(rng, g, world, m, 1, 64, nullptr, &third), 1e-5);
+    MESSAGE(name, ": ", third, " third-rank tasks");
+    with_third_rank += third > 0;
+  }
+  CHECK(with_third_rank > 0);
+}
+
 TEST_CASE("solver execution refuses a plan or tensors that do not fit") {
   STRIA_SEEDED_RNG(rng);
   const global_selection g = test::band_selection(4 * 64, 2, 0, 3, true);
@@ -132,7 +161,15 @@ TEST_CASE("a corrupted plan is refused naming the entry, never reaching a lookup
   bad.moves.clear();
   bad.remote_tasks.assign(2, {});
   bad.remote_tasks[0].push_back({1, 3, 1});
-  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.remote_tasks[0][0] = 1 x 3: a remote task needs one chunk of rank 0"), invalid_argument);
+  CHECK_THROWS_WITH_AS(run_with(bad),
+                       doctest::Contains("plan.remote_tasks[0][0] = 1 x 3: a remote task's query and KV chunks must each be rank 0's own or brought there by a move"),
+                       invalid_argument);
+  bad.remote_tasks[0][0] = {1, 0, 1};  // both chunks its own: a local task filed as remote
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.remote_tasks[0][0] = 1 x 0: a remote task's query and KV chunks must each be rank 0's own"),
+                       invalid_argument);
+  bad.remote_tasks[0][0] = {3, 2, 1};  // two chunks of rank 1, only the query moved here
+  bad.moves = {{solver::chunk_move::kind::qo, 3, 0}};
+  CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.remote_tasks[0][0] = 3 x 2"), invalid_argument);
   bad = good;
   bad.moves = {{solver::chunk_move::kind::kv, 2, 0}, {solver::chunk_move::kind::kv, 2, 0}};
   CHECK_THROWS_WITH_AS(run_with(bad), doctest::Contains("plan.moves[1] = (out of order or repeated): moves must be sorted and unique"),

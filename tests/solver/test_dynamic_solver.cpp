@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The dynamic solver's promises, for full, causal, causal-document, sliding-window and VS masks over
-// 2 to 64 ranks: every active task runs exactly once; moves are in range and exactly what the tasks
-// need; a feasible plan keeps every load within mu x mean and moves no more than the flat ring; the
-// plan is deterministic; bad problems are refused.
+// 2 to 64 ranks: every active task runs exactly once, where both its chunks are (its own or moved
+// there); moves are in range and exactly what the tasks need; no plan moves more than the flat ring;
+// a feasible plan keeps every load within mu x mean; causal, document and VS masks with GQA 8:1 at
+// W = 64 balance within 1.10 inside the ring's volume; the plan is deterministic; bad problems are
+// refused.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -32,7 +34,7 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
   std::set<solver::chunk_move> used;
   std::vector<std::int64_t> load(static_cast<std::size_t>(w), 0);
   bool complete = true;
-  int out_of_range = 0, wrong_area = 0, not_an_owner = 0, wrong_stage = 0;
+  int out_of_range = 0, wrong_area = 0, wrong_stage = 0;
   for (index_t r = 0; r < w; ++r)
     for (const bool remote : {false, true})
       for (const solver::task& t : (remote ? x.remote_tasks : x.local_tasks)[static_cast<std::size_t>(r)]) {
@@ -42,7 +44,6 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
           continue;
         }
         wrong_area += t.area != p.at(t.query_chunk, t.kv_chunk);
-        not_an_owner += r != p.owner(t.query_chunk) && r != p.owner(t.kv_chunk);
         wrong_stage += remote == (p.owner(t.query_chunk) == r && p.owner(t.kv_chunk) == r);
         ++seen[{t.query_chunk, t.kv_chunk}];
         load[static_cast<std::size_t>(r)] += t.area;
@@ -60,12 +61,12 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
     }
   CHECK(out_of_range == 0);
   CHECK(wrong_area == 0);
-  CHECK(not_an_owner == 0);  // a task runs on one of its owners
   CHECK(wrong_stage == 0);   // local = both chunks the rank's own
   CHECK(empty_run == 0);     // no task without active entries
   CHECK(twice == 0);      // nothing computed twice
   CHECK(load == x.load);
-  // The moves are exactly what the placed tasks need, each from its owner to another rank.
+  // The moves are exactly what the placed tasks need (each task's chunks are on its rank), each from
+  // its owner to another rank.
   CHECK(std::set<solver::chunk_move>(x.moves.begin(), x.moves.end()) == used);
   CHECK(std::is_sorted(x.moves.begin(), x.moves.end()));
   for (const solver::chunk_move& m : x.moves) {
@@ -76,7 +77,7 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
   CHECK(double(solver::comm_volume(p, x)) <= std::max(1.0, volume_cap) * double(p.ring_volume()));  // feasible or not
   CHECK(complete);  // every active task runs exactly once, feasible or not (the plan can be executed)
   if (x.feasible) CHECK(x.max_load_over_mean() <= 1.10 + 1e-9);
-  // A feasible plan's moves keep every rank within its budget, sending and receiving.
+  // The plan's busiest rank is what its moves make it, sending or receiving.
   std::vector<std::int64_t> send(static_cast<std::size_t>(w), 0), receive(send.size(), 0);
   for (const solver::chunk_move& m : x.moves) {
     const auto from = static_cast<std::size_t>(p.owner(m.chunk)), to = static_cast<std::size_t>(m.to);
@@ -88,10 +89,15 @@ void check_plan(const solver::problem& p, const solver::plan& x, const std::stri
       send[to] += p.qo_cost(), receive[to] += p.qo_cost();
     }
   }
-  if (x.feasible) {
-    CHECK(*std::max_element(send.begin(), send.end()) <= x.budget);
-    CHECK(*std::max_element(receive.begin(), receive.end()) <= x.budget);
-  }
+  CHECK(std::max(*std::max_element(send.begin(), send.end()), *std::max_element(receive.begin(), receive.end())) == x.max_rank_traffic);
+}
+
+/// Tasks of a plan whose query and KV chunks both moved to the rank that runs them.
+std::size_t third_rank_tasks(const solver::problem& p, const solver::plan& x) {
+  std::size_t n = 0;
+  for (index_t r = 0; r < p.world_size; ++r)
+    for (const solver::task& t : x.remote_tasks[static_cast<std::size_t>(r)]) n += p.owner(t.query_chunk) != r && p.owner(t.kv_chunk) != r;
+  return n;
 }
 
 /// Two plans place every task alike and move the same chunks.
@@ -141,77 +147,71 @@ TEST_CASE("the solver balances causal attention with multi-head attention, withi
   }
 }
 
-TEST_CASE("with a volume cap above the ring's, the solver balances causal grouped-query attention") {
-  // GQA 8:1: a QO move costs 4x a KV move, so balancing a causal mask needs more than the ring moves.
-  for (const index_t world : {8, 16}) {
-    CAPTURE(world);
-    const index_t seq_len = world * 8 * block_tokens, nb = seq_len / block_tokens;
-    const solver::problem p = solver::problem_from_selection(test::band_selection(seq_len, 8, 0, nb - 1, true), world, 8, 1);
-    CHECK_FALSE(solver::solve(p).feasible);  // within the ring's volume: not balanced
-    const solver::plan x = solver::solve(p, {1.10, 4.0});
-    check_plan(p, x, "causal, GQA 8:1, volume cap 4", 4.0);
+TEST_CASE("the solver balances causal, document and VS masks with GQA 8:1 at W = 64 within the ring's volume") {
+  // Issue 21's setting at a CI size: 64 ranks, 8 chunks of one block each per rank, a query chunk 8x
+  // as costly to move as a KV chunk (GQA 64:8 has the same ratio). With tasks only on their chunks'
+  // owners these stayed at 1.36-1.76 x the mean; a light rank running a busy rank's queries against
+  // KV chunks it holds or receives (third-rank tasks) brings them within 1.10.
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = 64, m = 8, seq_len = world * m * block_tokens, nb = seq_len / block_tokens;
+  const std::vector<std::pair<std::string, global_selection>> masks{
+      {"causal", test::band_selection(seq_len, 8, 0, nb - 1, true)},
+      {"causal documents", test::document_selection(rng, seq_len, 8)},
+      {"VS", test::random_selection(rng, seq_len, 8, true, 0.1, 0.02)}};
+  for (const auto& [name, g] : masks) {
+    CAPTURE(name);
+    const solver::problem p = solver::problem_from_selection(g, world, m, 1);
+    const solver::plan x = solver::solve(p);
+    check_plan(p, x, name);
     CHECK(x.feasible);
-    CHECK(double(solver::comm_volume(p, x)) <= 4.0 * double(p.ring_volume()));
-    MESSAGE("W ", world, ": max load / mean ", x.max_load_over_mean(), ", volume / ring ",
-            double(solver::comm_volume(p, x)) / double(p.ring_volume()));
+    CHECK(x.max_load_over_mean() <= 1.10);
+    CHECK(solver::comm_volume(p, x) <= p.ring_volume());
+    CHECK(third_rank_tasks(p, x) > 0);  // the balance comes from tasks away from both owners
+    MESSAGE(name, ": max load / mean ", x.max_load_over_mean(), ", volume / ring ", double(solver::comm_volume(p, x)) / double(p.ring_volume()),
+            ", third-rank tasks ", third_rank_tasks(p, x));
   }
 }
 
-TEST_CASE("the solver's search shortcuts are exact: an attempt runs the same over its range of budgets; the floor is a floor") {
-  // The binary search skips budgets on the strength of these: a wrong record in fits() or a floor
-  // set too high would change plans or lose the smallest feasible budget.
-  STRIA_SEEDED_RNG(rng);
-  const index_t world = 8, m = 4, seq_len = world * m * block_tokens * 2, nb = seq_len / block_tokens;
-  const std::vector<std::pair<std::string, solver::problem>> problems{
-      {"causal MHA", solver::problem_from_selection(test::band_selection(seq_len, 4, 0, nb - 1, true), world, m, 4)},
-      {"causal GQA", solver::problem_from_selection(test::band_selection(seq_len, 4, 0, nb - 1, true), world, m, 1)},
-      {"full", solver::problem_from_selection(test::band_selection(seq_len, 4, -(nb - 1), nb - 1, false), world, m, 4)},
-      {"causal documents", solver::problem_from_selection(test::document_selection(rng, seq_len, 4), world, m, 4)},
-      {"VS", solver::problem_from_selection(test::random_selection(rng, seq_len, 4, true, 0.1, 0.02), world, m, 2)}};
-  for (const auto& [name, p] : problems) {
-    CAPTURE(name);
-    const solver::detail::tables t(p);
-    solver::detail::attempt a(p, t, 1.10), b(p, t, 1.10);
-    const std::int64_t ring_budget = std::int64_t{world - 1} * m * p.kv_cost();
-    for (const std::int64_t k : {ring_budget / 3, ring_budget / 2, ring_budget, 2 * ring_budget}) {
-      CAPTURE(k);
-      a.run(k);
-      REQUIRE(a.complete());
-      CHECK(a.same_from() <= k);
-      CHECK(k < a.same_below());
-      const solver::plan x = a.finish();
-      b.run(a.same_from());
-      CHECK(same_plan(b.finish(), x));
-      const std::int64_t top = std::min(a.same_below() - 1, 4 * ring_budget);
-      b.run(top);
-      CHECK(same_plan(b.finish(), x));
-      // A run that only decides stops at the first move beyond K, and so does every run in its range.
-      b.run(k, true);
-      if (b.complete()) {
-        CHECK(same_plan(b.finish(), x));
-      } else {
-        CHECK_FALSE(x.feasible);  // it stopped at a move beyond K: the complete run has one too
-        const std::int64_t below = b.same_below();
-        b.run(std::min(below - 1, 4 * ring_budget), true);
-        CHECK_FALSE(b.complete());
-      }
-    }
-    // No budget below the floor places every task within it.
-    if (t.budget_floor > 0) {
-      a.run(t.budget_floor - 1);
-      CHECK_FALSE(a.balanced());
-    }
+TEST_CASE("a cap below the ring's volume is kept where the query owners' placement is within it") {
+  // Causal: every task on its query's owner moves about half of the ring's KV chunks; shedding adds
+  // QO moves and drops KV moves. A cap of 0.5 x the ring's must hold, balanced or not.
+  const index_t world = 16, m = 8, seq_len = world * m * block_tokens, nb = seq_len / block_tokens;
+  const solver::problem p = solver::problem_from_selection(test::band_selection(seq_len, 8, 0, nb - 1, true), world, m, 1);
+  for (const double cap : {0.5, 0.6, 1.0}) {
+    CAPTURE(cap);
+    const solver::plan x = solver::solve(p, {1.10, cap});
+    check_plan(p, x, "causal, GQA 8:1");
+    CHECK(double(solver::comm_volume(p, x)) <= cap * double(p.ring_volume()));
+    if (cap == 1.0) CHECK(x.feasible);
+    MESSAGE("cap ", cap, ": max load / mean ", x.max_load_over_mean(), ", volume / ring ", double(solver::comm_volume(p, x)) / double(p.ring_volume()),
+            ", feasible ", x.feasible);
   }
-  // For full attention the floor is the flat ring's per-rank volume (what the ring's moves need), so
-  // the search ends within its tolerance above it.
-  const solver::problem& full = problems[2].second;
-  const std::int64_t floor = solver::detail::tables(full).budget_floor;
-  CHECK(floor == std::int64_t{world - 1} * m * full.kv_cost());
-  const solver::plan x = solver::solve(full);
-  check_plan(full, x, "full");
-  CHECK(x.feasible);
-  CHECK(x.budget >= floor);
-  CHECK(x.budget - floor <= std::max(full.kv_cost() / 4, x.budget / 32));
+}
+
+TEST_CASE("hand-overs taken back leave the placement as it was") {
+  // The shedding tries a column and takes it back when it lifts the volume past the cap: the loads,
+  // the volume and the moves must then be exactly those before.
+  STRIA_SEEDED_RNG(rng);
+  const index_t world = 8, m = 4, seq_len = world * m * block_tokens;
+  const solver::problem p = solver::problem_from_selection(test::random_selection(rng, seq_len, 4, true, 0.2, 0.05), world, m, 1);
+  solver::detail::placement x(p);
+  x.place_on_query_owners();
+  const solver::plan before = x.finish();
+  const std::int64_t volume = x.volume();
+  CHECK(volume == solver::comm_volume(p, before));
+  std::size_t handed = 0;
+  for (index_t i = p.num_chunks() - m; i < p.num_chunks(); ++i)  // the last rank's rows to ranks 0 and 1
+    for (index_t j = 0; j < p.num_chunks(); ++j)
+      if (p.at(i, j) > 0) x.hand_over(i, j, (i + j) % 2), ++handed;
+  REQUIRE(handed > 0);
+  const solver::plan moved = x.finish();
+  check_plan(p, moved, "handed over");
+  CHECK(moved.load != before.load);
+  x.take_back(0);
+  const solver::plan back = x.finish();
+  CHECK(same_plan(back, before));
+  CHECK(x.volume() == volume);
+  CHECK(back.max_rank_traffic == before.max_rank_traffic);
 }
 
 TEST_CASE("the solver refuses bad problems with the field, the value and the rule") {

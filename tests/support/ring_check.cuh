@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -228,6 +229,19 @@ solver::plan check_solver(const global_problem<T>& p, index_t world, index_t chu
                             device::determinism::atomic, st, transfer);
   });
   return plan;
+}
+
+/// The tasks of a plan that run on a rank owning neither of their chunks (both moved there).
+inline std::size_t third_rank_tasks(const solver::plan& plan) {
+  std::size_t n = 0;
+  for (std::size_t r = 0; r < plan.remote_tasks.size(); ++r)
+    for (const solver::task& t : plan.remote_tasks[r]) {
+      const auto moved_here = [&](solver::chunk_move::kind what, index_t chunk) {
+        return std::binary_search(plan.moves.begin(), plan.moves.end(), solver::chunk_move{what, chunk, static_cast<index_t>(r)});
+      };
+      n += moved_here(solver::chunk_move::kind::qo, t.query_chunk) && moved_here(solver::chunk_move::kind::kv, t.kv_chunk);
+    }
+  return n;
 }
 
 /// Whether some chunk of the plan moves to two or more ranks (its partial results come back from each).

@@ -3,11 +3,12 @@
 // and key/value chunks both move, on a device communicator (comm::local_device, comm::nccl).
 // Sequential sharding: rank r holds chunks [r m, (r + 1) m), whose rows are contiguous in its
 // token-major tensors, so a chunk travels as it lies. Forward: the plan's moves are posted in one
-// group on the transfer stream while the local tasks compute (stage 0); the remote tasks follow once
-// the moves have arrived (stage 1); each moved query chunk's fp32 partial O and LSE then go back to
-// the chunk's owner, which merges them into its running state. Backward: Q, dO, LSE and delta
-// travel with a moved query chunk; its dQ and a moved KV chunk's fp32 dK/dV go back and are added
-// by their owners. host/solver_attention.hpp is the same algorithm on the host (the tests' oracle).
+// group on the transfer stream while the local tasks compute (stage 0); the remote tasks (one chunk
+// the rank's own, or both moved there) follow once the moves have arrived (stage 1); each moved
+// query chunk's fp32 partial O and LSE then go back to the chunk's owner, which merges them into
+// its running state. Backward: Q, dO, LSE and delta travel with a moved query chunk; its dQ and a
+// moved KV chunk's fp32 dK/dV go back and are added by their owners. host/solver_attention.hpp is
+// the same algorithm on the host (the tests' oracle).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -196,16 +197,16 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   const auto& remote_tasks = plan.remote_tasks[static_cast<std::size_t>(rank)];
   for (std::size_t t = 0; t < remote_tasks.size(); ++t) {
     const solver::task& task = remote_tasks[t];
+    // Each chunk is this rank's own or moved here (both moved: a third rank's work).
+    if (!me.owns(task.kv_chunk) && !moved_kv.contains(task.kv_chunk)) throw me.missing_move("KV", task.kv_chunk);
+    const auto [kc, vc] = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : arrived_kv(task.kv_chunk);
     if (me.owns(task.query_chunk)) {
-      if (!moved_kv.contains(task.kv_chunk)) throw me.missing_move("KV", task.kv_chunk);
-      const auto [kc, vc] = arrived_kv(task.kv_chunk);
       const auto [o, l] = own_state(task.query_chunk);
       sparse_forward(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                      running_state::merge, stream);
     } else {
       const auto it = moved_q.find(task.query_chunk);
-      if (it == moved_q.end() || !me.owns(task.kv_chunk)) throw me.missing_move("query", task.query_chunk);
-      const auto [kc, vc] = own_kv(task.kv_chunk);
+      if (it == moved_q.end()) throw me.missing_move("query", task.query_chunk);
       sparse_forward(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
                      tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}), tensor_view<float, 2>(it->second.lse.data(), {hq, ct}),
                      running_state::merge, stream);
@@ -367,26 +368,26 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   for (std::size_t t = 0; t < local_tasks.size(); ++t) run(indices.local[t], own_query(local_tasks[t].query_chunk), own_kv(local_tasks[t].kv_chunk));
   arrived.make_wait(stream);
   const auto& remote_tasks = plan.remote_tasks[static_cast<std::size_t>(rank)];
-  for (std::size_t t = 0; t < remote_tasks.size(); ++t) {
+  const auto moved_kv_side = [&](index_t c) {
+    const auto it = moved_k.find(c);
+    if (it == moved_k.end()) throw me.missing_move("KV", c);
+    const T* kv = it->second.kv.data();
+    float* g = it->second.dkv.data();
+    return kv_side{tensor_view<const T, 3>(kv, {ct, hkv, dim}), tensor_view<const T, 3>(kv + kv_elems, {ct, hkv, dim}),
+                   tensor_view<float, 3>(g, {ct, hkv, dim}), tensor_view<float, 3>(g + kv_elems, {ct, hkv, dim})};
+  };
+  const auto moved_query_side = [&](index_t c) {
+    const auto it = moved_q.find(c);
+    if (it == moved_q.end()) throw me.missing_move("query", c);
+    const moved_query& mq = it->second;
+    return query_side{tensor_view<const T, 3>(mq.q_dout.data(), {ct, hq, dim}), tensor_view<const T, 3>(mq.q_dout.data() + q_elems, {ct, hq, dim}),
+                      tensor_view<const float, 2>(mq.lse_delta.data(), {hq, ct}), tensor_view<const float, 2>(mq.lse_delta.data() + lse_elems, {hq, ct}),
+                      tensor_view<float, 3>(mq.dq.data(), {ct, hq, dim})};
+  };
+  for (std::size_t t = 0; t < remote_tasks.size(); ++t) {  // each chunk its own or moved here (both: a third rank's work)
     const solver::task& task = remote_tasks[t];
-    if (me.owns(task.query_chunk)) {
-      const auto it = moved_k.find(task.kv_chunk);
-      if (it == moved_k.end()) throw me.missing_move("KV", task.kv_chunk);
-      const T* kv = it->second.kv.data();
-      float* g = it->second.dkv.data();
-      run(indices.remote[t], own_query(task.query_chunk),
-          kv_side{tensor_view<const T, 3>(kv, {ct, hkv, dim}), tensor_view<const T, 3>(kv + kv_elems, {ct, hkv, dim}),
-                  tensor_view<float, 3>(g, {ct, hkv, dim}), tensor_view<float, 3>(g + kv_elems, {ct, hkv, dim})});
-    } else {
-      const auto it = moved_q.find(task.query_chunk);
-      if (it == moved_q.end() || !me.owns(task.kv_chunk)) throw me.missing_move("query", task.query_chunk);
-      const moved_query& mq = it->second;
-      run(indices.remote[t],
-          query_side{tensor_view<const T, 3>(mq.q_dout.data(), {ct, hq, dim}), tensor_view<const T, 3>(mq.q_dout.data() + q_elems, {ct, hq, dim}),
-                     tensor_view<const float, 2>(mq.lse_delta.data(), {hq, ct}),
-                     tensor_view<const float, 2>(mq.lse_delta.data() + lse_elems, {hq, ct}), tensor_view<float, 3>(mq.dq.data(), {ct, hq, dim})},
-          own_kv(task.kv_chunk));
-    }
+    const kv_side ks = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : moved_kv_side(task.kv_chunk);
+    run(indices.remote[t], me.owns(task.query_chunk) ? own_query(task.query_chunk) : moved_query_side(task.query_chunk), ks);
   }
 
   // 4. Gradients home, in plan order; the owners add them in fp32.

@@ -2,7 +2,8 @@
 // Host execution of a dynamic solver plan (DESIGN 9): one rank's part of attention when query/output
 // and key/value chunks both move. Sequential sharding: rank r holds chunks [r m, (r + 1) m).
 // Forward: the rank sends the chunks the plan moves (K and V, or Q), computes its local tasks
-// (stage 0), receives what moved to it, computes its remote tasks (stage 1), and returns each moved
+// (stage 0), receives what moved to it, computes its remote tasks (stage 1: one chunk its own, or
+// both moved there), and returns each moved
 // query chunk's partial O and LSE to the chunk's owner, which merges them into its fp32 running
 // state. Backward: Q, O, dO and LSE travel with a moved query chunk; the dQ of a moved query chunk
 // and the fp32 dK/dV of a moved KV chunk go back to their owners and are added there. The oracle for
@@ -146,16 +147,19 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     }
   }
 
-  // 4. Stage 1: the remote tasks.
+  // 4. Stage 1: the remote tasks. Each chunk is this rank's own or moved here; a task may use two
+  // moved chunks (a third rank's work: the query's partial goes home like any moved query's).
   for (const solver::task& t : plan.remote_tasks[static_cast<std::size_t>(rank)]) {
+    const std::vector<float>* kv_chunk = nullptr;
+    if (me.owns(t.kv_chunk)) kv_chunk = &own_kv_chunk(t.kv_chunk);
+    else if (const auto kv = moved_kv.find(t.kv_chunk); kv != moved_kv.end()) kv_chunk = &kv->second;
+    else throw me.missing_move("KV", t.kv_chunk);
     if (me.owns(t.query_chunk)) {
-      const auto kv = moved_kv.find(t.kv_chunk);
-      if (kv == moved_kv.end()) throw me.missing_move("KV", t.kv_chunk);
-      run_task(t, own_query(t.query_chunk), kv->second, running.at(t.query_chunk));
+      run_task(t, own_query(t.query_chunk), *kv_chunk, running.at(t.query_chunk));
     } else {
       const auto qc = moved_q.find(t.query_chunk);
-      if (qc == moved_q.end() || !me.owns(t.kv_chunk)) throw me.missing_move("query", t.query_chunk);
-      run_task(t, qc->second, own_kv_chunk(t.kv_chunk), returned.at(t.query_chunk));
+      if (qc == moved_q.end()) throw me.missing_move("query", t.query_chunk);
+      run_task(t, qc->second, *kv_chunk, returned.at(t.query_chunk));
     }
   }
 
@@ -264,16 +268,26 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     }
   }
 
-  // 4. Stage 1: the remote tasks.
+  // 4. Stage 1: the remote tasks; each chunk's gradient goes to its owner's sum or to the moved
+  // chunk's sum here (sent home below). A task may use two moved chunks.
   for (const solver::task& t : plan.remote_tasks[static_cast<std::size_t>(rank)]) {
+    const std::vector<float>* kv_chunk = nullptr;
+    std::vector<float>* dkv_into = nullptr;
+    if (me.owns(t.kv_chunk)) {
+      kv_chunk = &own_kv_chunk(t.kv_chunk);
+      dkv_into = &dkv_sum.at(t.kv_chunk);
+    } else if (const auto kv = moved_kv.find(t.kv_chunk); kv != moved_kv.end()) {
+      kv_chunk = &kv->second;
+      dkv_into = &dkv_home.at(t.kv_chunk);
+    } else {
+      throw me.missing_move("KV", t.kv_chunk);
+    }
     if (me.owns(t.query_chunk)) {
-      const auto kv = moved_kv.find(t.kv_chunk);
-      if (kv == moved_kv.end()) throw me.missing_move("KV", t.kv_chunk);
-      run_task(t, own_query(t.query_chunk), kv->second, dq_sum.at(t.query_chunk), dkv_home.at(t.kv_chunk));
+      run_task(t, own_query(t.query_chunk), *kv_chunk, dq_sum.at(t.query_chunk), *dkv_into);
     } else {
       const auto qs = moved_q.find(t.query_chunk);
-      if (qs == moved_q.end() || !me.owns(t.kv_chunk)) throw me.missing_move("query", t.query_chunk);
-      run_task(t, qs->second, own_kv_chunk(t.kv_chunk), dq_home.at(t.query_chunk), dkv_sum.at(t.kv_chunk));
+      if (qs == moved_q.end()) throw me.missing_move("query", t.query_chunk);
+      run_task(t, qs->second, *kv_chunk, dq_home.at(t.query_chunk), *dkv_into);
     }
   }
 

@@ -2,23 +2,29 @@
 // The dynamic attention solver (DESIGN 9, after MagiAttention's dispatch solver). Sharding is
 // sequential: rank r owns chunks [r m, (r + 1) m) of the sequence (m chunks per rank), as query/output
 // chunks and as key/value chunks. A task (i, j) is query chunk i against KV chunk j, weighted by its
-// active entries; it runs on a rank that holds both, which for a task of two ranks' chunks means a
-// move: KV chunk j to the owner of i, or QO chunk i to the owner of j (its partial O comes back).
-// The solver picks the moves (edges) and each task's rank so that every load stays within mu x the
-// mean while the busiest rank's traffic stays small:
-//  1. binary search over the per-rank budget K (what a rank may send, and receive), feasible when
-//     the loads fit and the total stays within the flat ring's volume (times options.volume_cap);
-//     it starts above a floor no feasible K can be below, and skips the budgets at which an
-//     attempt would run exactly as one already made;
-//  2. greedy edge selection by unlocked work / cost within K (an edge unlocks the tasks it makes
-//     runnable somewhere; a task unlocked by one edge no longer counts for its other edge);
-//  3. assignment by (fewest candidate ranks, largest area): on the query's owner when it has room,
-//     else on the least loaded candidate;
-//  4. refinement: tasks leave ranks above mu x mean, largest first, for their other owner when it
-//     has room, adding the edge that allows it if it fits within K.
-// Candidate ranks are a task's two owners (a third rank would need two moves for one task). Every
-// plan places every task; none moves more than the cap allows (by default the flat ring's volume).
-// Deterministic.
+// active entries; it runs on any rank that holds both chunks, its own or moved there: KV chunk j to
+// the rank (its dK/dV come back), QO chunk i to the rank (its partial O/LSE, or dQ, come back).
+// The solver places every task so that every load stays within mu x the mean, moving in all no
+// more than the flat ring does (every KV chunk to every other rank, times options.volume_cap):
+//  1. every task on its query's owner, each rank fetching the KV chunks its rows need (a subset
+//     of what the flat ring moves): under sequential sharding the loads follow the mask (causal:
+//     the last rank has ~2W x the first's), the volume is at most the ring's;
+//  2. shedding: each rank above the fill level (halfway between the mean and mu x mean), busiest
+//     first, hands work to the least loaded rank below it until it is down to the level or that
+//     rank is full, then to the next. What moves is the busy rank's column pieces: all its tasks
+//     (i, j) of one KV chunk j. The light rank receives the busy rank's query chunks once (QO
+//     moves) and each piece's KV chunk unless it holds it already; the busy rank no longer needs
+//     KV chunk j (its move there is dropped). So pieces go in the order of what they cost: KV chunks
+//     the light rank holds first (net one move less), then chunks of third ranks (net none), the
+//     busy rank's own chunks last (one more); larger pieces first. A piece larger than what is left
+//     to hand over goes task by task. Moves that would lift the total past the cap are not made;
+//  3. a second pass at mu x mean itself for any rank still above it.
+// A task may thus run on a third rank (query and KV chunks both moved there): that is what lets a
+// causal or document mask balance with GQA, where a query chunk costs (Hq / Hkv) x a KV chunk to
+// move (Q there and O back), and a task can leave a rank only if the rank that takes it holds, or
+// is sent, the KV chunks the task needs. The pieces are a rank's whole columns, so a busy rank that
+// gives away columns also stops receiving those KV chunks: for causal masks at W = 64 the plan moves
+// less than the query-owner placement of step 1. Deterministic.
 // A task spans all heads (DESIGN 9's optional head groups are not used). Where the mask is the same
 // in every head, a head group's task has 1/G of the area and its moves 1/G of the cost: groups only
 // make tasks finer, which chunks_per_rank does too (and, unlike groups, with moves that shrink where
@@ -27,7 +33,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -134,7 +139,7 @@ struct task {
 /// partial O/LSE to the query's owner after stage 1).
 struct plan {
   bool feasible = false;
-  std::int64_t budget = 0;                      // the per-rank budget K of the plan
+  std::int64_t max_rank_traffic = 0;            // the most one rank sends or receives (a QO move: Q, then O)
   std::vector<std::vector<task>> local_tasks;   // [W]
   std::vector<std::vector<task>> remote_tasks;  // [W]
   std::vector<chunk_move> moves;                // sorted, unique
@@ -156,467 +161,246 @@ inline std::int64_t comm_volume(const problem& p, const plan& x) {
 
 namespace detail {
 
-/// What every attempt of one solve starts from, computed once: each edge's unplaced area before any
-/// task is placed (the tasks of two ranks' chunks it would unlock: a KV edge j -> r, column j over
-/// r's rows; a QO edge i -> r, row i over r's columns), laid out [kind, chunk, rank]; the total area;
-/// a floor under the budget.
-struct tables {
-  std::vector<std::int64_t> unplaced;
-  std::int64_t total = 0;
-
-  explicit tables(const problem& p) {
-    const auto c = static_cast<std::size_t>(p.num_chunks()), w = static_cast<std::size_t>(p.world_size),
-               m = static_cast<std::size_t>(p.chunks_per_rank);
-    unplaced.assign(2 * c * w, 0);
-    for (std::size_t chunk = 0; chunk < c; ++chunk)
-      for (std::size_t r = 0; r < w; ++r) {
-        if (r == chunk / m) continue;  // no edge to the chunk's own rank
-        std::int64_t kv = 0, qo = 0;
-        for (std::size_t k = r * m; k < (r + 1) * m; ++k) kv += p.area[k * c + chunk], qo += p.area[chunk * c + k];
-        unplaced[chunk * w + r] = kv;
-        unplaced[(c + chunk) * w + r] = qo;
-      }
-    total = std::accumulate(p.area.begin(), p.area.end(), std::int64_t{0});
-
-    // A floor under every feasible budget: the tasks of two ranks' chunks need moves, a move
-    // unlocks at most its edge's area, and the moves' total cost is what the ranks receive in all
-    // (at most W x K). So K >= remote area / (the densest edge's area per unit of cost) / W.
-    std::int64_t local = 0;
-    for (std::size_t r = 0; r < w; ++r)
-      for (std::size_t i = r * m; i < (r + 1) * m; ++i)
-        for (std::size_t j = r * m; j < (r + 1) * m; ++j) local += p.area[i * c + j];
-    double densest = 0;
-    for (std::size_t e = 0; e < unplaced.size(); ++e)
-      densest = std::max(densest, double(unplaced[e]) / double(p.move_cost(e < c * w ? chunk_move::kind::kv : chunk_move::kind::qo)));
-    if (total > local && densest > 0)  // a hair below the bound, so rounding never lifts it past a feasible K
-      budget_floor = static_cast<std::int64_t>(std::ceil(double(total - local) / densest / double(w) * (1 - 1e-9)));
-  }
-
-  std::int64_t budget_floor = 0;  // no budget below it can place every task within it
-};
-
-/// The solver's working state at one budget K.
-class attempt {
+/// Where every task runs, the moves that needs (with how many placed tasks use each), the loads
+/// and what every rank sends and receives. A task runs on its query's owner unless it was handed
+/// over to another rank: those are listed (in order, so the latest can be taken back) and marked in
+/// a bit per task; nothing of size C^2 is written per solve but these bits.
+class placement {
  public:
-  attempt(const problem& p, const tables& t, double mu)
-      : p_(&p), t_(&t), c_(p.num_chunks()), w_(p.world_size), limit_(mu * double(t.total) / double(w_)),
-        kv_at_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_)), qo_at_(kv_at_.size()), kv_use_(kv_at_.size()),
-        qo_use_(kv_at_.size()), send_(static_cast<std::size_t>(w_)), recv_(send_.size()), load_(send_.size()),
-        where_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_)), owner_(static_cast<std::size_t>(c_)) {
-    for (index_t chunk = 0; chunk < c_; ++chunk) owner_[static_cast<std::size_t>(chunk)] = p.owner(chunk);
+  explicit placement(const problem& p)
+      : p_(&p), c_(p.num_chunks()), w_(p.world_size), m_(p.chunks_per_rank),
+        moved_bits_((static_cast<std::size_t>(c_) * static_cast<std::size_t>(c_) + 63) / 64, 0),
+        kv_use_(static_cast<std::size_t>(c_) * static_cast<std::size_t>(w_), 0), qo_use_(kv_use_.size(), 0),
+        load_(static_cast<std::size_t>(w_), 0), send_(load_.size(), 0), recv_(load_.size(), 0), tasks_(load_.size(), 0),
+        owner_(static_cast<std::size_t>(c_)) {
+    for (index_t chunk = 0; chunk < c_; ++chunk) owner_[static_cast<std::size_t>(chunk)] = chunk / m_;
   }
 
-  /// One attempt at budget K, from scratch (the storage is reused: the search runs several). With
-  /// `decide_only`, it stops as soon as a move beyond K makes it infeasible (no plan can be made of
-  /// it then; what it ran is the run at any budget in [K, same_below())).
-  void run(std::int64_t budget, bool decide_only = false) {
-    budget_ = budget;
-    decide_only_ = decide_only;
-    complete_ = false;
-    over_budget_ = false;
-    largest_fit_ = 0;
-    smallest_misfit_ = std::numeric_limits<std::int64_t>::max();
-    for (auto* v : {&kv_at_, &qo_at_}) std::fill(v->begin(), v->end(), 0);
-    for (auto* v : {&kv_use_, &qo_use_}) std::fill(v->begin(), v->end(), 0);
-    for (auto* v : {&send_, &recv_, &load_}) std::fill(v->begin(), v->end(), 0);
-    std::fill(where_.begin(), where_.end(), -1);
-    unplaced_ = t_->unplaced;
-    select_edges();
-    if (!assign()) return;
-    refine();
-    complete_ = true;
-  }
-
-  /// Whether the run went to the end (a stopped one is infeasible, and has no plan).
-  [[nodiscard]] bool complete() const { return complete_; }
-  /// The run at K is the run at every K' in [same_from(), same_below()): K only enters through
-  /// fits(), whose every answer stays the same there (what fitted is at most same_from(), what did
-  /// not is at least same_below()). The search uses it to skip budgets that cannot change a thing.
-  [[nodiscard]] std::int64_t same_from() const { return largest_fit_; }
-  [[nodiscard]] std::int64_t same_below() const { return smallest_misfit_; }
-
-  /// Loads within the limit and no move beyond K.
-  [[nodiscard]] bool balanced() const {
-    return !over_budget_ && double(*std::max_element(load_.begin(), load_.end())) <= limit_ * (1 + 1e-12);
-  }
-  /// What the moves in use send in total (comm_volume of the plan finish() gives).
-  [[nodiscard]] std::int64_t volume() const {
-    std::int64_t v = 0;
-    for (std::size_t s = 0; s < kv_use_.size(); ++s)
-      v += (kv_use_[s] > 0 ? p_->move_cost(chunk_move::kind::kv) : 0) + (qo_use_[s] > 0 ? p_->move_cost(chunk_move::kind::qo) : 0);
-    return v;
-  }
-
- private:
-  struct edge {
-    chunk_move::kind what;
-    index_t chunk, rank;
-  };
-
-  [[nodiscard]] index_t owner_of(index_t chunk) const { return owner_[static_cast<std::size_t>(chunk)]; }
-  [[nodiscard]] std::size_t task_at(index_t i, index_t j) const { return static_cast<std::size_t>(i) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(j); }
-  [[nodiscard]] std::int64_t area_of(std::size_t task) const { return p_->area[task]; }
-  [[nodiscard]] std::size_t slot(index_t chunk, index_t rank) const { return static_cast<std::size_t>(chunk) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(rank); }
-  [[nodiscard]] bool has_kv(index_t j, index_t r) const { return owner_of(j) == r || kv_at_[slot(j, r)]; }
-  [[nodiscard]] bool has_qo(index_t i, index_t r) const { return owner_of(i) == r || qo_at_[slot(i, r)]; }
-  [[nodiscard]] bool runnable(index_t i, index_t j, index_t r) const { return has_qo(i, r) && has_kv(j, r); }
-
-  /// Per-rank volumes of an edge: the owner sends the chunk (and receives the O back for QO).
-  void edge_costs(const edge& e, std::int64_t& owner_send, std::int64_t& owner_recv, std::int64_t& dest_send, std::int64_t& dest_recv) const {
-    if (e.what == chunk_move::kind::kv) {
-      owner_send = dest_recv = p_->kv_cost();
-      owner_recv = dest_send = 0;
-    } else {
-      owner_send = owner_recv = dest_send = dest_recv = p_->qo_cost();
-    }
-  }
-  /// Whether `e` fits within K: the largest of the four per-rank volumes it would make is at most
-  /// K. The only place K is read; it records the largest volume that fitted and the smallest that
-  /// did not (see same_from).
-  [[nodiscard]] bool fits(const edge& e) {
-    std::int64_t os, orc, ds, dr;
-    edge_costs(e, os, orc, ds, dr);
-    const auto o = static_cast<std::size_t>(owner_of(e.chunk)), d = static_cast<std::size_t>(e.rank);
-    const std::int64_t worst = std::max({send_[o] + os, recv_[o] + orc, send_[d] + ds, recv_[d] + dr});
-    if (worst <= budget_) {
-      largest_fit_ = std::max(largest_fit_, worst);
-      return true;
-    }
-    smallest_misfit_ = std::min(smallest_misfit_, worst);
-    return false;
-  }
-  void add_edge(const edge& e, int sign = +1) {
-    std::int64_t os, orc, ds, dr;
-    edge_costs(e, os, orc, ds, dr);
-    const auto o = static_cast<std::size_t>(owner_of(e.chunk)), d = static_cast<std::size_t>(e.rank);
-    send_[o] += sign * os;
-    recv_[o] += sign * orc;
-    send_[d] += sign * ds;
-    recv_[d] += sign * dr;
-    (e.what == chunk_move::kind::kv ? kv_at_ : qo_at_)[slot(e.chunk, e.rank)] = sign > 0;
-  }
-  [[nodiscard]] std::int64_t cost(const edge& e) const { return p_->move_cost(e.what); }
-
-  /// The unplaced tasks an edge makes runnable on its rank, f(i, j, area): a KV edge (j -> r) the
-  /// tasks (i, j) with i owned by r (column j); a QO edge (i -> r) the tasks (i, j) with j owned by
-  /// r (row i).
-  template <class F>
-  void for_each_unplaced_task(const edge& e, F&& f) const {
-    const bool kv = e.what == chunk_move::kind::kv;
-    const index_t first = e.rank * p_->chunks_per_rank, last = first + p_->chunks_per_rank;
-    for (index_t k = first; k < last; ++k) {
-      const std::size_t t = kv ? task_at(k, e.chunk) : task_at(e.chunk, k);
-      if (const std::int64_t a = area_of(t); where_[t] < 0 && a > 0) {
-        if (kv) f(k, e.chunk, a);
-        else f(e.chunk, k, a);
-      }
-    }
-  }
-
-  [[nodiscard]] double room(index_t r) const { return limit_ - double(load_[static_cast<std::size_t>(r)]); }
-
-  /// An edge's position among all edges, (kind, chunk, rank) in order.
-  [[nodiscard]] std::size_t edge_id(const edge& e) const {
-    return (static_cast<std::size_t>(e.what) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(e.chunk)) * static_cast<std::size_t>(w_) +
-           static_cast<std::size_t>(e.rank);
-  }
-  /// A task of two ranks' chunks is unlocked by two edges (its KV to the query's owner, its QO to
-  /// the KV's owner); each edge keeps the sum of its unplaced tasks' areas, updated as tasks are
-  /// placed and taken off, so scoring an edge costs O(1).
-  void count_unplaced(index_t i, index_t j, std::int64_t change) {
-    const index_t qi = owner_of(i), kj = owner_of(j);
-    if (qi == kj) return;
-    unplaced_[edge_id({chunk_move::kind::kv, j, qi})] += change;
-    unplaced_[edge_id({chunk_move::kind::qo, i, kj})] += change;
-  }
-
-  /// Steps 2 and 3 together: greedy edges by the work they unlock where it fits (unplaced tasks that
-  /// the edge makes runnable, up to the rank's room below mu x mean) per unit of cost, within K; an
-  /// accepted edge's tasks are placed on its rank, largest first, while there is room. Both the work
-  /// and the room only shrink, so a max-heap with lazy re-scoring is exact. Local tasks are placed
-  /// first (they have one candidate).
-  void select_edges() {
-    for (index_t r = 0; r < w_; ++r)  // the local tasks: both chunks rank r's
-      for (index_t i = r * p_->chunks_per_rank; i < (r + 1) * p_->chunks_per_rank; ++i)
-        for (index_t j = r * p_->chunks_per_rank; j < (r + 1) * p_->chunks_per_rank; ++j)
-          if (const std::int64_t a = area_of(task_at(i, j)); a > 0) place(i, j, r, a);
-    // Work that can land, weighted by how empty the rank still is: edges toward lightly loaded
-    // ranks come first, so the busy ranks' chunks travel to where there is room.
-    auto work = [&](const edge& e) {
-      const double free = std::max(0.0, room(e.rank));
-      return std::min(double(unplaced_[edge_id(e)]), free) * (free / limit_);
-    };
-    // Edges in score buckets, highest first: a bucket is a float score's exponent and its top two
-    // mantissa bits (four buckets an octave, neighbours 14-25% apart). Scores only fall (the
-    // unplaced work and the rank's room only shrink), so a popped edge is re-scored and either taken
-    // (still in its bucket: near the best) or moved down to its new bucket: O(1) per move instead of
-    // a heap's O(log n). Deterministic (ids enter in order, each bucket is a stack).
-    constexpr int depth = 400;  // 100 octaves below the best initial score; lower scores share the last
-    const auto bucket_of = [&](double score, int top_bucket) {
-      const int b = static_cast<int>(std::bit_cast<std::uint32_t>(static_cast<float>(score)) >> 21);
-      return std::max(b, top_bucket - depth + 1);
-    };
-    std::vector<std::uint32_t> ids;
-    std::vector<double> scores;
-    for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
-      for (index_t chunk = 0; chunk < c_; ++chunk)
-        for (index_t r = 0; r < w_; ++r) {
-          if (r == owner_of(chunk)) continue;
-          const edge e{what, chunk, r};
-          if (const double u = work(e); u > 0) {
-            ids.push_back(static_cast<std::uint32_t>(edge_id(e)));
-            scores.push_back(u / double(cost(e)));
-          }
-        }
-    if (ids.empty()) return;
-    const int top_bucket = static_cast<int>(std::bit_cast<std::uint32_t>(static_cast<float>(*std::max_element(scores.begin(), scores.end()))) >> 21);
-    std::vector<std::vector<std::uint32_t>> buckets(depth);  // buckets[top_bucket - b]
-    for (std::size_t i = ids.size(); i-- > 0;) buckets[static_cast<std::size_t>(top_bucket - bucket_of(scores[i], top_bucket))].push_back(ids[i]);
-    const auto edge_of = [&](std::uint32_t id) {
-      const auto w = static_cast<std::uint32_t>(w_), c = static_cast<std::uint32_t>(c_);
-      return edge{static_cast<chunk_move::kind>(id / (w * c)), static_cast<index_t>(id / w % c), static_cast<index_t>(id % w)};
-    };
-    struct unlocked {
-      std::int64_t area;
-      index_t i, j;
-    };
-    std::vector<unlocked> order;
-    for (std::size_t level = 0; level < buckets.size(); ++level) {
-      std::vector<std::uint32_t>& here = buckets[level];
-      while (!here.empty()) {
-        const std::uint32_t id = here.back();
-        here.pop_back();
-        const edge e = edge_of(id);
-        const double u = work(e);
-        if (u <= 0 || !fits(e)) continue;  // budgets only fill up: an edge that does not fit never will
-        const auto now = static_cast<std::size_t>(top_bucket - bucket_of(u / double(cost(e)), top_bucket));
-        if (now > level) {  // fell below this bucket: wait there
-          buckets[now].push_back(id);
-          continue;
-        }
-        add_edge(e);
-        order.clear();
-        for_each_unplaced_task(e, [&](index_t i, index_t j, std::int64_t a) { order.push_back({a, i, j}); });
-        // Largest first, ties in task order (the walk's): an insertion sort (at most m entries; no
-        // buffer to allocate).
-        for (std::size_t k = 1; k < order.size(); ++k)
-          for (std::size_t x = k; x > 0 && order[x - 1].area < order[x].area; --x) std::swap(order[x - 1], order[x]);
-        for (const unlocked& t : order)
-          if (double(t.area) <= room(e.rank)) place(t.i, t.j, e.rank, t.area);
-      }
-    }
-  }
-
-  /// Step 3 for what is left: each unplaced task, by (fewest candidates, largest area), on the least
-  /// loaded rank that can run it, adding the cheaper edge that fits within K if none can yet; if no
-  /// edge fits, on its query's owner with its KV moved beyond K (the plan is then infeasible).
-  /// Returns false when it stopped early (decide_only and a move went beyond K).
-  bool assign() {
-    std::vector<pending>& tasks = pending_;
-    tasks.clear();
-    for (index_t i = 0; i < c_; ++i)
-      for (index_t j = 0; j < c_; ++j)
-        if (const std::size_t t = task_at(i, j); area_of(t) > 0 && where_[t] < 0)
-          tasks.push_back({int(runnable(i, j, owner_of(i))) + int(runnable(i, j, owner_of(j))), area_of(t), i, j});
-    std::stable_sort(tasks.begin(), tasks.end(), [](const pending& a, const pending& b) {
-      return a.candidates != b.candidates ? a.candidates < b.candidates : a.area > b.area;
-    });
-    for (const pending& t : tasks) {
-      index_t best = -1;
-      for (const index_t r : {owner_of(t.i), owner_of(t.j)}) {
-        const bool can = runnable(t.i, t.j, r) || fits(needed_edge(t.i, t.j, r));
-        if (can && (best < 0 || load_[static_cast<std::size_t>(r)] < load_[static_cast<std::size_t>(best)])) best = r;
-      }
-      if (best < 0) {  // nothing fits within K: where its query lives, its KV moved over the budget
-        best = owner_of(t.i);
-        over_budget_ = true;
-        if (decide_only_) return false;
-      }
-      if (!runnable(t.i, t.j, best)) add_edge(needed_edge(t.i, t.j, best));
-      place(t.i, t.j, best, t.area);
-    }
-    return true;
-  }
-
-  /// Task (i, j) of area `area` (the caller has it at hand: one random read less) on rank r.
-  void place(index_t i, index_t j, index_t r, std::int64_t area) {
-    where_[task_at(i, j)] = r;
-    load_[static_cast<std::size_t>(r)] += area;
-    count_unplaced(i, j, -area);
-    if (owner_of(j) != r) ++kv_use_[slot(j, r)];
-    if (owner_of(i) != r) ++qo_use_[slot(i, r)];
-  }
-
-  /// Takes (i, j) off its rank; a moved chunk no placed task uses any more goes back (its budget is free).
-  void unplace(index_t i, index_t j) {
+  [[nodiscard]] index_t owner(index_t chunk) const { return owner_[static_cast<std::size_t>(chunk)]; }
+  [[nodiscard]] std::int64_t area(index_t i, index_t j) const { return p_->area[task_at(i, j)]; }
+  /// Whether (i, j) was handed over (it no longer runs on its query's owner).
+  [[nodiscard]] bool moved(index_t i, index_t j) const {
     const std::size_t t = task_at(i, j);
-    const index_t r = where_[t];
-    where_[t] = -1;
-    load_[static_cast<std::size_t>(r)] -= area_of(t);
-    count_unplaced(i, j, area_of(t));
-    if (owner_of(j) != r && --kv_use_[slot(j, r)] == 0) add_edge({chunk_move::kind::kv, j, r}, -1);
-    if (owner_of(i) != r && --qo_use_[slot(i, r)] == 0) add_edge({chunk_move::kind::qo, i, r}, -1);
+    return (moved_bits_[t / 64] >> (t % 64)) & 1U;
+  }
+  [[nodiscard]] std::int64_t load(index_t r) const { return load_[static_cast<std::size_t>(r)]; }
+  [[nodiscard]] const std::vector<std::int64_t>& loads() const { return load_; }
+  [[nodiscard]] std::int64_t volume() const { return volume_; }
+  [[nodiscard]] std::size_t handed_over() const { return moved_.size(); }
+  /// Whether rank r holds KV chunk j: its own, or moved there for a placed task.
+  [[nodiscard]] bool holds_kv(index_t j, index_t r) const { return owner(j) == r || kv_use_[slot(j, r)] > 0; }
+  /// The most any rank sends or receives.
+  [[nodiscard]] std::int64_t busiest_traffic() const {
+    return std::max(*std::max_element(send_.begin(), send_.end()), *std::max_element(recv_.begin(), recv_.end()));
   }
 
-  /// Step 4: off ranks above the limit, largest task first, to its other owner when that has room;
-  /// the edge it needs is added if it fits within K.
-  void refine() {
-    for (bool moved = true; moved;) {
-      moved = false;
-      for (index_t r = 0; r < w_; ++r) {
-        if (double(load_[static_cast<std::size_t>(r)]) <= limit_) continue;
-        // r's tasks of two ranks (its chunks' rows and columns), largest first, each tried once.
-        std::vector<movable>& mine = movable_;
-        mine.clear();
-        // Only tasks whose other owner has room for them now: while r sheds tasks the other ranks'
-        // loads only grow, so a task left out here could not move later in this pass either (and
-        // the sort stays short when the plan cannot balance).
-        for (index_t k = r * p_->chunks_per_rank; k < (r + 1) * p_->chunks_per_rank; ++k)
-          for (index_t x = 0; x < c_; ++x) {
-            const index_t other = owner_of(x);
-            if (other == r) continue;
-            const double other_room = room(other);
-            for (const auto& [i, j] : {std::pair{k, x}, std::pair{x, k}})  // its row, then its column
-              if (const std::size_t t = task_at(i, j); where_[t] == r && area_of(t) > 0 && double(area_of(t)) <= other_room)
-                mine.push_back({area_of(t), i, j});
-          }
-        std::stable_sort(mine.begin(), mine.end(), [](const movable& a, const movable& b) { return a.area > b.area; });
-        for (const auto& [a, i, j] : mine) {
-          if (double(load_[static_cast<std::size_t>(r)]) <= limit_) break;
-          const index_t other = owner_of(i) == r ? owner_of(j) : owner_of(i);
-          if (double(load_[static_cast<std::size_t>(other)] + a) > limit_) continue;
-          if (!runnable(i, j, other) && !fits_after_leaving(i, j, r, needed_edge(i, j, other))) continue;
-          unplace(i, j);
-          if (!runnable(i, j, other)) add_edge(needed_edge(i, j, other));
-          place(i, j, other, a);
-          moved = true;
-        }
+  /// Step 1: every active task on its query's owner, row by row (the hot loop of a solve: C^2 tasks).
+  void place_on_query_owners() {
+    for (index_t r = 0; r < w_; ++r) {
+      index_t* const kv_use = kv_use_.data() + slot(0, r);
+      std::int64_t load = 0, tasks = 0;
+      for (index_t i = r * m_; i < (r + 1) * m_; ++i) {
+        const std::int64_t* const row = p_->area.data() + task_at(i, 0);
+        for (index_t j = 0; j < c_; ++j)
+          if (row[j] > 0) load += row[j], ++tasks, ++kv_use[j];
       }
+      load_[static_cast<std::size_t>(r)] = load;
+      tasks_[static_cast<std::size_t>(r)] = tasks;
+      for (index_t j = r * m_; j < (r + 1) * m_; ++j) kv_use[j] = 0;  // its own chunks: no move
+      for (index_t j = 0; j < c_; ++j)
+        if (kv_use[j] > 0) count_move(chunk_move::kind::kv, j, r, +1);
     }
   }
 
-  /// Whether `e` fits within K once (i, j) has left r (freeing the move it used there, if only it did).
-  [[nodiscard]] bool fits_after_leaving(index_t i, index_t j, index_t r, const edge& e) {
-    const bool frees = owner_of(i) == r ? kv_use_[slot(j, r)] == 1 : qo_use_[slot(i, r)] == 1;
-    const edge old = owner_of(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
-    if (frees) add_edge(old, -1);
-    const bool ok = fits(e);
-    if (frees) add_edge(old, +1);
-    return ok;
+  /// Hands active task (i, j) from its query's owner over to rank s (another rank).
+  void hand_over(index_t i, index_t j, index_t s) {
+    account(i, j, owner(i), -1);
+    account(i, j, s, +1);
+    flip(i, j);
+    moved_.push_back({i, j, s});
+  }
+  /// Takes the latest hand-overs back, down to `count` of them.
+  void take_back(std::size_t count) {
+    while (moved_.size() > count) {
+      const handed t = moved_.back();
+      moved_.pop_back();
+      account(t.i, t.j, t.to, -1);
+      account(t.i, t.j, owner(t.i), +1);
+      flip(t.i, t.j);
+    }
   }
 
-  /// The edge that makes (i, j) runnable on one of its owners `r`.
-  [[nodiscard]] edge needed_edge(index_t i, index_t j, index_t r) const {
-    return owner_of(i) == r ? edge{chunk_move::kind::kv, j, r} : edge{chunk_move::kind::qo, i, r};
-  }
-
- public:
-  /// The plan: tasks per rank and stage, the moves the placement uses (edges nobody uses are
-  /// dropped), the loads; feasible when every load is within the limit and no move went beyond K.
-  /// (assign() has placed every task.)
-  plan finish() const {
+  /// The plan of this placement: tasks per rank and stage (the query owners' in (i, j) order, then
+  /// the handed-over ones in the order they moved), the moves in use in (kind, chunk, rank) order
+  /// (sorted and unique by construction), the loads.
+  [[nodiscard]] plan finish() const {
     plan out;
-    out.budget = budget_;
     out.local_tasks.assign(static_cast<std::size_t>(w_), {});
     out.remote_tasks.assign(static_cast<std::size_t>(w_), {});
     out.load = load_;
-    for (index_t i = 0; i < c_; ++i)
-      for (index_t j = 0; j < c_; ++j) {
-        const std::size_t t = task_at(i, j);
-        const std::int64_t a = area_of(t);
-        if (a == 0) continue;
-        const index_t r = where_[t];
-        const bool local = owner_of(i) == r && owner_of(j) == r;
-        (local ? out.local_tasks : out.remote_tasks)[static_cast<std::size_t>(r)].push_back({i, j, a});
+    out.max_rank_traffic = busiest_traffic();
+    for (index_t r = 0; r < w_; ++r) {
+      const auto n = static_cast<std::size_t>(tasks_[static_cast<std::size_t>(r)]);
+      std::vector<task>& local = out.local_tasks[static_cast<std::size_t>(r)];
+      std::vector<task>& remote = out.remote_tasks[static_cast<std::size_t>(r)];
+      local.reserve(std::min(n, static_cast<std::size_t>(m_) * static_cast<std::size_t>(m_)));
+      remote.reserve(n);
+      const index_t own_first = r * m_, own_last = own_first + m_;
+      for (index_t i = own_first; i < own_last; ++i) {
+        const std::int64_t* const row = p_->area.data() + task_at(i, 0);
+        for (index_t j = 0; j < c_; ++j)
+          if (row[j] > 0 && !moved(i, j)) (j >= own_first && j < own_last ? local : remote).push_back({i, j, row[j]});
       }
-    // The moves placed tasks use, in (kind, chunk, rank) order: sorted and unique by construction.
+    }
+    for (const handed& t : moved_) out.remote_tasks[static_cast<std::size_t>(t.to)].push_back({t.i, t.j, area(t.i, t.j)});
     for (const auto what : {chunk_move::kind::kv, chunk_move::kind::qo})
       for (index_t chunk = 0; chunk < c_; ++chunk)
         for (index_t r = 0; r < w_; ++r)
           if ((what == chunk_move::kind::kv ? kv_use_ : qo_use_)[slot(chunk, r)] > 0) out.moves.push_back({what, chunk, r});
-    out.feasible = balanced();
     return out;
   }
 
  private:
+  struct handed {
+    index_t i, j, to;
+  };
+  [[nodiscard]] std::size_t task_at(index_t i, index_t j) const { return static_cast<std::size_t>(i) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(j); }
+  /// [W, C]: a rank's chunks side by side (step 1 walks them row by row).
+  [[nodiscard]] std::size_t slot(index_t chunk, index_t r) const { return static_cast<std::size_t>(r) * static_cast<std::size_t>(c_) + static_cast<std::size_t>(chunk); }
+  void flip(index_t i, index_t j) {
+    const std::size_t t = task_at(i, j);
+    moved_bits_[t / 64] ^= std::uint64_t{1} << (t % 64);
+  }
+  /// Task (i, j) put on (+1) or taken off (-1) rank r, with the moves it needs there: a move is
+  /// made when its first task comes, dropped when its last one leaves.
+  void account(index_t i, index_t j, index_t r, int sign) {
+    load_[static_cast<std::size_t>(r)] += sign * area(i, j);
+    tasks_[static_cast<std::size_t>(r)] += sign;
+    if (owner(j) != r) {
+      index_t& use = kv_use_[slot(j, r)];
+      use += sign;
+      if (use == (sign > 0 ? 1 : 0)) count_move(chunk_move::kind::kv, j, r, sign);
+    }
+    if (owner(i) != r) {
+      index_t& use = qo_use_[slot(i, r)];
+      use += sign;
+      if (use == (sign > 0 ? 1 : 0)) count_move(chunk_move::kind::qo, i, r, sign);
+    }
+  }
+  /// A move made (+1) or dropped (-1): the owner sends the chunk; for a QO move the rank also sends
+  /// the partial O back.
+  void count_move(chunk_move::kind what, index_t chunk, index_t to, int sign) {
+    const auto from = static_cast<std::size_t>(owner(chunk)), dest = static_cast<std::size_t>(to);
+    const std::int64_t cost = what == chunk_move::kind::kv ? p_->kv_cost() : p_->qo_cost();
+    send_[from] += sign * cost;
+    recv_[dest] += sign * cost;
+    if (what == chunk_move::kind::qo) {
+      send_[dest] += sign * cost;
+      recv_[from] += sign * cost;
+    }
+    volume_ += sign * p_->move_cost(what);
+  }
+
   const problem* p_;
-  const tables* t_;
-  index_t c_, w_;
-  double limit_;
-  std::int64_t budget_ = 0;
-  std::vector<char> kv_at_, qo_at_;            // [C, W]: the chunk is on that rank (moved there)
-  std::vector<index_t> kv_use_, qo_use_;       // [C, W]: placed tasks that use the moved chunk there
-  std::vector<std::int64_t> send_, recv_, load_;  // [W]
-  std::vector<index_t> where_;                 // [C, C]: the task's rank, -1 unplaced
-  std::vector<std::int64_t> unplaced_;         // [2, C, W]: per edge, the area of its unplaced tasks
-  std::vector<index_t> owner_;                 // [C]: each chunk's rank (no division in the loops)
-  bool over_budget_ = false;                   // a task was placed with a move beyond K
-  std::int64_t largest_fit_ = 0, smallest_misfit_ = 0;  // fits()'s record of this run
-  bool decide_only_ = false, complete_ = false;
-  // Reused buffers of assign() and refine().
-  struct pending {
-    int candidates;
-    std::int64_t area;
-    index_t i, j;
-  };
-  struct movable {
-    std::int64_t area;
-    index_t i, j;
-  };
-  std::vector<pending> pending_;
-  std::vector<movable> movable_;
+  index_t c_, w_, m_;
+  std::vector<std::uint64_t> moved_bits_;  // [C, C] bits: handed over
+  std::vector<handed> moved_;              // the hand-overs, in order
+  std::vector<index_t> kv_use_, qo_use_;   // [W, C]: placed tasks that use the chunk moved to that rank
+  std::vector<std::int64_t> load_, send_, recv_, tasks_;  // [W]
+  std::vector<index_t> owner_;             // [C]: each chunk's rank (no division in the loops)
+  std::int64_t volume_ = 0;
 };
+
+/// Step 2 at one fill level: ranks above `level`, busiest first, hand column pieces (and, at the
+/// end, single tasks) to the least loaded ranks below it, never lifting the volume past `max_volume`.
+inline void shed(const problem& p, placement& x, double level, std::int64_t max_volume) {
+  const index_t w = p.world_size, c = p.num_chunks(), m = p.chunks_per_rank;
+  std::vector<index_t> busy;
+  for (index_t r = 0; r < w; ++r)
+    if (double(x.load(r)) > level) busy.push_back(r);
+  std::stable_sort(busy.begin(), busy.end(), [&](index_t a, index_t b) { return x.load(a) > x.load(b); });
+  std::vector<std::int64_t> column(static_cast<std::size_t>(c));  // the busy rank's work per KV chunk still on it
+  std::vector<index_t> by_area, order;                              // its KV chunks with work, largest column first
+  std::vector<char> tried(static_cast<std::size_t>(w));
+  for (const index_t h : busy) {
+    const index_t first = h * m, last = first + m;
+    const auto on_h = [&](index_t i, index_t j) { return x.area(i, j) > 0 && !x.moved(i, j); };
+    std::fill(column.begin(), column.end(), 0);
+    std::int64_t smallest = std::numeric_limits<std::int64_t>::max();  // h's smallest task: less room takes nothing
+    for (index_t i = first; i < last; ++i)
+      for (index_t j = 0; j < c; ++j)
+        if (on_h(i, j)) column[static_cast<std::size_t>(j)] += x.area(i, j), smallest = std::min(smallest, x.area(i, j));
+    by_area.clear();
+    for (index_t j = 0; j < c; ++j)
+      if (column[static_cast<std::size_t>(j)] > 0) by_area.push_back(j);
+    std::stable_sort(by_area.begin(), by_area.end(), [&](index_t a, index_t b) { return column[static_cast<std::size_t>(a)] > column[static_cast<std::size_t>(b)]; });
+    std::fill(tried.begin(), tried.end(), 0);
+    while (double(x.load(h)) - level >= double(smallest)) {
+      index_t s = -1;  // the least loaded rank with room for h's smallest task, not tried yet
+      for (index_t r = 0; r < w; ++r)
+        if (r != h && !tried[static_cast<std::size_t>(r)] && level - double(x.load(r)) >= double(smallest) && (s < 0 || x.load(r) < x.load(s))) s = r;
+      if (s < 0) break;
+      tried[static_cast<std::size_t>(s)] = 1;  // one round per light rank: after it, it is full or h is done
+      // h's columns in the order of the KV moves they add at s less those they save at h (-1, 0,
+      // +1), each class largest first.
+      order.clear();
+      for (const int extra : {-1, 0, 1})
+        for (const index_t j : by_area)
+          if (column[static_cast<std::size_t>(j)] > 0 && int(!x.holds_kv(j, s)) - int(x.owner(j) != h) == extra) order.push_back(j);
+      // What h may still hand over and s still take: moving at most that keeps h at or above the
+      // level and s at or below it.
+      const auto room = [&] { return std::min(double(x.load(h)) - level, level - double(x.load(s))); };
+      for (const index_t j : order) {
+        if (room() < double(smallest)) break;
+        const std::size_t before = x.handed_over();
+        const std::int64_t volume_before = x.volume();
+        if (double(column[static_cast<std::size_t>(j)]) <= room()) {  // the whole column: h stops needing KV chunk j
+          for (index_t i = first; i < last; ++i)
+            if (on_h(i, j)) x.hand_over(i, j, s);
+          if (x.volume() > std::max(max_volume, volume_before)) x.take_back(before);  // past the cap: back
+          else column[static_cast<std::size_t>(j)] = 0;
+          continue;
+        }
+        // Larger than what is left: its tasks one by one, largest first, each if it fits.
+        while (room() >= double(smallest)) {
+          index_t best = -1;
+          for (index_t i = first; i < last; ++i)
+            if (on_h(i, j) && double(x.area(i, j)) <= room() && (best < 0 || x.area(i, j) > x.area(best, j))) best = i;
+          if (best < 0) break;
+          const std::size_t was = x.handed_over();
+          const std::int64_t volume_was = x.volume();
+          x.hand_over(best, j, s);
+          if (x.volume() > std::max(max_volume, volume_was)) {
+            x.take_back(was);
+            break;
+          }
+          column[static_cast<std::size_t>(j)] -= x.area(best, j);
+        }
+      }
+    }
+  }
+}
 
 }  // namespace detail
 
-/// The plan at the smallest per-rank budget K at which every task is placed with loads within
-/// mu x mean and the total volume is at most the flat ring's (a busy rank may use more than its ring
-/// share when others use less). K is searched up to twice the ring's per-rank volume; if no K there
-/// gives such a plan, the best effort at the ring's own per-rank volume, with feasible = false. Any
-/// plan places every active task exactly once (it can be executed) and never moves more than the
-/// ring in total.
+/// A plan that places every active task exactly once (it can be executed), with every load within
+/// mu x mean where the shedding can get there, moving in all no more than volume_cap x the flat
+/// ring's volume (or the query-owner placement's, if that is more: a cap below 1). feasible: every
+/// load within mu x mean and the volume within the cap.
 inline plan solve(const problem& p, const options& o = {}) {
   p.validate();
   o.validate();
+  detail::placement x(p);
+  x.place_on_query_owners();  // 1.
+  const std::int64_t total = std::accumulate(x.loads().begin(), x.loads().end(), std::int64_t{0});
   const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
-  const auto ring_budget = static_cast<std::int64_t>(o.volume_cap * double(std::int64_t{p.world_size - 1} * p.chunks_per_rank * p.kv_cost()));
-  const detail::tables tables(p);
-  detail::attempt best(p, tables, o.mu), candidate(p, tables, o.mu);  // two workspaces, swapped
-  auto feasible = [&](const detail::attempt& a) { return a.balanced() && a.volume() <= cap; };  // of a complete run
-  std::int64_t hi = 2 * ring_budget;
-  best.run(hi, true);
-  if (!best.complete() || !feasible(best)) {  // the best effort within the ring's per-rank volume (times the cap)
-    std::int64_t budget = ring_budget;
-    if (!best.complete() || ring_budget < best.same_from() || ring_budget >= best.same_below()) best.run(budget);  // else: it would run the same
-    // Moves forced beyond K can push the total over the cap; then every task runs where its query
-    // lives (budget 0: KV moves only, a subset of the ring's).
-    if (best.volume() > std::max(cap, p.ring_volume())) best.run(budget = 0);
-    plan x = best.finish();
-    x.budget = budget;
-    x.feasible = false;
-    return x;
-  }
-  // To within a quarter of a KV chunk or 1/32 of the budget, whichever is coarser: at most about
-  // six more attempts, the busiest rank's traffic at most ~3% above the smallest feasible budget. An
-  // attempt's answer holds over the whole range of budgets at which it runs the same, so a
-  // feasible one lowers hi to its same_from() and an infeasible one raises lo to just below its
-  // same_below(). Only the chosen attempt is turned into a plan.
-  hi = best.same_from();
-  std::int64_t lo = hi > 0 ? std::clamp<std::int64_t>(tables.budget_floor - 1, 0, hi - 1) : 0;  // hi: feasible; lo: infeasible, or 0
-  while (hi - lo > std::max<std::int64_t>(std::max<std::int64_t>(1, p.kv_cost() / 4), hi / 32)) {
-    const std::int64_t mid = lo + (hi - lo) / 2;
-    candidate.run(mid, true);
-    if (candidate.complete() && feasible(candidate)) {
-      hi = candidate.same_from();
-      std::swap(best, candidate);
-    } else {
-      lo = std::clamp(candidate.same_below() - 1, mid, hi - 1);
-    }
-  }
-  plan x = best.finish();
-  x.budget = hi;  // the plan best made, and the one K = hi makes
-  x.feasible = true;
-  return x;
+  const double mean = double(total) / double(p.world_size), limit = o.mu * mean;
+  detail::shed(p, x, mean * (1 + (o.mu - 1) / 2), cap);  // 2. to halfway between the mean and the limit
+  const auto above = [&] { return std::any_of(x.loads().begin(), x.loads().end(), [&](std::int64_t l) { return double(l) > limit * (1 + 1e-12); }); };
+  if (above()) detail::shed(p, x, limit, cap);  // 3. what is left, up to the limit itself
+  plan out = x.finish();
+  out.feasible = !above() && x.volume() <= cap;
+  return out;
 }
 
 }  // namespace stria::solver

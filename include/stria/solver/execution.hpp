@@ -40,8 +40,10 @@ inline void check_plan_of(const problem& p, const plan& x) {
 }
 
 /// Throws unless `rank`'s own tasks in `x` (checked by check_plan_of) can run there: chunks in range,
-/// a local task's two chunks owned by the rank, a remote task's other chunk brought there by a move.
-/// A corrupted plan is refused here, naming the entry, before the rank acts on it. O(tasks x log moves).
+/// a local task's two chunks owned by the rank, a remote task's chunks each the rank's own or brought
+/// there by a move (its query and KV chunks may both have moved: the solver uses third ranks), not
+/// both its own. A corrupted plan is refused here, naming the entry, before the rank acts on it.
+/// O(tasks x log moves).
 inline void check_rank_tasks(const problem& p, const plan& x, index_t rank) {
   const index_t chunks = p.num_chunks();
   const auto entry = [&](const char* list, std::size_t i) { return std::string("plan.") + list + "[" + std::to_string(rank) + "][" + std::to_string(i) + "]"; };
@@ -61,11 +63,13 @@ inline void check_rank_tasks(const problem& p, const plan& x, index_t rank) {
   for (std::size_t i = 0; i < remote.size(); ++i) {
     const task& t = remote[i];
     check_chunks("remote_tasks", i, t);
-    const bool kv_moved_in = p.owner(t.query_chunk) == rank && moved_here(chunk_move::kind::kv, t.kv_chunk);
-    const bool query_moved_in = p.owner(t.kv_chunk) == rank && moved_here(chunk_move::kind::qo, t.query_chunk);
-    if (!kv_moved_in && !query_moved_in)
+    const bool own_query = p.owner(t.query_chunk) == rank, own_kv = p.owner(t.kv_chunk) == rank;
+    const bool query_here = own_query || moved_here(chunk_move::kind::qo, t.query_chunk);
+    const bool kv_here = own_kv || moved_here(chunk_move::kind::kv, t.kv_chunk);
+    if (!query_here || !kv_here || (own_query && own_kv))
       throw invalid_argument(entry("remote_tasks", i), pair_text(t),
-                             "a remote task needs one chunk of rank " + std::to_string(rank) + " and the other brought there by a move");
+                             "a remote task's query and KV chunks must each be rank " + std::to_string(rank) +
+                                 "'s own or brought there by a move, not both its own");
   }
 }
 
