@@ -13,10 +13,12 @@
 #include <stria/topology/flat_ring.hpp>
 #include <stria/topology/hierarchical_ring.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using namespace stria;
