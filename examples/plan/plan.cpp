@@ -2,12 +2,14 @@
 // plan: how evenly each sharding x ring topology spreads a Vertical-Slash pattern over the ranks.
 // For a synthetic VS input (or a recorded selection) it prints, per combination, the worker- and
 // step-level imbalance degrees and the busiest rank's attention FLOPs; with --solver, the dynamic
-// solver's plan of the same selection. Runs on any machine.
+// solver's plan of the same selection. With --cluster it predicts one layer's time on N nodes x G
+// GPUs instead (stria/index/cost_model.hpp) and ranks the choices. Runs on any machine.
 #include <stria/comm/host_threads.hpp>
 #include <stria/estimator/vertical_slash_top_p.hpp>
 #include <stria/estimator/window_statistics.hpp>
 #include <stria/host/recall.hpp>
 #include <stria/host/synthetic_vs.hpp>
+#include <stria/index/cost_model.hpp>
 #include <stria/index/workload.hpp>
 #include <stria/sharding/dispatch.hpp>
 #include <stria/sharding/sequential.hpp>
@@ -30,6 +32,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "plan_input.hpp"
@@ -80,10 +83,218 @@ stria::global_selection estimate_on_ranks(const stria::host::synthetic_vs& data,
   return found[0];
 }
 
+// ---------------------------------------------------------------------------------------------
+// --cluster: the cost model
+
+struct choice {
+  std::string sharding, topology;
+  stria::cost::layer_prediction layer;
+};
+
+/// Step indices where a phase is communication-bound, as "0-3, 8" (empty: none).
+std::vector<stria::index_t> bound_steps(const stria::cost::phase_prediction& p) {
+  std::vector<stria::index_t> out;
+  for (std::size_t s = 0; s < p.steps.size(); ++s)
+    if (p.steps[s].communication_bound) out.push_back(static_cast<stria::index_t>(s));
+  return out;
+}
+std::string as_ranges(const std::vector<stria::index_t>& steps) {
+  std::string out;
+  for (std::size_t i = 0; i < steps.size();) {
+    std::size_t j = i;
+    while (j + 1 < steps.size() && steps[j + 1] == steps[j] + 1) ++j;
+    // Appended piece by piece (operator+ on temporaries trips GCC 12's -Wrestrict, PR 105329).
+    if (!out.empty()) out.push_back(',');
+    out.append(std::to_string(steps[i]));
+    if (j > i) {
+      out.push_back('-');
+      out.append(std::to_string(steps[j]));
+    }
+    i = j + 1;
+  }
+  return out.empty() ? "none" : out;
+}
+
+struct cluster_result {
+  stria::index_t nodes, gpus, seq_len;
+  double density;
+  stria::cost::layer_prediction one_gpu;
+  std::vector<choice> ranking;  // fastest first
+};
+
+cluster_result predict_cluster(const options& o, stria::index_t nodes, stria::index_t gpus, stria::index_t seq_len,
+                               const stria::cost::kernel_throughput& kernel) {
+  stria::host::synthetic_vs_options s;
+  s.seq_len = seq_len;
+  s.heads_q = o.heads_q;
+  s.heads_kv = o.heads_kv;
+  s.head_dim = o.head_dim;
+  s.rope_theta = o.rope_theta;
+  s.density = 1.0 - o.sparsity;
+  s.seed = o.seed;
+  const stria::global_selection g = stria::host::plant_vs_selection(s);
+  const stria::index_t world = nodes * gpus;
+  const stria::cost::layer_shape shape{.seq_len = seq_len, .heads_q = o.heads_q, .heads_kv = o.heads_kv, .head_dim = o.head_dim};
+  const stria::cost::cluster c{.nodes = nodes,
+                               .gpus_per_node = gpus,
+                               .intra_node = {.gbytes_per_s = o.intra_gbps / 8, .latency_us = o.intra_latency_us},
+                               .inter_node = {.gbytes_per_s = o.inter_gbps / 8, .latency_us = o.inter_latency_us},
+                               .streams = o.outer_stream ? stria::cost::transfer_streams::one_per_link : stria::cost::transfer_streams::one_per_rank};
+  cluster_result out{nodes, gpus, seq_len, 0.0, {}, {}};
+  const stria::topology::flat_ring flat(world);
+  auto plan_sharding = [&](const auto& sharding) {
+    using sharding_type = std::decay_t<decltype(sharding)>;
+    const stria::ring_workload entries = stria::count_ring_workload(g, sharding, flat);
+    const stria::ring_workload rows = stria::cost::count_ring_rows(g, sharding, flat);
+    if (out.ranking.empty()) {
+      out.one_gpu = stria::cost::predict_one_gpu(entries.total(), shape, kernel);
+      out.density = double(entries.total()) / (double(seq_len) * (double(seq_len) + 1.0) / 2.0 * g.num_heads());
+    }
+    out.ranking.push_back({std::string(sharding_type::name), "flat_ring", stria::cost::predict_ring(entries, rows, flat, shape, kernel, c)});
+    if (nodes > 1) {
+      const stria::topology::hierarchical_ring h(nodes, gpus);
+      out.ranking.push_back({std::string(sharding_type::name), "hierarchical_ring(" + std::to_string(nodes) + "x" + std::to_string(gpus) + ")",
+                             stria::cost::predict_ring(stria::cost::reschedule(entries, h), stria::cost::reschedule(rows, h), h, shape, kernel, c)});
+    }
+  };
+  plan_sharding(stria::sharding::sequential{});
+  plan_sharding(stria::sharding::zigzag{});
+  plan_sharding(stria::sharding::striped<64>{});
+  if (o.solver_chunks > 0) {
+    const stria::solver::problem p = stria::solver::problem_from_selection(g, world, o.solver_chunks, o.heads_kv);
+    const stria::solver::plan x = stria::solver::solve(p, {1.10, o.volume_cap});
+    out.ranking.push_back({"sequential", "solver(m=" + std::to_string(o.solver_chunks) + ")", stria::cost::predict_solver(p, x, stria::cost::solver_task_rows(g, p), shape, kernel, c)});
+  }
+  std::stable_sort(out.ranking.begin(), out.ranking.end(), [](const choice& a, const choice& b) { return a.layer.seconds() < b.layer.seconds(); });
+  return out;
+}
+
+double efficiency(const cluster_result& r, const choice& x) {
+  return r.one_gpu.seconds() / (double(r.nodes) * r.gpus * x.layer.seconds());
+}
+
+nlohmann::ordered_json phase_steps(const stria::cost::phase_prediction& p) {
+  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+  for (const stria::cost::step_prediction& s : p.steps)
+    steps.push_back({{"compute_ms", s.compute_seconds * 1e3},
+                     {"transfer_ms", s.transfer_seconds * 1e3},
+                     {"wait_ms", s.wait_seconds * 1e3},
+                     {"communication_bound", s.communication_bound}});
+  return steps;
+}
+
+int run_cluster(const options& o) {
+  const auto start = std::chrono::steady_clock::now();
+  stria::cost::kernel_throughput kernel =
+      o.throughput_file.empty() ? stria::cost::h200_kernel_throughput(o.head_dim) : plan_input::read_throughput(o.throughput_file, o.head_dim);
+  std::string kernel_source = o.throughput_file.empty() ? "built in: tests/bench/results/attention_h200.json, fbf6377" : o.throughput_file;
+  if (o.kernel_scale != 1.0) {  // another GPU, as a multiple of the table's
+    for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
+    std::ostringstream note;
+    note << "; scaled by " << o.kernel_scale;
+    kernel_source += note.str();
+  }
+  const char* streams = o.outer_stream ? "inner and outer ring on a stream each (DESIGN 5)" : "one transfer stream per rank (the device engine)";
+  std::vector<cluster_result> results;
+  for (const auto& [nodes, gpus] : o.clusters)
+    for (const stria::index_t s : o.seq_lens) results.push_back(predict_cluster(o, nodes, gpus, s, kernel));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  if (o.json) {
+    nlohmann::ordered_json config = {
+        {"heads_q", o.heads_q}, {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", o.sparsity}, {"seed", o.seed},
+        {"kernel", {{"source", kernel_source}, {"scale", o.kernel_scale},
+                    {"forward_tflops", kernel.forward.tflops}, {"forward_row_ns", kernel.forward.row_ns},
+                    {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}}},
+        {"intra_node", {{"gbps", o.intra_gbps}, {"latency_us", o.intra_latency_us}}},
+        {"inter_node", {{"gbps", o.inter_gbps}, {"latency_us", o.inter_latency_us}}},
+        {"transfer_streams", o.outer_stream ? "one_per_link" : "one_per_rank"},
+        {"seconds", seconds}};
+    nlohmann::ordered_json out = {{"config", config}, {"predictions", nlohmann::ordered_json::array()}};
+    for (const cluster_result& r : results) {
+      nlohmann::ordered_json ranking = nlohmann::ordered_json::array();
+      for (const choice& x : r.ranking)
+        ranking.push_back({{"sharding", x.sharding},
+                           {"topology", x.topology},
+                           {"forward_ms", x.layer.forward.seconds * 1e3},
+                           {"backward_ms", x.layer.backward.seconds * 1e3},
+                           {"layer_ms", x.layer.seconds() * 1e3},
+                           {"efficiency", efficiency(r, x)},
+                           {"busiest_compute_forward_ms", x.layer.forward.busiest_compute_seconds() * 1e3},
+                           {"busiest_compute_backward_ms", x.layer.backward.busiest_compute_seconds() * 1e3},
+                           {"communication_bound_forward", bound_steps(x.layer.forward)},
+                           {"communication_bound_backward", bound_steps(x.layer.backward)}});
+      out["predictions"].push_back({{"cluster", std::to_string(r.nodes) + "x" + std::to_string(r.gpus)},
+                                    {"gpus", r.nodes * r.gpus},
+                                    {"seq_len", r.seq_len},
+                                    {"density", r.density},
+                                    {"one_gpu", {{"forward_ms", r.one_gpu.forward.seconds * 1e3}, {"backward_ms", r.one_gpu.backward.seconds * 1e3}}},
+                                    {"ranking", ranking},
+                                    {"best_steps", {{"forward", phase_steps(r.ranking.front().layer.forward)},
+                                                    {"backward", phase_steps(r.ranking.front().layer.backward)}}}});
+    }
+    std::printf("%s\n", out.dump(1).c_str());
+    return 0;
+  }
+
+  std::printf("plan --cluster: predicted time of one attention layer (cost model; heads %d/%d, head_dim %d, synthetic VS pattern at %.0f%% sparsity)\n",
+              o.heads_q, o.heads_kv, o.head_dim, 100.0 * o.sparsity);
+  std::printf("kernels: forward %.1f TF + %.1f ns per active row and step, backward %.1f TF + %.1f ns (%s)\n", kernel.forward.tflops,
+              kernel.forward.row_ns, kernel.backward.tflops, kernel.backward.row_ns, kernel_source.c_str());
+  std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
+              o.inter_gbps, o.inter_latency_us, streams);
+  std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");
+  if (results.size() == 1) {
+    const cluster_result& r = results.front();
+    std::printf("\n%d GPUs (%d nodes x %d), seq_len %d, density %.2f%%; one GPU: forward %.1f ms, backward %.1f ms\n\n", r.nodes * r.gpus, r.nodes,
+                r.gpus, r.seq_len, 100.0 * r.density, r.one_gpu.forward.seconds * 1e3, r.one_gpu.backward.seconds * 1e3);
+    std::printf("%-4s %-11s %-26s %10s %10s %10s %10s  %s\n", "rank", "sharding", "topology", "fwd ms", "bwd ms", "layer ms", "efficiency",
+                "comm-bound steps fwd / bwd");
+    for (std::size_t i = 0; i < r.ranking.size(); ++i) {
+      const choice& x = r.ranking[i];
+      std::printf("%-4zu %-11s %-26s %10.2f %10.2f %10.2f %9.1f%%  %s / %s\n", i + 1, x.sharding.c_str(), x.topology.c_str(), x.layer.forward.seconds * 1e3,
+                  x.layer.backward.seconds * 1e3, x.layer.seconds() * 1e3, 100.0 * efficiency(r, x), as_ranges(bound_steps(x.layer.forward)).c_str(),
+                  as_ranges(bound_steps(x.layer.backward)).c_str());
+    }
+    const choice& best = r.ranking.front();
+    if (best.layer.forward.steps.size() <= 32) {
+      std::printf("\nsteps of the fastest (%s, %s), ms: busiest rank's compute, longest transit of a message due, longest wait\n", best.sharding.c_str(),
+                  best.topology.c_str());
+      std::printf("%-5s %27s   %27s\n", "step", "forward compute/transit/wait", "backward compute/transit/wait");
+      for (std::size_t s = 0; s < best.layer.forward.steps.size(); ++s) {
+        const auto& f = best.layer.forward.steps[s];
+        const auto& b = best.layer.backward.steps[s];
+        std::printf("%-5zu %8.3f %8.3f %8.3f%s  %8.3f %8.3f %8.3f%s\n", s, f.compute_seconds * 1e3, f.transfer_seconds * 1e3, f.wait_seconds * 1e3,
+                    f.communication_bound ? "*" : " ", b.compute_seconds * 1e3, b.transfer_seconds * 1e3, b.wait_seconds * 1e3,
+                    b.communication_bound ? "*" : " ");
+      }
+      std::printf("(* communication-bound)\n");
+    }
+  } else {
+    std::printf("\n%-6s %-8s %-8s %-36s %9s %9s %9s %10s %-17s %s\n", "GPUs", "cluster", "seq_len", "fastest", "fwd ms", "bwd ms", "layer ms",
+                "efficiency", "comm-bound f/b", "next (layer ms)");
+    for (const cluster_result& r : results) {
+      const choice& x = r.ranking.front();
+      const choice& y = r.ranking.size() > 1 ? r.ranking[1] : x;
+      const std::string cluster_name = std::to_string(r.nodes) + "x" + std::to_string(r.gpus);
+      const std::string fastest = x.sharding + ", " + x.topology;
+      const std::string bound = std::to_string(x.layer.forward.communication_bound_steps()) + "/" + std::to_string(x.layer.backward.communication_bound_steps()) +
+                                " of " + std::to_string(x.layer.forward.steps.size());
+      char next[96];
+      std::snprintf(next, sizeof next, "%s, %s (%.2f)", y.sharding.c_str(), y.topology.c_str(), y.layer.seconds() * 1e3);
+      std::printf("%-6d %-8s %-8d %-36s %9.2f %9.2f %9.2f %9.1f%% %-17s %s\n", r.nodes * r.gpus, cluster_name.c_str(), r.seq_len, fastest.c_str(),
+                  x.layer.forward.seconds * 1e3, x.layer.backward.seconds * 1e3, x.layer.seconds() * 1e3, 100.0 * efficiency(r, x), bound.c_str(), next);
+    }
+  }
+  std::printf("\n(%.2f s)\n", seconds);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   const options o = parse(argc, argv);
+  if (!o.clusters.empty()) return run_cluster(o);
   const auto start = std::chrono::steady_clock::now();
   stria::global_selection g;
   std::string source = "synthetic";

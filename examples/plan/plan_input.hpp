@@ -3,9 +3,11 @@
 // nlohmann/json), apart from plan.cpp so that the fuzz test drives the same code.
 #pragma once
 
+#include <stria/index/cost_model.hpp>
 #include <stria/index/global_selection.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +15,8 @@
 #include <istream>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +46,21 @@ inline constexpr const char* usage =
     "                   busiest rank against the mean and its volume against the flat ring's\n"
     "  --volume-cap X   with --solver: a plan may move X times the flat ring's volume (default 1)\n"
     "  --json           print one JSON object instead of the table\n"
+    "\n"
+    "Scale on paper (a cost model of one layer, include/stria/index/cost_model.hpp):\n"
+    "  --cluster NxG[,NxG...]  predict forward and backward time per layer on N nodes x G GPUs\n"
+    "                   (one rank per GPU) for every sharding x ring (and --solver M), ranked;\n"
+    "                   replaces --world and --nodes; --seq-len may then be a list (524288,1048576)\n"
+    "  --intra-gbps X   GPU-to-GPU bandwidth within a node, Gb/s per direction (default 1904:\n"
+    "                   238 GB/s, NCCL send/recv measured on H200 NVLink)\n"
+    "  --inter-gbps X   between nodes, Gb/s per direction per GPU (default 400: InfiniBand NDR)\n"
+    "  --intra-latency-us X, --inter-latency-us X   per message (defaults 10 and 20)\n"
+    "  --throughput F   kernel speed from an attention_bench JSON (tests/bench/results/\n"
+    "                   attention_h200.json): its vs95 rows fitted (default: that file's fit, built in)\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput x X, row cost / X (e.g. an\n"
+    "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
+    "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
+    "                   the device engine of this version puts each rank's transfers on one stream)\n"
     "  --help           this text\n";
 
 struct options {
@@ -59,7 +78,34 @@ struct options {
   bool json = false;
   stria::index_t solver_chunks = 0;  // 0: no solver plan
   double volume_cap = 1.0;
+  // --cluster: the cost model's mode
+  std::vector<std::pair<stria::index_t, stria::index_t>> clusters;  // (nodes, GPUs per node)
+  std::vector<stria::index_t> seq_lens{131072};
+  double intra_gbps = stria::cost::h200_nvlink.gbytes_per_s * 8;
+  double inter_gbps = stria::cost::infiniband_400g.gbytes_per_s * 8;
+  double intra_latency_us = stria::cost::h200_nvlink.latency_us;
+  double inter_latency_us = stria::cost::infiniband_400g.latency_us;
+  std::string throughput_file;
+  bool outer_stream = false;
+  double kernel_scale = 1.0;
+  bool world_given = false;  // --world or --nodes on the command line
 };
+
+/// "NxG" (nodes x GPUs per node), both in [1, max_world_size], at most max_world_size GPUs in all.
+inline std::pair<stria::index_t, stria::index_t> parse_cluster(std::string_view text) {
+  const std::string rule = "must be NODESxGPUS: two integers >= 1 with at most " + std::to_string(stria::max_world_size) + " GPUs in all (e.g. 4x8)";
+  const std::size_t x = text.find('x');
+  if (x == std::string_view::npos) throw stria::invalid_argument("--cluster", text, rule);
+  stria::index_t nodes = 0, gpus = 0;
+  try {
+    nodes = stria::cli::parse_integer<stria::index_t>("--cluster", text.substr(0, x), 1, stria::max_world_size);
+    gpus = stria::cli::parse_integer<stria::index_t>("--cluster", text.substr(x + 1), 1, stria::max_world_size);
+  } catch (const stria::invalid_argument&) {
+    throw stria::invalid_argument("--cluster", text, rule);
+  }
+  if (std::int64_t{nodes} * gpus > stria::max_world_size) throw stria::invalid_argument("--cluster", text, rule);
+  return {nodes, gpus};
+}
 
 inline options parse(int argc, char** argv) {
   options o;
@@ -67,9 +113,27 @@ inline options parse(int argc, char** argv) {
     const std::string arg = argv[i];
     auto next = [&] { return stria::cli::option_value(argc, argv, i); };
     auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, next(), 1); };
-    if (arg == "--seq-len") o.seq_len = size();
-    else if (arg == "--world") o.world = size();
-    else if (arg == "--nodes") o.nodes = size();
+    if (arg == "--seq-len") {
+      o.seq_lens = stria::cli::parse_integer_list<stria::index_t>(arg, next(), 1);
+      o.seq_len = o.seq_lens.front();
+    } else if (arg == "--cluster") {
+      const std::string list = next();
+      o.clusters.clear();
+      for (std::size_t start = 0;;) {
+        const std::size_t comma = list.find(',', start);
+        o.clusters.push_back(parse_cluster(std::string_view(list).substr(start, comma == std::string::npos ? std::string::npos : comma - start)));
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    } else if (arg == "--intra-gbps") o.intra_gbps = stria::cli::parse_real(arg, next(), 1e-3, 1e6);
+    else if (arg == "--inter-gbps") o.inter_gbps = stria::cli::parse_real(arg, next(), 1e-3, 1e6);
+    else if (arg == "--intra-latency-us") o.intra_latency_us = stria::cli::parse_real(arg, next(), 0.0, 1e6);
+    else if (arg == "--inter-latency-us") o.inter_latency_us = stria::cli::parse_real(arg, next(), 0.0, 1e6);
+    else if (arg == "--throughput") o.throughput_file = next();
+    else if (arg == "--outer-stream") o.outer_stream = true;
+    else if (arg == "--kernel-scale") o.kernel_scale = stria::cli::parse_real(arg, next(), 1e-3, 1e3);
+    else if (arg == "--world") o.world = size(), o.world_given = true;
+    else if (arg == "--nodes") o.nodes = size(), o.world_given = true;
     else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0 - 1e-9);
     else if (arg == "--heads-q") o.heads_q = size();
     else if (arg == "--heads-kv") o.heads_kv = size();
@@ -85,6 +149,20 @@ inline options parse(int argc, char** argv) {
       std::fputs(usage, stdout);
       std::exit(0);
     } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
+  }
+  if (o.clusters.empty() && o.seq_lens.size() > 1)
+    throw stria::invalid_argument("--seq-len", std::to_string(o.seq_lens.size()) + " lengths", "a list of lengths needs --cluster");
+  if (!o.clusters.empty()) {
+    if (o.world_given) throw stria::invalid_argument("--cluster", "with --world or --nodes", "choose one: --cluster sets the world and the nodes");
+    if (!o.selection_file.empty() || o.estimate)
+      throw stria::invalid_argument("--cluster", "with --selection or --estimate", "the cost model plans the synthetic pattern at each --seq-len");
+    for (const auto& [nodes, gpus] : o.clusters)
+      for (const stria::index_t s : o.seq_lens)
+        if (s % (128 * std::int64_t{nodes} * gpus) != 0)  // zigzag's rule, which covers sequential and striped<64>
+          throw stria::invalid_argument("--seq-len", s, "must be divisible by 128 x " + std::to_string(nodes) + " x " + std::to_string(gpus) +
+                                                             " GPUs = " + std::to_string(128 * std::int64_t{nodes} * gpus) + " (zigzag's 2W chunks of whole blocks)");
+    o.world = o.clusters.front().first * o.clusters.front().second;
+    o.nodes = o.clusters.front().first;
   }
   if (o.world < 1) throw stria::invalid_argument("--world", o.world, "must be at least 1");
   if (o.solver_chunks < 0) throw stria::invalid_argument("--solver", o.solver_chunks, "must be at least 1 chunk per rank");
@@ -178,6 +256,45 @@ inline stria::global_selection read_selection(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw stria::invalid_argument("--selection", path, "cannot be opened");
   return parse_selection(in, path);
+}
+
+/// The kernels' speed for `head_dim` fitted (stria::cost::fit_kernel_speed) to the rows named
+/// "vs95" of an attention_bench results file (tests/bench/results/attention_h200.json): per row
+/// seq_len, head_dim, heads_q, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops.
+inline stria::cost::kernel_throughput read_throughput(const std::string& path, stria::index_t head_dim) {
+  std::ifstream in(path);
+  if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(in, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > selection_max_depth) throw stria::invalid_argument("--throughput", path, "nests deeper than " + std::to_string(selection_max_depth) + " levels");
+      return true;
+    });
+  } catch (const nlohmann::json::exception& e) {
+    throw stria::invalid_argument("--throughput", path, std::string("is not valid JSON: ") + e.what());
+  }
+  const std::string file = "throughput " + path;
+  if (!root.is_object() || !root.contains("rows") || !root["rows"].is_array())
+    throw stria::invalid_argument(file, root.type_name(), "must be an object with an array \"rows\"");
+  std::vector<stria::cost::kernel_sample> forward, backward;
+  const nlohmann::json& rows = root["rows"];
+  auto number = [&](const nlohmann::json& row, const char* key, const std::string& where) {
+    if (!row.contains(key) || !row[key].is_number() || !(row[key].get<double>() > 0) || !std::isfinite(row[key].get<double>()))
+      throw stria::invalid_argument(where + "." + key, row.contains(key) ? shown(row[key]) : "(missing)", "must be a positive finite number");
+    return row[key].get<double>();
+  };
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const nlohmann::json& row = rows[i];
+    const std::string where = file + ": rows[" + std::to_string(i) + "]";
+    if (!row.is_object()) throw stria::invalid_argument(where, shown(row), "must be an object");
+    if (!row.contains("name") || row["name"] != "vs95" || !row.contains("head_dim") || row["head_dim"] != head_dim) continue;
+    const double tokens = number(row, "seq_len", where), heads = number(row, "heads_q", where);
+    const double rows_active = tokens / stria::block_tokens * heads;
+    forward.push_back({number(row, "fwd_tflops", where) * 1e12 * number(row, "fwd_ms", where) * 1e-3, rows_active, number(row, "fwd_ms", where) * 1e-3});
+    backward.push_back({number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3, rows_active, number(row, "bwd_ms", where) * 1e-3});
+  }
+  if (forward.empty()) throw stria::invalid_argument(file, head_dim, "has no \"vs95\" row for this head_dim");
+  return {.head_dim = head_dim, .forward = stria::cost::fit_kernel_speed(forward), .backward = stria::cost::fit_kernel_speed(backward)};
 }
 
 }  // namespace plan_input

@@ -22,6 +22,7 @@
 #include "stria/host/ring_attention.hpp"
 #include "stria/host/solver_attention.hpp"
 #include "stria/host/synthetic_vs.hpp"
+#include "stria/index/cost_model.hpp"
 #include "stria/index/global_selection.hpp"
 #include "stria/index/local_index.hpp"
 #include "stria/index/step_index.hpp"

@@ -1,0 +1,595 @@
+// SPDX-License-Identifier: Apache-2.0
+// Cost model: one layer's predicted forward and backward time per rank and per ring step (or solver
+// stage) on a cluster of N nodes x C GPUs, from the active entries and rows of each step, a kernel
+// throughput table and the links' bandwidth and latency. Host only; nothing here runs a kernel.
+//
+// What it models, and why in this form:
+//  - a step's kernel time = active entries x FLOPs per entry / effective throughput + active rows x
+//    a row's fixed cost. The second term is why a step of 1/W of a row's tiles is not 1/W of the
+//    time (RESULTS.md, 2026-11-29, four GPUs: the backward loses 178 -> 151 TF per GPU on 4 GPUs);
+//    both are fitted from single-GPU runs of several lengths (fit_kernel_speed);
+//  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
+//    intra-node: NVLink; across nodes: the network);
+//  - the schedule is simulated rank by rank as the ring engines run it (device/ring_attention.cuh):
+//    step s's transfers leave when step s - 1's compute is done, a step computes once its chunk has
+//    arrived (so compute of step i hides the transfer of step i + 1), dK/dV partials leave after a
+//    step's compute and are due by the end of their ready step, a send meets its receive (both ends
+//    post), and transfers on one stream go one after another. The hierarchical ring's outer transfer
+//    is hidden behind a whole inner round when it has a stream of its own (DESIGN 5); the device
+//    engine of this commit posts inner and outer transfers on one transfer stream, which
+//    `transfer_streams::one_per_rank` models;
+//  - the dynamic solver (DESIGN 9): stage 0 computes local tasks while the moves travel, stage 1 the
+//    remote tasks, then partial outputs (backward: dQ, dK/dV) return to their owners.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "stria/core/concepts.hpp"
+#include "stria/core/error.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/index/global_selection.hpp"
+#include "stria/index/workload.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/solver/dynamic_solver.hpp"
+#include "stria/topology/flat_ring.hpp"
+
+namespace stria::cost {
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+/// One direction (forward or backward) of the sparse kernels: a step's time is
+/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9.
+struct kernel_speed {
+  double tflops = 0;  // effective: counts only the active entries' FLOPs (4 D forward, 10 D backward)
+  double row_ns = 0;  // per active (query block, head) row and step: loading Q (and dO), merging the running state
+
+  [[nodiscard]] double seconds(double flops, double active_rows) const { return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9; }
+  void validate(const char* what) const {
+    if (!(tflops > 0) || !std::isfinite(tflops)) throw invalid_argument(std::string(what) + ".tflops", tflops, "must be positive and finite");
+    if (!(row_ns >= 0) || !std::isfinite(row_ns)) throw invalid_argument(std::string(what) + ".row_ns", row_ns, "must be >= 0 and finite");
+  }
+};
+
+/// The kernels' speed for one head dim.
+struct kernel_throughput {
+  index_t head_dim = 128;
+  kernel_speed forward;
+  kernel_speed backward;
+
+  void validate() const {
+    if (head_dim != 64 && head_dim != 128) throw invalid_argument("kernel_throughput.head_dim", head_dim, "must be 64 or 128");
+    forward.validate("kernel_throughput.forward");
+    backward.validate("kernel_throughput.backward");
+  }
+};
+
+/// One measured run of a kernel over a whole sequence on one GPU (one ring step): its FLOPs on
+/// active entries, its active rows (S / 64 x Hq where every row has work) and its time.
+struct kernel_sample {
+  double flops = 0;
+  double active_rows = 0;
+  double seconds = 0;
+};
+
+/// The kernel_speed that fits `samples` best in relative error (each sample's error divided by its
+/// time, so a 32K run counts as much as a 512K one). One sample, or samples whose fit would give a
+/// negative row cost, give the plain throughput (row_ns = 0): a fixed row cost cannot be told apart
+/// from the throughput without runs of different lengths.
+inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
+  if (samples.empty()) throw invalid_argument("fit_kernel_speed: samples.size()", 0, "needs at least one measured run");
+  for (const kernel_sample& x : samples)
+    if (!(x.flops > 0 && x.seconds > 0 && x.active_rows >= 0) || !std::isfinite(x.flops + x.seconds + x.active_rows))
+      throw invalid_argument("fit_kernel_speed: sample seconds", x.seconds, "needs flops > 0, seconds > 0 and active_rows >= 0, all finite");
+  // Unknowns u = 1 / (tflops x 1e12), v = row_ns x 1e-9; rows a = (flops, rows) / seconds, target 1.
+  double aa = 0, ab = 0, bb = 0, a1 = 0, b1 = 0;
+  for (const kernel_sample& x : samples) {
+    const double a = x.flops / x.seconds, b = x.active_rows / x.seconds;
+    aa += a * a, ab += a * b, bb += b * b, a1 += a, b1 += b;
+  }
+  const double det = aa * bb - ab * ab;
+  if (samples.size() >= 2 && det > 1e-12 * aa * bb) {
+    const double u = (a1 * bb - b1 * ab) / det, v = (aa * b1 - ab * a1) / det;
+    if (u > 0 && v >= 0) return {1.0 / (u * 1e12), v * 1e9};
+  }
+  return {1.0 / (a1 / aa * 1e12), 0.0};
+}
+
+/// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
+/// tests/bench/results/attention_h200.json (commit fbf6377, 2026-12-02; bf16, Hq 16, Hkv 2, 95%
+/// sparse VS pattern, atomic backward). D 128 has runs at 32K, 128K and 512K (the fit is within 2.3%
+/// of each); D 64 has one (128K), so its row cost is not known and counts as 0. `plan --throughput
+/// FILE` fits a file instead; a test checks these numbers against the file.
+inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
+  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 392.9533, .row_ns = 15.4128}, .backward = {.tflops = 329.2505, .row_ns = 80.1769}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 319.7536, .row_ns = 0.0}, .backward = {.tflops = 261.6654, .row_ns = 0.0}};
+  throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Links and the cluster
+
+/// One direction of one GPU's link to its peer.
+struct link {
+  double gbytes_per_s = 0;  // 1e9 bytes per second
+  double latency_us = 0;    // per message, start to first byte (NCCL's launch and handshake included)
+
+  [[nodiscard]] double seconds(double bytes) const { return latency_us * 1e-6 + bytes / (gbytes_per_s * 1e9); }
+  void validate(const char* what) const {
+    if (!(gbytes_per_s > 0) || !std::isfinite(gbytes_per_s)) throw invalid_argument(std::string(what) + ".gbytes_per_s", gbytes_per_s, "must be positive and finite");
+    if (!(latency_us >= 0) || !std::isfinite(latency_us)) throw invalid_argument(std::string(what) + ".latency_us", latency_us, "must be >= 0 and finite");
+  }
+};
+
+/// H200 NVLink between two GPUs of one node, as NCCL send/recv achieves it: 238 GB/s measured on
+/// two H200s (RESULTS.md, 2026-11-29, two GPUs: 320 MiB of KV + dK/dV in 1.41 ms; the link's
+/// nominal rate is 450 GB/s per direction, NVIDIA's H200 datasheet: 900 GB/s bidirectional). The
+/// latency is an assumption (the order of one NCCL send/recv's launch); at the tens of MiB a ring
+/// step moves it hardly matters.
+inline constexpr link h200_nvlink{.gbytes_per_s = 238.0, .latency_us = 10.0};
+/// One 400 Gb/s InfiniBand NDR port per GPU (as in NVIDIA's DGX H100/H200 systems): the line rate,
+/// 50 GB/s per direction, an upper bound a job does not quite reach; the latency an assumption.
+inline constexpr link infiniband_400g{.gbytes_per_s = 50.0, .latency_us = 20.0};
+
+/// Which transfers share a queue: each rank's transfers on one stream, one after another (the device
+/// ring engine of this commit), or the inner and the outer ring on a stream each (DESIGN 5).
+enum class transfer_streams : unsigned char { one_per_rank, one_per_link };
+
+/// N nodes x C GPUs; rank = node x C + card, as hierarchical_ring numbers them.
+struct cluster {
+  index_t nodes = 1;
+  index_t gpus_per_node = 8;
+  link intra_node = h200_nvlink;
+  link inter_node = infiniband_400g;
+  transfer_streams streams = transfer_streams::one_per_link;
+
+  [[nodiscard]] index_t world_size() const { return nodes * gpus_per_node; }
+  [[nodiscard]] index_t node_of(index_t rank) const { return rank / gpus_per_node; }
+  [[nodiscard]] const link& between(index_t from_rank, index_t to_rank) const {
+    return node_of(from_rank) == node_of(to_rank) ? intra_node : inter_node;
+  }
+  void validate() const {
+    if (nodes < 1) throw invalid_argument("cluster.nodes", nodes, "must be at least 1");
+    if (gpus_per_node < 1) throw invalid_argument("cluster.gpus_per_node", gpus_per_node, "must be at least 1");
+    if (const std::int64_t ranks = std::int64_t{nodes} * gpus_per_node; ranks > max_world_size)
+      throw invalid_argument("cluster nodes x gpus_per_node", ranks, "must be at most " + std::to_string(max_world_size) + " GPUs");
+    intra_node.validate("cluster.intra_node");
+    inter_node.validate("cluster.inter_node");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// What travels
+
+/// The attention shape a layer moves: global tokens, heads, head dim, bf16/fp16 tensors.
+struct layer_shape {
+  index_t seq_len = 0;
+  index_t heads_q = 16;
+  index_t heads_kv = 2;
+  index_t head_dim = 128;
+  index_t element_bytes = 2;  // bf16
+
+  /// A KV chunk of `tokens` tokens: K and V (DESIGN 5: the forward's message).
+  [[nodiscard]] double kv_bytes(std::int64_t tokens) const { return double(tokens) * heads_kv * head_dim * 2.0 * element_bytes; }
+  /// Its dK and dV partial sums, fp32 (DESIGN 2: the partials that travel are fp32).
+  [[nodiscard]] double kv_gradient_bytes(std::int64_t tokens) const { return double(tokens) * heads_kv * head_dim * 2.0 * 4.0; }
+  /// A query chunk of `tokens` tokens (Q, or dO) in the element type.
+  [[nodiscard]] double query_bytes(std::int64_t tokens) const { return double(tokens) * heads_q * head_dim * element_bytes; }
+  /// A query chunk's fp32 partial (O or dQ) and its fp32 per-row statistic (LSE, or delta).
+  [[nodiscard]] double query_partial_bytes(std::int64_t tokens) const { return double(tokens) * heads_q * (head_dim + 1) * 4.0; }
+
+  void validate() const {
+    if (seq_len < block_tokens || seq_len % block_tokens != 0) throw invalid_argument("layer_shape.seq_len", seq_len, "must be a positive multiple of 64");
+    if (heads_q < 1 || heads_kv < 1 || heads_q % heads_kv != 0)
+      throw invalid_argument("layer_shape.heads_kv", heads_kv, "must be >= 1 and divide heads_q = " + std::to_string(heads_q));
+    if (head_dim != 64 && head_dim != 128) throw invalid_argument("layer_shape.head_dim", head_dim, "must be 64 or 128");
+    if (element_bytes != 2) throw invalid_argument("layer_shape.element_bytes", element_bytes, "must be 2 (bf16 or fp16)");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Active rows per (rank, step)
+
+/// How many (local query block, head) rows have any work at each (rank, step): a row of query block
+/// q meets KV rank k's chunk when a selected slash diagonal or block puts an active tile of k's on
+/// it, or a vertical token of k's lies in range (causal: in a block below q; a token in q's own
+/// block is inside the diagonal tile, which is always active). Returned as a ring_workload whose
+/// `entries` count rows. O(heads x (blocks x slash lines + W^2)).
+template <sharding_policy Sharding, ring_topology Topology>
+ring_workload count_ring_rows(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
+  selection.validate();
+  const index_t nb = selection.num_blocks(), world = topology.world_size(), steps = topology.num_steps();
+  const shard_layout layout{nb, world};
+  sharding.validate(layout);
+  const auto at = [](index_t i, index_t j, index_t n) { return static_cast<std::size_t>(i) * static_cast<std::size_t>(n) + static_cast<std::size_t>(j); };
+  std::vector<index_t> owner(static_cast<std::size_t>(nb));
+  for (index_t b = 0; b < nb; ++b) owner[static_cast<std::size_t>(b)] = sharding.locate(layout, b).rank;
+  std::vector<index_t> step_of(static_cast<std::size_t>(world) * static_cast<std::size_t>(world), -1);  // [query rank, KV rank]
+  for (index_t r = 0; r < world; ++r)
+    for (index_t s = 0; s < steps; ++s) step_of[at(r, topology.kv_source_rank(r, s), world)] = s;
+
+  ring_workload rows{world, steps, std::vector<std::int64_t>(static_cast<std::size_t>(world) * static_cast<std::size_t>(steps), 0)};
+  auto add = [&](index_t query_rank, index_t kv_rank, std::int64_t n) { rows.entries[at(query_rank, step_of[at(query_rank, kv_rank, world)], steps)] += n; };
+
+  constexpr index_t none = std::numeric_limits<index_t>::max();
+  std::vector<index_t> first_vertical(static_cast<std::size_t>(world));  // per KV rank: its lowest key block with a token
+  std::vector<index_t> stamp(static_cast<std::size_t>(world), -1);      // the query block a KV rank was last counted for
+  std::vector<std::int64_t> owned(static_cast<std::size_t>(world));      // query blocks per rank walked so far
+  std::vector<index_t> by_first(static_cast<std::size_t>(world));
+  std::vector<block_pair> blocks;
+  for (const head_selection& head : selection.heads) {
+    std::fill(first_vertical.begin(), first_vertical.end(), none);
+    for (const index_t token : head.vertical_tokens) {
+      const index_t k_block = token / block_tokens;
+      index_t& f = first_vertical[static_cast<std::size_t>(owner[static_cast<std::size_t>(k_block)])];
+      f = std::min(f, k_block);
+    }
+    const auto vertical_meets = [&](index_t q_block, index_t kv_rank) {
+      const index_t f = first_vertical[static_cast<std::size_t>(kv_rank)];
+      return f != none && (!selection.causal || f < q_block);
+    };
+    // Rows met through vertical tokens, per (query rank, KV rank): the query rank's blocks above
+    // (causal) the KV rank's first token block, counted in one walk up the blocks.
+    std::iota(by_first.begin(), by_first.end(), 0);
+    std::sort(by_first.begin(), by_first.end(), [&](index_t a, index_t b) { return first_vertical[static_cast<std::size_t>(a)] < first_vertical[static_cast<std::size_t>(b)]; });
+    std::fill(owned.begin(), owned.end(), 0);
+    std::vector<std::int64_t> total(static_cast<std::size_t>(world), 0);
+    for (index_t b = 0; b < nb; ++b) ++total[static_cast<std::size_t>(owner[static_cast<std::size_t>(b)])];
+    index_t walked = 0;  // blocks [0, walked) counted in `owned`
+    for (const index_t kv : by_first) {
+      const index_t f = first_vertical[static_cast<std::size_t>(kv)];
+      if (f == none) break;
+      const index_t upto = selection.causal ? f + 1 : 0;  // causal: rows above f; else every row
+      for (; walked < upto; ++walked) ++owned[static_cast<std::size_t>(owner[static_cast<std::size_t>(walked)])];
+      for (index_t r = 0; r < world; ++r) add(r, kv, total[static_cast<std::size_t>(r)] - owned[static_cast<std::size_t>(r)]);
+    }
+    // Rows met only through tiles (slash diagonals, explicit blocks), each (row, KV rank) once.
+    blocks = head.blocks;  // sorted by (query_block, key_block): validate() checked it
+    std::size_t next_block = 0;
+    std::fill(stamp.begin(), stamp.end(), -1);
+    for (index_t q = 0; q < nb; ++q) {
+      const index_t r = owner[static_cast<std::size_t>(q)];
+      auto meet = [&](index_t k_block) {
+        const index_t kv = owner[static_cast<std::size_t>(k_block)];
+        if (stamp[static_cast<std::size_t>(kv)] == q || vertical_meets(q, kv)) return;
+        stamp[static_cast<std::size_t>(kv)] = q;
+        add(r, kv, 1);
+      };
+      for (const index_t delta : head.slash_deltas) {
+        const index_t k_block = q - delta;
+        if (k_block >= 0 && k_block < nb) meet(k_block);
+      }
+      for (; next_block < blocks.size() && blocks[next_block].query_block == q; ++next_block) meet(blocks[next_block].key_block);
+    }
+  }
+  return rows;
+}
+
+/// A flat ring's counts (entries or rows per (rank, step)) in the step order of another ring of the
+/// same ranks: what a rank computes with one KV chunk does not depend on when it meets it.
+template <ring_topology Topology>
+ring_workload reschedule(const ring_workload& flat, const Topology& topology) {
+  const index_t w = topology.world_size();
+  if (flat.world_size != w || flat.num_steps != w)
+    throw invalid_argument("reschedule: workload world_size", flat.world_size, "must be a flat ring's counts over the topology's " + std::to_string(w) + " ranks");
+  ring_workload out{w, topology.num_steps(), std::vector<std::int64_t>(flat.entries.size())};
+  for (index_t r = 0; r < w; ++r)
+    for (index_t s = 0; s < out.num_steps; ++s)  // the flat ring meets KV rank k at step (r - k) mod W
+      out.entries[static_cast<std::size_t>(r) * static_cast<std::size_t>(out.num_steps) + static_cast<std::size_t>(s)] =
+          flat.at(r, ((r - topology.kv_source_rank(r, s)) % w + w) % w);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Predictions
+
+/// One ring step (or solver stage), over all ranks.
+struct step_prediction {
+  double compute_seconds = 0;   // the busiest rank's kernels at this step
+  double transfer_seconds = 0;  // the longest transit (queueing + latency + bytes on the link) of a message due at this step
+  double wait_seconds = 0;      // the longest a rank stood idle at this step, waiting for a message or a late peer
+  bool communication_bound = false;  // some message due here was longer in transit than the compute it could hide behind
+};
+
+/// One phase (forward or backward) of a layer.
+struct phase_prediction {
+  double seconds = 0;  // the slowest rank's end
+  std::vector<step_prediction> steps;
+  std::vector<double> rank_compute_seconds;  // [W] each rank's kernels, summed over its steps
+
+  [[nodiscard]] index_t communication_bound_steps() const {
+    return static_cast<index_t>(std::count_if(steps.begin(), steps.end(), [](const step_prediction& s) { return s.communication_bound; }));
+  }
+  [[nodiscard]] double busiest_compute_seconds() const {
+    return rank_compute_seconds.empty() ? 0.0 : *std::max_element(rank_compute_seconds.begin(), rank_compute_seconds.end());
+  }
+};
+
+struct layer_prediction {
+  phase_prediction forward;
+  phase_prediction backward;
+  [[nodiscard]] double seconds() const { return forward.seconds + backward.seconds; }
+};
+
+/// FLOPs per active entry: 4 D forward (QK^T, PV), 2.5x that backward (workload.hpp's convention).
+inline double entry_flops(index_t head_dim, bool backward) { return (backward ? backward_flops(1, head_dim) : forward_flops(1, head_dim)); }
+
+namespace detail {
+
+/// What arrives for which step, per rank: the latest message due there, its transit (from its
+/// sender's post to its arrival, queueing included) and its sender's post time. Times in seconds
+/// from the phase's start.
+struct arrivals {
+  index_t steps;
+  std::vector<double> at, transit, posted;  // [W, steps + 1]
+
+  arrivals(index_t world, index_t num_steps)
+      : steps(num_steps), at(static_cast<std::size_t>(world) * static_cast<std::size_t>(num_steps + 1), 0.0), transit(at.size(), 0.0), posted(at.size(), 0.0) {}
+  [[nodiscard]] std::size_t slot(index_t rank, index_t step) const {
+    return static_cast<std::size_t>(rank) * static_cast<std::size_t>(steps + 1) + static_cast<std::size_t>(std::min(step, steps));
+  }
+};
+
+/// Posts item `item` of every rank's transfer list, each rank at post_time[rank]: a send starts when
+/// both ends have posted and both ends' queues are free; a rank's queue is busy until its send and
+/// its receive are done (one NCCL group). queue_free: [W, 2], the inner and the outer queue.
+template <class ListOf>
+void post_transfers(std::vector<double>& queue_free, arrivals& due, const cluster& c, ListOf list_of, int item, std::span<const double> post_time,
+                    double bytes) {
+  const auto w = static_cast<index_t>(post_time.size());
+  std::vector<double> done(static_cast<std::size_t>(w), -1.0);  // group end per rank; -1: nothing posted
+  const std::vector<double> free_before(queue_free);
+  auto queue = [&](index_t rank, ring_channel ch) {
+    return static_cast<std::size_t>(rank) * 2 + (c.streams == transfer_streams::one_per_link && ch == ring_channel::outer ? 1 : 0);
+  };
+  for (index_t r = 0; r < w; ++r) {
+    const transfer_list list = list_of(r);
+    if (item >= list.count) continue;
+    const ring_transfer& t = list.items[item];
+    const index_t to = t.send_to;
+    const double posted = post_time[static_cast<std::size_t>(r)];
+    const double start = std::max({posted, post_time[static_cast<std::size_t>(to)], free_before[queue(r, t.channel)], free_before[queue(to, t.channel)]});
+    const double end = start + c.between(r, to).seconds(bytes);
+    done[static_cast<std::size_t>(r)] = std::max(done[static_cast<std::size_t>(r)], end);
+    done[static_cast<std::size_t>(to)] = std::max(done[static_cast<std::size_t>(to)], end);
+    const std::size_t d = due.slot(to, t.ready_step);
+    if (end > due.at[d]) due.at[d] = end, due.transit[d] = end - posted, due.posted[d] = posted;
+  }
+  for (index_t r = 0; r < w; ++r) {
+    const transfer_list list = list_of(r);
+    if (item < list.count) {
+      double& q = queue_free[queue(r, list.items[item].channel)];
+      q = std::max(q, done[static_cast<std::size_t>(r)]);
+    }
+  }
+}
+
+/// Adds the messages due at `step` to its record: one is communication-bound when its transit
+/// exceeds the time from its sender's post to when the receiver was ready for it.
+inline void record_due(const arrivals& due, index_t step, std::span<const double> ready, step_prediction& out) {
+  for (index_t r = 0; r < static_cast<index_t>(ready.size()); ++r) {
+    const std::size_t d = due.slot(r, step);
+    if (due.transit[d] <= 0) continue;
+    out.transfer_seconds = std::max(out.transfer_seconds, due.transit[d]);
+    if (due.at[d] > ready[static_cast<std::size_t>(r)] && due.transit[d] > ready[static_cast<std::size_t>(r)] - due.posted[d] + 1e-12)
+      out.communication_bound = true;
+  }
+}
+
+}  // namespace detail
+
+/// Predicts one layer of a ring: `entries` and `rows` per (rank, step) (count_ring_workload,
+/// count_ring_rows) under `topology`, on `c` (c.world_size() == topology.world_size()).
+template <ring_topology Topology>
+layer_prediction predict_ring(const ring_workload& entries, const ring_workload& rows, const Topology& topology, const layer_shape& shape,
+                              const kernel_throughput& kernel, const cluster& c) {
+  shape.validate();
+  kernel.validate();
+  c.validate();
+  const index_t w = topology.world_size(), steps = topology.num_steps();
+  if (c.world_size() != w)
+    throw invalid_argument("cluster nodes x gpus_per_node", c.world_size(), "must equal the topology's world size " + std::to_string(w));
+  if (entries.world_size != w || entries.num_steps != steps || rows.world_size != w || rows.num_steps != steps)
+    throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
+  if (kernel.head_dim != shape.head_dim)
+    throw invalid_argument("kernel_throughput.head_dim", kernel.head_dim, "must equal the layer's head_dim " + std::to_string(shape.head_dim));
+  if (shape.seq_len % w != 0) throw invalid_argument("layer_shape.seq_len", shape.seq_len, "must be divisible by the world size " + std::to_string(w));
+  const std::int64_t local_tokens = shape.seq_len / w;
+  const double kv = shape.kv_bytes(local_tokens), kv_gradient = shape.kv_gradient_bytes(local_tokens);
+  const auto n = static_cast<std::size_t>(w);
+
+  auto run = [&](bool backward) {
+    const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
+    const double flops_per_entry = entry_flops(shape.head_dim, backward);
+    phase_prediction p;
+    p.steps.resize(static_cast<std::size_t>(steps));
+    p.rank_compute_seconds.assign(n, 0.0);
+    std::vector<double> queue_free(2 * n, 0.0), step_end(n, 0.0), compute_end(n, 0.0), ready(n, 0.0);
+    detail::arrivals kv_due(w, steps), gradient_due(w, steps);
+    for (index_t s = 0; s < steps; ++s) {
+      step_prediction& out = p.steps[static_cast<std::size_t>(s)];
+      // KV for later steps leaves once the previous step is done (the transfer stream waits for it).
+      for (int item = 0; item < transfer_list::capacity; ++item)
+        detail::post_transfers(queue_free, kv_due, c, [&](index_t r) { return topology.transfers(r, s); }, item, step_end, kv);
+      detail::record_due(kv_due, s, step_end, out);
+      for (index_t r = 0; r < w; ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        const double start = std::max(step_end[i], kv_due.at[kv_due.slot(r, s)]);
+        const double t = speed.seconds(flops_per_entry * double(entries.at(r, s)), double(rows.at(r, s)));
+        out.wait_seconds = std::max(out.wait_seconds, start - step_end[i]);
+        out.compute_seconds = std::max(out.compute_seconds, t);
+        p.rank_compute_seconds[i] += t;
+        compute_end[i] = step_end[i] = start + t;
+      }
+      if (!backward) continue;
+      // dK/dV partials: an item leaves once the partials due by this step's end have been added in
+      // (the engine adds before it sends); they share the KV's queues (one transfer stream).
+      for (int item = 0; item < transfer_list::capacity; ++item) {
+        for (index_t r = 0; r < w; ++r) ready[static_cast<std::size_t>(r)] = std::max(compute_end[static_cast<std::size_t>(r)], gradient_due.at[gradient_due.slot(r, s)]);
+        detail::post_transfers(queue_free, gradient_due, c, [&](index_t r) { return topology.gradient_transfers(r, s); }, item, ready, kv_gradient);
+      }
+      detail::record_due(gradient_due, s, compute_end, out);
+      for (index_t r = 0; r < w; ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        step_end[i] = std::max(compute_end[i], gradient_due.at[gradient_due.slot(r, s)]);
+        out.wait_seconds = std::max(out.wait_seconds, step_end[i] - compute_end[i]);
+      }
+    }
+    for (index_t r = 0; r < w; ++r)
+      p.seconds = std::max({p.seconds, step_end[static_cast<std::size_t>(r)], gradient_due.at[gradient_due.slot(r, steps)]});
+    return p;
+  };
+  return {run(false), run(true)};
+}
+
+/// The same layer as one step on one GPU (every row active): what scaling efficiency compares with.
+inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_shape& shape, const kernel_throughput& kernel) {
+  shape.validate();
+  kernel.validate();
+  const double rows = double(shape.seq_len / block_tokens) * shape.heads_q;
+  layer_prediction p;
+  for (const bool backward : {false, true}) {
+    phase_prediction& phase = backward ? p.backward : p.forward;
+    const double t = (backward ? kernel.backward : kernel.forward).seconds(entry_flops(shape.head_dim, backward) * double(total_entries), rows);
+    phase.seconds = t;
+    phase.steps = {{t, 0.0, 0.0, false}};
+    phase.rank_compute_seconds = {t};
+  }
+  return p;
+}
+
+/// W ranks sharing one GPU (comm::local_device): their kernels take turns on the one device, so a
+/// phase is every rank's kernels summed; the device copies overlap them and are not counted (1.95 /
+/// 3.73 ms per layer at 128K over 8 ranks: RESULTS.md, 2026-11-29, two GPUs).
+inline layer_prediction predict_shared_gpu(const ring_workload& entries, const ring_workload& rows, const layer_shape& shape,
+                                           const kernel_throughput& kernel) {
+  shape.validate();
+  kernel.validate();
+  layer_prediction p;
+  for (const bool backward : {false, true}) {
+    phase_prediction& phase = backward ? p.backward : p.forward;
+    phase.steps.resize(static_cast<std::size_t>(entries.num_steps));
+    phase.rank_compute_seconds.assign(static_cast<std::size_t>(entries.world_size), 0.0);
+    for (index_t r = 0; r < entries.world_size; ++r)
+      for (index_t s = 0; s < entries.num_steps; ++s) {
+        const double t = (backward ? kernel.backward : kernel.forward).seconds(entry_flops(shape.head_dim, backward) * double(entries.at(r, s)),
+                                                                                double(rows.at(r, s)));
+        phase.rank_compute_seconds[static_cast<std::size_t>(r)] += t;
+        phase.steps[static_cast<std::size_t>(s)].compute_seconds += t;
+        phase.seconds += t;
+      }
+  }
+  return p;
+}
+
+/// Active rows of every solver task (query chunk i, KV chunk j) of `p`, laid out [C, C] like
+/// p.area: the rows of a sequential ring over the C chunks (as solver::problem_from_selection counts
+/// the areas).
+inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, const solver::problem& p) {
+  const index_t chunks = p.num_chunks();
+  const ring_workload rows = count_ring_rows(g, sharding::sequential{}, topology::flat_ring(chunks));
+  std::vector<std::int64_t> out(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
+  for (index_t i = 0; i < chunks; ++i)
+    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
+      out[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = rows.at(i, s);
+  return out;
+}
+
+/// Predicts one layer of the dynamic solver's plan `x` of problem `p` (topology::solver, sequential
+/// sharding) on `c`: steps[0] is stage 0 (local tasks while the moves travel), steps[1] stage 1
+/// (remote tasks, then the partials' return to their owners). Forward moves: K and V of a KV chunk;
+/// Q of a query chunk, whose fp32 partial O and LSE return. Backward: K and V; Q, dO, LSE and delta;
+/// returning fp32 dK/dV and dQ (device/solver_attention.cuh). A rank's sends go one after another on
+/// its link, and so do its receives. `task_rows` (solver_task_rows) gives each task's active rows.
+inline layer_prediction predict_solver(const solver::problem& p, const solver::plan& x, std::span<const std::int64_t> task_rows,
+                                       const layer_shape& shape, const kernel_throughput& kernel, const cluster& c) {
+  p.validate();
+  shape.validate();
+  kernel.validate();
+  c.validate();
+  const index_t w = p.world_size;
+  if (c.world_size() != w) throw invalid_argument("cluster nodes x gpus_per_node", c.world_size(), "must equal the plan's world size " + std::to_string(w));
+  if (x.local_tasks.size() != static_cast<std::size_t>(w) || x.remote_tasks.size() != static_cast<std::size_t>(w))
+    throw invalid_argument("plan.local_tasks.size()", x.local_tasks.size(), "must equal the problem's world size " + std::to_string(w));
+  const auto n = static_cast<std::size_t>(w);
+  if (task_rows.size() != p.area.size())
+    throw invalid_argument("task_rows.size()", task_rows.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
+  const std::int64_t tokens = p.chunk_tokens;
+
+  auto run = [&](bool backward) {
+    const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
+    const double flops_per_entry = entry_flops(shape.head_dim, backward);
+    auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
+      double area = 0, rows = 0;
+      for (const solver::task& t : tasks)
+        area += double(t.area), rows += double(task_rows[static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) +
+                                                         static_cast<std::size_t>(t.kv_chunk)]);
+      return speed.seconds(flops_per_entry * area, rows);
+    };
+    // What each move carries there and back.
+    const double kv_there = shape.kv_bytes(tokens), kv_back = backward ? shape.kv_gradient_bytes(tokens) : 0.0;
+    const double qo_there = backward ? 2 * shape.query_bytes(tokens) + double(tokens) * shape.heads_q * 2 * 4.0 : shape.query_bytes(tokens);
+    const double qo_back = shape.query_partial_bytes(tokens);
+    std::vector<double> send_out(n, 0.0), receive_in(n, 0.0), send_back(n, 0.0), receive_back(n, 0.0);
+    std::vector<std::vector<index_t>> senders(n), returners(n);
+    for (const solver::chunk_move& m : x.moves) {
+      const index_t from = p.owner(m.chunk), to = m.to;
+      const bool is_kv = m.what == solver::chunk_move::kind::kv;
+      const link& l = c.between(from, to);
+      const double there = l.seconds(is_kv ? kv_there : qo_there), back = (is_kv ? kv_back : qo_back) > 0 ? l.seconds(is_kv ? kv_back : qo_back) : 0.0;
+      send_out[static_cast<std::size_t>(from)] += there;
+      receive_in[static_cast<std::size_t>(to)] += there;
+      senders[static_cast<std::size_t>(to)].push_back(from);
+      if (back > 0) {
+        send_back[static_cast<std::size_t>(to)] += back;
+        receive_back[static_cast<std::size_t>(from)] += back;
+        returners[static_cast<std::size_t>(from)].push_back(to);
+      }
+    }
+    phase_prediction out;
+    out.steps.resize(2);
+    out.rank_compute_seconds.assign(n, 0.0);
+    std::vector<double> stage_end(n, 0.0);
+    for (index_t r = 0; r < w; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      const double local = stage_seconds(x.local_tasks[i]), remote = stage_seconds(x.remote_tasks[i]);
+      double arrived = receive_in[i];
+      for (const index_t s : senders[i]) arrived = std::max(arrived, send_out[static_cast<std::size_t>(s)]);
+      const double start = std::max(local, arrived);
+      stage_end[i] = start + remote;
+      out.rank_compute_seconds[i] = local + remote;
+      step_prediction& s0 = out.steps[0];
+      s0.compute_seconds = std::max(s0.compute_seconds, local);
+      s0.transfer_seconds = std::max(s0.transfer_seconds, arrived);
+      s0.wait_seconds = std::max(s0.wait_seconds, start - local);
+      s0.communication_bound = s0.communication_bound || arrived > local;
+      out.steps[1].compute_seconds = std::max(out.steps[1].compute_seconds, remote);
+    }
+    // The returns leave after stage 1 on the computing rank; the owner merges them when all are in.
+    for (index_t r = 0; r < w; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      double end = stage_end[i];
+      if (receive_back[i] > 0) {
+        double returned = stage_end[i] + receive_back[i];
+        for (const index_t from : returners[i]) returned = std::max(returned, stage_end[static_cast<std::size_t>(from)] + send_back[static_cast<std::size_t>(from)]);
+        step_prediction& s1 = out.steps[1];
+        s1.transfer_seconds = std::max(s1.transfer_seconds, returned - stage_end[i]);
+        s1.wait_seconds = std::max(s1.wait_seconds, returned - stage_end[i]);
+        s1.communication_bound = true;  // the returns follow the last compute: nothing hides them
+        end = returned;
+      }
+      out.seconds = std::max(out.seconds, end);
+    }
+    return out;
+  };
+  return {run(false), run(true)};
+}
+
+}  // namespace stria::cost

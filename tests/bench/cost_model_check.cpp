@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+// The cost model (stria/index/cost_model.hpp) against every layer we have measured: one GPU with W
+// ranks (comm::local_device), and the recorded two- and four-GPU NCCL runs (tests/bench/RESULTS.md).
+// Prints predicted vs measured per phase; the measured numbers are copied from the RESULTS.md entries
+// named beside them. Host code; a run takes about a minute (the 512K workloads are counted here).
+#include <stria/host/synthetic_vs.hpp>
+#include <stria/index/cost_model.hpp>
+#include <stria/index/workload.hpp>
+#include <stria/sharding/sequential.hpp>
+#include <stria/sharding/striped.hpp>
+#include <stria/sharding/zigzag.hpp>
+#include <stria/solver/dynamic_solver.hpp>
+#include <stria/topology/flat_ring.hpp>
+#include <stria/topology/hierarchical_ring.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+using namespace stria;
+
+namespace {
+
+constexpr index_t hq = 16, hkv = 2, dim = 128;
+
+/// multi_gpu_bench's and ring_bench's input: the planted VS selection at 95% sparsity.
+const global_selection& vs95(index_t seq_len) {
+  static std::map<index_t, global_selection> cache;
+  auto [at, fresh] = cache.try_emplace(seq_len);
+  if (fresh) {
+    host::synthetic_vs_options o;
+    o.seq_len = seq_len;
+    o.heads_q = hq;
+    o.heads_kv = hkv;
+    o.head_dim = dim;
+    o.density = 0.05;
+    at->second = host::plant_vs_selection(o);
+  }
+  return at->second;
+}
+
+cost::layer_shape shape_of(index_t seq_len) { return {.seq_len = seq_len, .heads_q = hq, .heads_kv = hkv, .head_dim = dim}; }
+
+struct counts {
+  ring_workload entries, rows;
+};
+template <class Sharding>
+counts flat_counts(index_t seq_len, index_t world) {
+  const topology::flat_ring flat(world);
+  return {count_ring_workload(vs95(seq_len), Sharding{}, flat), cost::count_ring_rows(vs95(seq_len), Sharding{}, flat)};
+}
+
+int misses = 0, rows_printed = 0;
+void row(const std::string& what, const char* phase, double predicted_ms, double measured_ms, const char* source) {
+  const double error = predicted_ms / measured_ms - 1.0;
+  misses += std::abs(error) > 0.10;
+  ++rows_printed;
+  std::printf("| %s | %s | %.2f | %.2f | %+.1f%%%s | %s |\n", what.c_str(), phase, predicted_ms, measured_ms, 100.0 * error,
+              std::abs(error) > 0.10 ? " **miss**" : "", source);
+}
+
+/// One GPU, every H200 link alike (NVLink between all pairs of the 2- and 4-GPU hosts).
+cost::cluster nvlink_host(index_t nodes, index_t gpus) {
+  return {.nodes = nodes, .gpus_per_node = gpus, .intra_node = cost::h200_nvlink, .inter_node = cost::h200_nvlink};
+}
+
+/// Measured ms of a phase from multi_gpu_bench's effective TFLOPS per GPU (its tables give some
+/// phases only that way): FLOPs on the active entries / (GPUs x TF/G).
+double ms_from_tf(std::int64_t entries, bool backward, index_t gpus, double tf_per_gpu) {
+  return cost::entry_flops(dim, backward) * double(entries) / (double(gpus) * tf_per_gpu * 1e12) * 1e3;
+}
+
+}  // namespace
+
+int main() {
+  std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
+
+  // 1. Today's kernels: the built-in fit of attention_h200.json (bare kernels, fbf6377).
+  const cost::kernel_throughput today = cost::h200_kernel_throughput(dim);
+  const char* today_run = "RESULTS 2026-12-02, cost model entry (93cd528)";
+  for (const auto& [s, fwd, bwd] : {std::tuple{index_t{131072}, 8.85, 28.35}, std::tuple{index_t{524288}, 138.86, 437.83}}) {
+    const counts c = flat_counts<sharding::striped<64>>(s, 1);
+    const cost::layer_prediction p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(1), shape_of(s), today, nvlink_host(1, 1));
+    const std::string what = "1 GPU, " + std::to_string(s / 1024) + "K, through the ring engine";
+    row(what, "fwd", p.forward.seconds * 1e3, fwd, today_run);
+    row(what, "bwd", p.backward.seconds * 1e3, bwd, today_run);
+  }
+  // ring_bench, 8 ranks: "ring ms" (per step the slowest rank's isolated fwd + bwd kernels, summed:
+  // a ring whose transfers cost nothing), "work ms" (all 64 steps' kernels summed) and the whole
+  // ring over comm::local_device on one GPU.
+  struct ring_bench_row {
+    index_t seq_len;
+    bool striped;
+    double ring_ms, work_ms, local_device_ms;
+  };
+  for (const ring_bench_row& m : {ring_bench_row{131072, false, 9.83, 69.48, 201.91}, ring_bench_row{131072, true, 9.20, 72.83, 208.85},
+                                  ring_bench_row{524288, false, 85.64, 631.40, 1182.48}, ring_bench_row{524288, true, 81.85, 637.55, 1145.26}}) {
+    const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
+    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), today);
+    double ring = 0;
+    for (index_t st = 0; st < 8; ++st) {
+      double slowest = 0;
+      for (index_t r = 0; r < 8; ++r)
+        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * double(c.entries.at(r, st)), double(c.rows.at(r, st))) +
+                                        today.backward.seconds(cost::entry_flops(dim, true) * double(c.entries.at(r, st)), double(c.rows.at(r, st))));
+      ring += slowest;
+    }
+    const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K";
+    row(what + ": slowest rank per step, summed", "fwd+bwd", ring * 1e3, m.ring_ms, today_run);
+    row(what + ": all steps' kernels", "fwd+bwd", shared.seconds() * 1e3, m.work_ms, today_run);
+    row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, today_run);
+  }
+
+  // 2. The 2026-11-29 kernels: their speed fitted to the same bench's one-GPU rows (128K: 183 / 151
+  // TF, 512K: 195 / 178 TF per GPU), then the runs on 2 and 4 GPUs predicted.
+  const std::int64_t e128 = flat_counts<sharding::striped<64>>(131072, 1).entries.total();
+  const std::int64_t e512 = flat_counts<sharding::striped<64>>(524288, 1).entries.total();
+  const double rows128 = 131072.0 / 64 * hq, rows512 = 524288.0 / 64 * hq;
+  const cost::kernel_sample f[] = {{cost::entry_flops(dim, false) * double(e128), rows128, ms_from_tf(e128, false, 1, 183) * 1e-3},
+                                   {cost::entry_flops(dim, false) * double(e512), rows512, ms_from_tf(e512, false, 1, 195) * 1e-3}};
+  const cost::kernel_sample b[] = {{cost::entry_flops(dim, true) * double(e128), rows128, ms_from_tf(e128, true, 1, 151) * 1e-3},
+                                   {cost::entry_flops(dim, true) * double(e512), rows512, ms_from_tf(e512, true, 1, 178) * 1e-3}};
+  const cost::kernel_throughput old{.head_dim = dim, .forward = cost::fit_kernel_speed(f), .backward = cost::fit_kernel_speed(b)};
+  std::printf("\n2026-11-29 kernels fitted: forward %.1f TF + %.1f ns per row and step, backward %.1f TF + %.1f ns\n\n", old.forward.tflops,
+              old.forward.row_ns, old.backward.tflops, old.backward.row_ns);
+  std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
+  const char* four = "RESULTS 2026-11-29, four GPUs";
+  struct nccl_row {
+    const char* name;
+    index_t seq_len, gpus;
+    int kind;  // 0 striped flat, 1 zigzag flat, 2 striped hierarchical 2 x (gpus / 2)
+    double fwd_ms, bwd_ms;
+    bool from_tf;  // the table gives TF/G, not ms
+  };
+  for (const nccl_row& m : {nccl_row{"striped flat, 2 GPUs, 512K", 524288, 2, 0, 181, 166, true},
+                            nccl_row{"striped flat, 4 GPUs, 512K", 524288, 4, 0, 77.08, 230.21, false},
+                            nccl_row{"zigzag flat, 4 GPUs, 512K", 524288, 4, 1, 79.17, 232.44, false},
+                            nccl_row{"striped hierarchical 2x2 (split links), 4 GPUs, 512K", 524288, 4, 2, 79.81, 233.81, false},
+                            nccl_row{"striped flat, 2 GPUs, 256K (128K per GPU)", 262144, 2, 0, 184, 150, true},
+                            nccl_row{"striped flat, 4 GPUs, 512K (128K per GPU)", 524288, 4, 0, 181, 152, true}}) {
+    const counts c = m.kind == 1 ? flat_counts<sharding::zigzag>(m.seq_len, m.gpus) : flat_counts<sharding::striped<64>>(m.seq_len, m.gpus);
+    cost::layer_prediction p;
+    if (m.kind == 2) {
+      const topology::hierarchical_ring h(2, m.gpus / 2);
+      p = cost::predict_ring(cost::reschedule(c.entries, h), cost::reschedule(c.rows, h), h, shape_of(m.seq_len), old, nvlink_host(2, m.gpus / 2));
+    } else {
+      p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(m.gpus), shape_of(m.seq_len), old, nvlink_host(1, m.gpus));
+    }
+    const double fwd = m.from_tf ? ms_from_tf(c.entries.total(), false, m.gpus, m.fwd_ms) : m.fwd_ms;
+    const double bwd = m.from_tf ? ms_from_tf(c.entries.total(), true, m.gpus, m.bwd_ms) : m.bwd_ms;
+    row(m.name, "fwd", p.forward.seconds * 1e3, fwd, four);
+    row(m.name, "bwd", p.backward.seconds * 1e3, bwd, four);
+  }
+  for (const auto& [chunks, cap, fwd, bwd] : {std::tuple{index_t{4}, 1.0, 111.60, 337.04}, std::tuple{index_t{8}, 2.0, 112.06, 372.46}}) {
+    const solver::problem p = solver::problem_from_selection(vs95(524288), 4, chunks, hkv);
+    const solver::plan x = solver::solve(p, {1.10, cap});
+    const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(524288), p), shape_of(524288), old, nvlink_host(1, 4));
+    const std::string what = "solver m" + std::to_string(chunks) + " cap " + std::to_string(int(cap)) + ", 4 GPUs, 512K (plan " +
+                             std::to_string(x.max_load_over_mean()).substr(0, 5) + ")";
+    row(what, "fwd", l.forward.seconds * 1e3, fwd, four);
+    row(what, "bwd", l.backward.seconds * 1e3, bwd, four);
+  }
+  std::printf("\n%d of %d rows miss by more than 10%%\n", misses, rows_printed);
+  return 0;
+}

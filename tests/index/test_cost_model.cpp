@@ -1,0 +1,233 @@
+// SPDX-License-Identifier: Apache-2.0
+// The cost model: exact small cases worked by hand, the counts it reads equal the built indices, and
+// the sanity a prediction must keep (more bandwidth is never slower, more GPUs at fixed tokens per
+// GPU never compute less in all, the hierarchical ring hides its outer transfers behind a round).
+#include <doctest/doctest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/index/cost_model.hpp"
+#include "stria/index/local_index.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "stria/topology/flat_ring.hpp"
+#include "stria/topology/hierarchical_ring.hpp"
+#include "support/selection.hpp"
+
+using namespace stria;
+
+namespace {
+
+template <class Sharding, class Topology>
+void check_rows(const global_selection& g, const Sharding& sharding, const Topology& topology) {
+  const ring_workload rows = cost::count_ring_rows(g, sharding, topology);
+  for (index_t r = 0; r < topology.world_size(); ++r) {
+    const std::vector<step_index> indices = build_ring_indices(g, sharding, topology, r);
+    for (index_t s = 0; s < topology.num_steps(); ++s) {
+      const step_index& x = indices[static_cast<std::size_t>(s)];
+      std::int64_t active = 0;
+      for (std::size_t row = 0; row + 1 < x.block_ptr.size(); ++row)
+        active += x.block_ptr[row + 1] > x.block_ptr[row] || x.col_ptr[row + 1] > x.col_ptr[row];
+      CAPTURE(r);
+      CAPTURE(s);
+      CHECK(rows.at(r, s) == active);
+    }
+  }
+}
+
+cost::layer_shape shape_of(index_t seq_len) { return {.seq_len = seq_len, .heads_q = 8, .heads_kv = 2, .head_dim = 128}; }
+
+global_selection vs_input(index_t seq_len) {
+  host::synthetic_vs_options o;
+  o.seq_len = seq_len;
+  o.heads_q = 8;
+  o.heads_kv = 2;
+  return host::plant_vs_selection(o);
+}
+
+template <class Topology>
+cost::layer_prediction predict(const global_selection& g, const Topology& topology, const cost::cluster& c) {
+  const topology::flat_ring flat(topology.world_size());
+  const ring_workload entries = count_ring_workload(g, sharding::striped<64>{}, flat), rows = cost::count_ring_rows(g, sharding::striped<64>{}, flat);
+  return cost::predict_ring(cost::reschedule(entries, topology), cost::reschedule(rows, topology), topology, shape_of(g.seq_len),
+                            cost::h200_kernel_throughput(128), c);
+}
+
+}  // namespace
+
+TEST_CASE("cost model: active rows per (rank, step) equal the built indices' non-empty rows") {
+  STRIA_SEEDED_RNG(rng);
+  for (const bool causal : {true, false})
+    for (const index_t world : {1, 3, 4, 8})
+      for (const double token_density : {0.0, 0.02, 0.3}) {
+        CAPTURE(causal);
+        CAPTURE(world);
+        CAPTURE(token_density);
+        const global_selection g = test::random_selection(rng, 4 * world * 64, 3, causal, 0.2, token_density);
+        check_rows(g, sharding::sequential{}, topology::flat_ring(world));
+        check_rows(g, sharding::zigzag{}, topology::flat_ring(world));
+        check_rows(g, sharding::striped<64>{}, topology::flat_ring(world));
+        if (world % 2 == 0) check_rows(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
+      }
+}
+
+TEST_CASE("cost model: a flat ring's counts rescheduled for a hierarchical ring equal its own counts") {
+  STRIA_SEEDED_RNG(rng);
+  const global_selection g = test::random_selection(rng, 8 * 8 * 64, 2, true, 0.2, 0.05);
+  const topology::hierarchical_ring h(2, 4);
+  CHECK(cost::reschedule(count_ring_workload(g, sharding::zigzag{}, topology::flat_ring(8)), h).entries ==
+        count_ring_workload(g, sharding::zigzag{}, h).entries);
+  CHECK(cost::reschedule(cost::count_ring_rows(g, sharding::striped<64>{}, topology::flat_ring(8)), h).entries ==
+        cost::count_ring_rows(g, sharding::striped<64>{}, h).entries);
+}
+
+TEST_CASE("cost model: kernel fit recovers the speed that made the samples") {
+  const cost::kernel_speed truth{.tflops = 300.0, .row_ns = 50.0};
+  std::vector<cost::kernel_sample> samples;
+  for (const double s : {32768.0, 131072.0, 524288.0}) {
+    const double flops = 4 * 128 * 0.05 * s * s / 2 * 16, rows = s / 64 * 16;
+    samples.push_back({flops, rows, truth.seconds(flops, rows)});
+  }
+  const cost::kernel_speed fit = cost::fit_kernel_speed(samples);
+  CHECK(fit.tflops == doctest::Approx(300.0));
+  CHECK(fit.row_ns == doctest::Approx(50.0));
+  // One run cannot tell a row's cost from the throughput: all of it is throughput.
+  const cost::kernel_speed one = cost::fit_kernel_speed(std::span(samples).first(1));
+  CHECK(one.row_ns == 0.0);
+  CHECK(one.seconds(samples[0].flops, samples[0].active_rows) == doctest::Approx(samples[0].seconds));
+  CHECK_THROWS_AS(cost::fit_kernel_speed({}), invalid_argument);
+}
+
+TEST_CASE("cost model: message sizes and link times") {
+  const cost::layer_shape shape{.seq_len = 131072, .heads_q = 16, .heads_kv = 2, .head_dim = 128};
+  // 128K over 2 ranks: 64 MiB of KV per message forward; fp32 dK/dV are twice the KV's bytes.
+  CHECK(shape.kv_bytes(65536) == 64.0 * 1024 * 1024);
+  CHECK(shape.kv_gradient_bytes(65536) == 128.0 * 1024 * 1024);
+  const cost::link l{.gbytes_per_s = 2.0, .latency_us = 5.0};
+  CHECK(l.seconds(4e9) == doctest::Approx(2.000005));
+  CHECK_THROWS_AS((cost::cluster{.nodes = 0}.validate()), invalid_argument);
+  CHECK_THROWS_AS((cost::cluster{.nodes = 300, .gpus_per_node = 300}.validate()), invalid_argument);
+  CHECK_THROWS_AS((cost::link{.gbytes_per_s = 0.0}.validate("l")), invalid_argument);
+}
+
+TEST_CASE("cost model: two ranks worked by hand, forward and backward") {
+  // 1 us per entry both ways, no row cost; 512 local tokens: KV 524288 bytes, dK/dV 1048576 bytes;
+  // 1 GB/s without latency: 0.524288 ms and 1.048576 ms per message.
+  const cost::kernel_throughput kernel{.head_dim = 128, .forward = {.tflops = 512e-6, .row_ns = 0}, .backward = {.tflops = 1280e-6, .row_ns = 0}};
+  const cost::link slow{.gbytes_per_s = 1.0, .latency_us = 0.0};
+  const cost::cluster c{.nodes = 1, .gpus_per_node = 2, .intra_node = slow, .inter_node = slow};
+  const ring_workload entries{2, 2, {1000, 300, 200, 400}};  // rank 0: 1.0, 0.3 ms; rank 1: 0.2, 0.4 ms
+  const ring_workload rows{2, 2, {0, 0, 0, 0}};
+  const cost::layer_prediction p = cost::predict_ring(entries, rows, topology::flat_ring(2), shape_of(1024), kernel, c);
+  // Forward: rank 1 waits for the KV until 0.524288 ms, then computes 0.4; rank 0 ends at 1.0 + 0.3.
+  CHECK(p.forward.seconds == doctest::Approx(1.3e-3));
+  CHECK(p.forward.steps[1].wait_seconds == doctest::Approx(0.324288e-3));
+  CHECK(p.forward.steps[1].communication_bound);
+  CHECK_FALSE(p.forward.steps[0].communication_bound);
+  CHECK(p.forward.rank_compute_seconds[1] == doctest::Approx(0.6e-3));
+  // Backward: step 0's partials leave when both ends are done (rank 0 at 1.0 ms) and arrive at
+  // 2.048576; step 1 ends when they are in; its partials reach their owners at 3.097152 ms.
+  CHECK(p.backward.seconds == doctest::Approx(3.097152e-3));
+  CHECK(p.backward.steps[1].communication_bound);
+  // A fast link: nothing waits; each phase is the busiest rank's compute, step by step.
+  const cost::cluster fast{.nodes = 1, .gpus_per_node = 2, .intra_node = {.gbytes_per_s = 1e6, .latency_us = 0}};
+  const cost::layer_prediction q = cost::predict_ring(entries, rows, topology::flat_ring(2), shape_of(1024), kernel, fast);
+  CHECK(q.forward.seconds == doctest::Approx(1.3e-3).epsilon(1e-4));
+  CHECK(q.forward.communication_bound_steps() == 0);
+  CHECK(q.backward.seconds == doctest::Approx(1.3e-3).epsilon(1e-3));
+  CHECK_THROWS_AS(cost::predict_ring(entries, rows, topology::flat_ring(2), shape_of(1024), kernel, cost::cluster{.nodes = 1, .gpus_per_node = 3}),
+                  invalid_argument);
+}
+
+TEST_CASE("cost model: more bandwidth never predicts a slower layer") {
+  const global_selection g = vs_input(16384);
+  for (const auto streams : {cost::transfer_streams::one_per_rank, cost::transfer_streams::one_per_link}) {
+    double flat_before[2] = {1e30, 1e30}, hier_before[2] = {1e30, 1e30};
+    for (const double gbytes : {0.5, 2.0, 8.0, 32.0, 128.0, 512.0}) {
+      CAPTURE(gbytes);
+      const cost::cluster c{.nodes = 2, .gpus_per_node = 4, .intra_node = {.gbytes_per_s = 4 * gbytes, .latency_us = 10},
+                            .inter_node = {.gbytes_per_s = gbytes, .latency_us = 20}, .streams = streams};
+      const cost::layer_prediction flat = predict(g, topology::flat_ring(8), c), hier = predict(g, topology::hierarchical_ring(2, 4), c);
+      CHECK(flat.forward.seconds <= flat_before[0] * (1 + 1e-12));
+      CHECK(flat.backward.seconds <= flat_before[1] * (1 + 1e-12));
+      CHECK(hier.forward.seconds <= hier_before[0] * (1 + 1e-12));
+      CHECK(hier.backward.seconds <= hier_before[1] * (1 + 1e-12));
+      flat_before[0] = flat.forward.seconds, flat_before[1] = flat.backward.seconds;
+      hier_before[0] = hier.forward.seconds, hier_before[1] = hier.backward.seconds;
+    }
+    // A slow network makes the flat ring communication-bound, and it is slower than a fast one.
+    const cost::cluster slow{.nodes = 2, .gpus_per_node = 4, .inter_node = {.gbytes_per_s = 0.5, .latency_us = 20}, .streams = streams};
+    CHECK(predict(g, topology::flat_ring(8), slow).forward.communication_bound_steps() > 0);
+    CHECK(predict(g, topology::flat_ring(8), slow).forward.seconds > flat_before[0]);
+  }
+}
+
+TEST_CASE("cost model: more GPUs at fixed tokens per GPU never compute less in all") {
+  double before[2] = {0, 0};
+  for (const index_t world : {1, 2, 4, 8}) {
+    CAPTURE(world);
+    const global_selection g = vs_input(4096 * world);
+    const cost::layer_prediction p = predict(g, topology::flat_ring(world), cost::cluster{.nodes = 1, .gpus_per_node = world});
+    const double total[2] = {std::accumulate(p.forward.rank_compute_seconds.begin(), p.forward.rank_compute_seconds.end(), 0.0),
+                             std::accumulate(p.backward.rank_compute_seconds.begin(), p.backward.rank_compute_seconds.end(), 0.0)};
+    CHECK(total[0] >= before[0]);
+    CHECK(total[1] >= before[1]);
+    CHECK(p.forward.seconds >= p.forward.busiest_compute_seconds() * (1 - 1e-12));
+    before[0] = total[0], before[1] = total[1];
+  }
+}
+
+TEST_CASE("cost model: the hierarchical ring hides an outer transfer behind an inner round") {
+  // Dense causal attention over 2 nodes x 4 GPUs, an inter-node link on which one KV message takes
+  // about 2.5 steps of compute: longer than a step, shorter than a round of 4.
+  const index_t seq_len = 8192;
+  const global_selection g = test::band_selection(seq_len, 8, 0, seq_len / 64 - 1, true);
+  const cost::cluster probe{.nodes = 2, .gpus_per_node = 4};
+  const double step = predict(g, topology::hierarchical_ring(2, 4), probe).forward.busiest_compute_seconds() / 8;
+  const double kv = shape_of(seq_len).kv_bytes(seq_len / 8);
+  const cost::link network{.gbytes_per_s = kv / (2.5 * step) / 1e9, .latency_us = 0};
+  const cost::link nvlink{.gbytes_per_s = 1e4, .latency_us = 0};  // the inner ring keeps up at this small size
+  const cost::cluster design{.nodes = 2, .gpus_per_node = 4, .intra_node = nvlink, .inter_node = network, .streams = cost::transfer_streams::one_per_link};
+  const cost::layer_prediction hier = predict(g, topology::hierarchical_ring(2, 4), design);
+  const cost::layer_prediction flat = predict(g, topology::flat_ring(8), design);
+  CHECK(hier.forward.communication_bound_steps() == 0);
+  CHECK(flat.forward.communication_bound_steps() > 0);
+  CHECK(hier.forward.seconds < flat.forward.seconds);
+  // With every transfer of a rank on one stream (the device engine), the next inner transfer waits
+  // behind the outer one: the hierarchy no longer hides it.
+  cost::cluster engine = design;
+  engine.streams = cost::transfer_streams::one_per_rank;
+  const cost::layer_prediction queued = predict(g, topology::hierarchical_ring(2, 4), engine);
+  CHECK(queued.forward.communication_bound_steps() > 0);
+  CHECK(queued.forward.seconds > hier.forward.seconds);
+}
+
+TEST_CASE("cost model: the solver's two stages") {
+  const global_selection g = vs_input(16384);
+  // One rank: no moves; the layer is its kernels.
+  {
+    const solver::problem p = solver::problem_from_selection(g, 1, 2, 2);
+    const solver::plan x = solver::solve(p);
+    const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+    const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(16384), k, cost::cluster{.nodes = 1, .gpus_per_node = 1});
+    std::int64_t area = 0, rows = 0;
+    const std::vector<std::int64_t> task_rows = cost::solver_task_rows(g, p);
+    for (std::size_t i = 0; i < p.area.size(); ++i) area += p.area[i], rows += task_rows[i];
+    CHECK(l.forward.seconds == doctest::Approx(k.forward.seconds(cost::entry_flops(128, false) * double(area), double(rows))));
+    CHECK_FALSE(l.forward.steps[0].communication_bound);
+  }
+  // Four ranks: the moves and returns cost time; more bandwidth is never slower.
+  const solver::problem p = solver::problem_from_selection(g, 4, 2, 2);
+  const solver::plan x = solver::solve(p);
+  double before = 1e30;
+  for (const double gbytes : {1.0, 10.0, 100.0, 1000.0}) {
+    const cost::cluster c{.nodes = 1, .gpus_per_node = 4, .intra_node = {.gbytes_per_s = gbytes, .latency_us = 10}};
+    const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(16384), cost::h200_kernel_throughput(128), c);
+    CHECK(l.seconds() <= before);
+    CHECK(l.forward.seconds >= l.forward.busiest_compute_seconds());
+    before = l.seconds();
+  }
+}
