@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "plan_input.hpp"
+#include "plan_svg.hpp"
 
 namespace {
 
@@ -48,6 +49,7 @@ struct row {
   stria::imbalance_degrees imbalance;
   double max_rank_flops;
   double total_flops;
+  stria::ring_workload workload;  // for --svg
 };
 
 template <class Sharding, class Topology>
@@ -55,7 +57,7 @@ row plan_one(const stria::global_selection& g, const Sharding& sharding, const T
              const std::string& topology_name) {
   const stria::ring_workload w = stria::count_ring_workload(g, sharding, topology);
   return {std::string(Sharding::name), topology_name, stria::measure_imbalance(w), stria::forward_flops(w.max_rank_total(), head_dim),
-          stria::forward_flops(w.total(), head_dim)};
+          stria::forward_flops(w.total(), head_dim), w};
 }
 
 /// The distributed estimator on `world` simulated ranks (striped<64> shards); every rank must agree.
@@ -354,6 +356,18 @@ int main(int argc, char** argv) try {
 
   const double causal_entries = double(g.seq_len) * (double(g.seq_len) + 1.0) / 2.0 * g.num_heads();
   const double density = rows.front().total_flops / (4.0 * o.head_dim) / causal_entries;
+  if (!o.svg_file.empty()) {
+    std::vector<plan_svg::panel> panels;
+    for (const row& r : rows) panels.push_back({r.sharding + ", " + r.topology, r.workload, r.imbalance});
+    char heading[160];
+    std::snprintf(heading, sizeof heading, "plan: seq_len %d, world %d (%d node%s), %d heads, %s pattern, density %.2f%% of causal entries", g.seq_len,
+                  o.world, o.nodes, o.nodes > 1 ? "s" : "", g.num_heads(), source.c_str(), 100.0 * density);
+    std::ofstream file(o.svg_file);
+    if (!file) throw stria::invalid_argument("--svg", o.svg_file, "must name a file that can be written");
+    plan_svg::write(file, heading, panels, g, 0);
+    file.close();
+    if (!file) throw stria::invalid_argument("--svg", o.svg_file, "could not be written completely");
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (o.json) {
     nlohmann::ordered_json config = {{"seq_len", g.seq_len}, {"world", o.world},   {"nodes", o.nodes},           {"heads_q", g.num_heads()},

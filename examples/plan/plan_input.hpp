@@ -46,6 +46,8 @@ inline constexpr const char* usage =
     "                   busiest rank against the mean and its volume against the flat ring's\n"
     "  --volume-cap X   with --solver: a plan may move X times the flat ring's volume (default 1)\n"
     "  --json           print one JSON object instead of the table\n"
+    "  --svg FILE       also draw the plan into FILE (SVG): each sharding x topology's active entries per\n"
+    "                   rank and ring step on one colour scale, and head 0's block pattern\n"
     "\n"
     "Scale on paper (a cost model of one layer, include/stria/index/cost_model.hpp):\n"
     "  --cluster NxG[,NxG...]  predict forward and backward time per layer on N nodes x G GPUs\n"
@@ -76,6 +78,7 @@ struct options {
   std::string selection_file;
   bool estimate = false;
   bool json = false;
+  std::string svg_file;  // --svg: the picture of the plan
   stria::index_t solver_chunks = 0;  // 0: no solver plan
   double volume_cap = 1.0;
   // --cluster: the cost model's mode
@@ -142,6 +145,7 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, next());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;
+    else if (arg == "--svg") o.svg_file = next();
     else if (arg == "--solver") o.solver_chunks = size();
     else if (arg == "--volume-cap") o.volume_cap = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
     else if (arg == "--estimate") o.estimate = true;
@@ -156,6 +160,7 @@ inline options parse(int argc, char** argv) {
     if (o.world_given) throw stria::invalid_argument("--cluster", "with --world or --nodes", "choose one: --cluster sets the world and the nodes");
     if (!o.selection_file.empty() || o.estimate)
       throw stria::invalid_argument("--cluster", "with --selection or --estimate", "the cost model plans the synthetic pattern at each --seq-len");
+    if (!o.svg_file.empty()) throw stria::invalid_argument("--svg", "with --cluster", "the picture shows a plan's ring workloads; --cluster predicts times");
     for (const auto& [nodes, gpus] : o.clusters)
       for (const stria::index_t s : o.seq_lens)
         if (s % (128 * std::int64_t{nodes} * gpus) != 0)  // zigzag's rule, which covers sequential and striped<64>
