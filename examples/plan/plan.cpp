@@ -7,6 +7,7 @@
 #include <stria/comm/host_threads.hpp>
 #include <stria/estimator/vertical_slash_top_p.hpp>
 #include <stria/estimator/window_statistics.hpp>
+#include <stria/host/oracle_selection.hpp>
 #include <stria/host/recall.hpp>
 #include <stria/host/synthetic_vs.hpp>
 #include <stria/index/cost_model.hpp>
@@ -61,8 +62,8 @@ row plan_one(const stria::global_selection& g, const Sharding& sharding, const T
 }
 
 /// The distributed estimator on `world` simulated ranks (striped<64> shards); every rank must agree.
-stria::global_selection estimate_on_ranks(const stria::host::synthetic_vs& data, const stria::host::synthetic_vs_options& s,
-                                          stria::index_t world, double& seconds) {
+stria::global_selection estimate_on_ranks(const stria::estimator::vertical_slash_top_p& estimator, const stria::host::synthetic_vs& data,
+                                          const stria::host::synthetic_vs_options& s, stria::index_t world, double& seconds) {
   const auto start = std::chrono::steady_clock::now();
   const stria::sharding::striped<64> sharding;
   const stria::index_t local = s.seq_len / world;
@@ -72,7 +73,7 @@ stria::global_selection estimate_on_ranks(const stria::host::synthetic_vs& data,
   stria::comm::host_world ranks(world);
   ranks.run([&](stria::comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
-    found[r] = stria::estimator::estimate(stria::estimator::vertical_slash_top_p{}, c, sharding, s.seq_len, true,
+    found[r] = stria::estimator::estimate(estimator, c, sharding, s.seq_len, true,
                                           stria::tensor_view<const float, 3>(q[r].data(), {local, s.heads_q, s.head_dim}),
                                           stria::tensor_view<const float, 3>(k[r].data(), {local, s.heads_kv, s.head_dim}),
                                           1.0 / std::sqrt(double(s.head_dim)));
@@ -301,6 +302,17 @@ int main(int argc, char** argv) try {
   stria::global_selection g;
   std::string source = "synthetic";
   double estimate_seconds = 0, recall_mean = -1, recall_min = -1;
+  struct oracle_row {
+    double recall_mean = -1, recall_min = -1, density = -1;
+  } oracle, oracle_top_p;
+  stria::estimator::vertical_slash_top_p estimator;
+  estimator.vertical.max = o.vertical_max;
+  estimator.slash.max = o.slash_max;
+  estimator.local_diagonals = o.local_diagonals;
+  estimator.sink_tokens = o.sink_tokens;
+  estimator.p_vertical = estimator.p_slash = o.p;
+  const stria::index_t recall_stride = o.recall_stride > 0 ? o.recall_stride : 1;
+  const bool with_recall = o.seq_len <= 16384 || o.recall_stride > 0;
   if (!o.selection_file.empty()) {
     g = read_selection(o.selection_file);
     source = "selection";
@@ -313,18 +325,35 @@ int main(int argc, char** argv) try {
     s.rope_theta = o.rope_theta;
     s.density = 1.0 - o.sparsity;
     s.seed = o.seed;
+    for (const auto p : {stria::host::vs_pattern::rope, stria::host::vs_pattern::power_law_slash, stria::host::vs_pattern::periodic_slash,
+                         stria::host::vs_pattern::clustered_vertical, stria::host::vs_pattern::mixture})
+      if (o.pattern == stria::host::pattern_name(p)) s.pattern = p;
     if (!o.estimate) {
       g = stria::host::plant_vs_selection(s);
     } else {
       source = "estimated";
       const stria::host::synthetic_vs data = stria::host::make_synthetic_vs(s);
-      g = estimate_on_ranks(data, s, o.world, estimate_seconds);
-      if (o.seq_len <= 16384) {
-        const stria::host::recall_summary r = stria::host::attention_recall(
-            g, stria::tensor_view<const float, 3>(data.q.data(), {o.seq_len, o.heads_q, o.head_dim}),
-            stria::tensor_view<const float, 3>(data.k.data(), {o.seq_len, o.heads_kv, o.head_dim}), 1.0 / std::sqrt(double(o.head_dim)));
+      estimator.validate(s.seq_len, s.heads_q);
+      g = estimate_on_ranks(estimator, data, s, o.world, estimate_seconds);
+      if (with_recall) {
+        const stria::tensor_view<const float, 3> q(data.q.data(), {o.seq_len, o.heads_q, o.head_dim});
+        const stria::tensor_view<const float, 3> k(data.k.data(), {o.seq_len, o.heads_kv, o.head_dim});
+        const double scale = 1.0 / std::sqrt(double(o.head_dim));
+        const stria::host::recall_summary r = stria::host::attention_recall(g, q, k, scale, 0, recall_stride);
         recall_mean = r.mean;
         recall_min = r.min;
+        // The oracle: the estimator's rule on the exact attention of all (sampled) rows, once at
+        // the estimate's density (per head), once with its top-p.
+        auto density_of = [&](const stria::global_selection& x) {
+          const stria::ring_workload w = stria::count_ring_workload(x, stria::sharding::sequential{}, stria::topology::flat_ring(1));
+          return double(w.total()) / (double(x.seq_len) * (double(x.seq_len) + 1.0) / 2.0 * x.num_heads());
+        };
+        const stria::host::oracle_selections best =
+            stria::host::oracle_vs_selection(q, k, scale, {estimator.rule(o.seq_len), &g, recall_stride});
+        const stria::host::recall_summary b = stria::host::attention_recall(best.same_density, q, k, scale, 0, recall_stride);
+        oracle = {b.mean, b.min, density_of(best.same_density)};
+        const stria::host::recall_summary t = stria::host::attention_recall(best.top_p, q, k, scale, 0, recall_stride);
+        oracle_top_p = {t.mean, t.min, density_of(best.top_p)};
       }
     }
   }
@@ -378,7 +407,21 @@ int main(int argc, char** argv) try {
       config["estimate_seconds"] = estimate_seconds;
       config["recall_mean"] = recall_mean >= 0 ? nlohmann::ordered_json(recall_mean) : nlohmann::ordered_json();
       config["recall_min"] = recall_min >= 0 ? nlohmann::ordered_json(recall_min) : nlohmann::ordered_json();
+      auto value = [](double x) { return x >= 0 ? nlohmann::ordered_json(x) : nlohmann::ordered_json(); };
+      config["oracle_recall_mean"] = value(oracle.recall_mean);
+      config["oracle_recall_min"] = value(oracle.recall_min);
+      config["oracle_density"] = value(oracle.density);
+      config["oracle_top_p_recall_mean"] = value(oracle_top_p.recall_mean);
+      config["oracle_top_p_recall_min"] = value(oracle_top_p.recall_min);
+      config["oracle_top_p_density"] = value(oracle_top_p.density);
+      config["recall_stride"] = recall_stride;
+      config["vertical_cap"] = estimator.rule(o.seq_len).vertical_cap;
+      config["slash_cap"] = estimator.rule(o.seq_len).slash_cap;
+      config["local_diagonals"] = estimator.local_diagonals;
+      config["sink_tokens"] = estimator.sink_tokens;
+      config["p"] = o.p;
     }
+    config["pattern"] = o.pattern;
     nlohmann::ordered_json out = {{"config", config}, {"rows", nlohmann::ordered_json::array()}};
     for (const row& r : rows)
       out["rows"].push_back({{"sharding", r.sharding},
@@ -405,8 +448,13 @@ int main(int argc, char** argv) try {
               100.0 * density);
   if (o.estimate) {
     std::printf("estimator on %d simulated ranks: %.2f s", o.world, estimate_seconds);
-    if (recall_mean >= 0) std::printf("; recalled attention mass over all query rows: mean %.4f, min %.4f", recall_mean, recall_min);
-    else std::printf("; recall not computed (needs --seq-len <= 16384)");
+    if (recall_mean >= 0)
+      std::printf("; recalled attention mass over %s query rows: mean %.4f, min %.4f\n"
+                  "oracle VS selection (exact statistics of all rows): at the estimate's density mean %.4f, min %.4f at density %.2f%%;\n"
+                  "with its top-p mean %.4f, min %.4f at density %.2f%%",
+                  recall_stride > 1 ? "sampled" : "all", recall_mean, recall_min, oracle.recall_mean, oracle.recall_min, 100.0 * oracle.density,
+                  oracle_top_p.recall_mean, oracle_top_p.recall_min, 100.0 * oracle_top_p.density);
+    else std::printf("; recall not computed (needs --seq-len <= 16384 or --recall-stride)");
     std::printf("\n");
   }
   std::printf("imbalance = busiest / mean (1.00 is perfect); worker: over ranks within a step, step: over one rank's steps\n\n");

@@ -39,7 +39,16 @@ inline constexpr const char* usage =
     "  --seed S         seed of the synthetic input (default 1)\n"
     "  --estimate       run the online estimator (vertical_slash_top_p, default settings) on the\n"
     "                   synthetic Q/K over --world simulated ranks and plan its selection; adds\n"
-    "                   recall_mean and recall_min (exact attention, when --seq-len <= 16384)\n"
+    "                   recall_mean and recall_min (exact attention, when --seq-len <= 16384 or with\n"
+    "                   --recall-stride), and the oracle's: the same rule on statistics of the exact\n"
+    "                   attention of all rows, at the estimate's density per head (oracle_*) and with\n"
+    "                   the estimate's top-p (oracle_top_p_*)\n"
+    "  --recall-stride N   recall and oracle over the rows of every N-th query block (default 1)\n"
+    "  --vertical-max N, --slash-max N, --local-diagonals N, --sink-tokens N, --p X\n"
+    "                   the estimator's settings (defaults: vertical_slash_top_p's; --p sets p_vertical\n"
+    "                   and p_slash)\n"
+    "  --pattern P      synthetic family: rope (default), power_law_slash, periodic_slash,\n"
+    "                   clustered_vertical, mixture (stria/host/synthetic_vs.hpp)\n"
     "  --selection F    plan a recorded selection instead: JSON {\"seq_len\": S, \"causal\": true,\n"
     "                   \"heads\": [{\"vertical\": [token, ...], \"slash_blocks\": [delta, ...]}, ...]}\n"
     "  --solver M       also plan the dynamic solver (sequential sharding, M chunks per rank): its\n"
@@ -79,6 +88,10 @@ struct options {
   bool estimate = false;
   bool json = false;
   std::string svg_file;  // --svg: the picture of the plan
+  stria::index_t recall_stride = 0;  // 0: not given (recall only up to 16384 tokens, every row)
+  stria::index_t vertical_max = 0, slash_max = 0, local_diagonals = 1, sink_tokens = 4;
+  double p = 0.9;
+  std::string pattern = "rope";
   stria::index_t solver_chunks = 0;  // 0: no solver plan
   double volume_cap = 1.0;
   // --cluster: the cost model's mode
@@ -149,6 +162,18 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--solver") o.solver_chunks = size();
     else if (arg == "--volume-cap") o.volume_cap = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
     else if (arg == "--estimate") o.estimate = true;
+    else if (arg == "--recall-stride") o.recall_stride = size();
+    else if (arg == "--vertical-max") o.vertical_max = size();
+    else if (arg == "--slash-max") o.slash_max = size();
+    else if (arg == "--local-diagonals") o.local_diagonals = size();
+    else if (arg == "--sink-tokens") o.sink_tokens = stria::cli::parse_integer<stria::index_t>(arg, next(), 0);
+    else if (arg == "--p") o.p = stria::cli::parse_real(arg, next(), 1e-9, 1.0);
+    else if (arg == "--pattern") {
+      o.pattern = next();
+      if (o.pattern != "rope" && o.pattern != "power_law_slash" && o.pattern != "periodic_slash" && o.pattern != "clustered_vertical" &&
+          o.pattern != "mixture")
+        throw stria::invalid_argument("--pattern", o.pattern, "must be rope, power_law_slash, periodic_slash, clustered_vertical or mixture");
+    }
     else if (arg == "--help") {
       std::fputs(usage, stdout);
       std::exit(0);

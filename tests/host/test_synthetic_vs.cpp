@@ -168,3 +168,66 @@ TEST_CASE("attention_recall equals the fp64 recall over every row") {
                                               tensor_view<const float, 3>(x.k.data(), {1024, 1, 64}), 0.125),
                        doctest::Contains("q.extent(1) = 2: must equal the selection's head count 4"), stria::invalid_argument);
 }
+
+TEST_CASE("heavy-tailed families: planted lines hold the mass, and each family has its shape") {
+  using host::vs_pattern;
+  for (const vs_pattern pattern : {vs_pattern::power_law_slash, vs_pattern::periodic_slash, vs_pattern::clustered_vertical, vs_pattern::mixture}) {
+    host::synthetic_vs_options o;
+    o.seq_len = 2048;
+    o.heads_q = 6;
+    o.heads_kv = 2;
+    o.head_dim = 64;
+    o.density = 0.1;
+    o.pattern = pattern;
+    o.period_blocks = 4;
+    o.vertical_clusters = 2;
+    o.cluster_tokens = 128;
+    const host::synthetic_vs x = host::make_synthetic_vs(o);
+    CAPTURE(host::pattern_name(pattern));
+    x.planted.validate();
+    host::synthetic_vs_options rope = o;
+    rope.pattern = vs_pattern::rope;
+    const global_selection plain = host::plant_vs_selection(rope);
+    const double planted = mean_recall(x, x.planted, o);
+    CAPTURE(planted);
+    CHECK(planted > 0.8);
+    bool differs = false;
+    for (index_t h = 0; h < o.heads_q; ++h) differs = differs || !(x.planted.heads[static_cast<std::size_t>(h)] == plain.heads[static_cast<std::size_t>(h)]);
+    CHECK(differs);
+    if (pattern == vs_pattern::clustered_vertical) {
+      // Outside the sinks, every outlier lies in one of 2 windows of 128 tokens.
+      for (const head_selection& h : x.planted.heads) {
+        std::vector<index_t> rest;
+        for (const index_t t : h.vertical_tokens)
+          if (t >= o.sink_tokens) rest.push_back(t);
+        REQUIRE(!rest.empty());
+        index_t windows = 0;
+        for (std::size_t i = 0; i < rest.size(); ++windows) {
+          const index_t start = rest[i];
+          while (i < rest.size() && rest[i] < start + o.cluster_tokens) ++i;
+        }
+        CHECK(windows <= 2 * o.vertical_clusters);  // two clusters may overlap a window edge each
+      }
+    }
+    if (pattern == vs_pattern::periodic_slash) {
+      // The strongest slash lines beyond the local window sit at multiples of the period.
+      for (const head_selection& h : x.planted.heads) {
+        index_t on_period = 0, far = 0;
+        for (const index_t delta : h.slash_deltas)
+          if (delta >= 2) ++far, on_period += (delta % o.period_blocks == 0 || delta % o.period_blocks == 1 || delta % o.period_blocks == o.period_blocks - 1);
+        CHECK(far > 0);
+        CHECK(on_period * 4 >= far * 3);
+      }
+    }
+    if (pattern == vs_pattern::mixture) {
+      // Head 0 follows rope; heads 1 and 2 (power law, periodic) do not.
+      CHECK(x.planted.heads[0].slash_deltas == plain.heads[0].slash_deltas);
+      CHECK(!(x.planted.heads[1].slash_deltas == plain.heads[1].slash_deltas));
+      CHECK(!(x.planted.heads[2].slash_deltas == plain.heads[2].slash_deltas));
+    }
+  }
+  host::synthetic_vs_options bad;
+  bad.pattern = vs_pattern::periodic_slash;
+  bad.period_blocks = 0;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(bad), doctest::Contains("period_blocks = 0: must lie in [1, seq_len / 64)"), stria::invalid_argument);
+}

@@ -47,9 +47,11 @@ struct recall_summary {
 
 /// Recalled attention mass of `selection` for every query row of q [S, Hq, D] against k [S, Hkv, D].
 /// Work: S^2 / 2 * Hq * D multiply-adds (causal); threads share the heads (0: all hardware threads).
+/// With query_block_stride > 1 only the rows of every stride-th query block count (the last block
+/// always), which makes long sequences affordable.
 template <class T>
 recall_summary attention_recall(const global_selection& selection, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
-                                double softmax_scale, unsigned threads = 0) {
+                                double softmax_scale, unsigned threads = 0, index_t query_block_stride = 1) {
   selection.validate();
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
@@ -60,6 +62,8 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
     throw invalid_argument("q.extent(1)", shape.heads_q, "must equal the selection's head count " + std::to_string(selection.num_heads()));
 
   const index_t s = shape.query_tokens, nb = s / block_tokens, dim = shape.head_dim;
+  if (query_block_stride < 1 || query_block_stride > nb)
+    throw invalid_argument("query_block_stride", query_block_stride, "must lie in [1, seq_len / 64]");
   const bool causal = selection.causal;
   struct head_result {
     double sum = 0, min = 1;
@@ -85,7 +89,7 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
     for (index_t c = 0; c <= block_tokens; ++c)
       for (index_t b = 0; b < block_tokens; ++b) valid[static_cast<std::size_t>(c * block_tokens + b)] = b < c ? 1.0f : 0.0f;
     head_result& out = results[static_cast<std::size_t>(h)];
-    for (index_t qb = 0; qb < nb; ++qb) {
+    for (index_t qb = (nb - 1) % query_block_stride; qb < nb; qb += query_block_stride) {
       // Queries pre-scaled by scale * log2(e): scores come out in the exp2 domain.
       for (index_t a = 0; a < block_tokens; ++a)
         for (index_t d = 0; d < dim; ++d)

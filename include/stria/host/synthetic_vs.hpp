@@ -27,6 +27,27 @@
 
 namespace stria::host {
 
+/// The pattern family. `rope` is the original generator (its output depends on the seed alone and
+/// is what the benchmarks and GPU tests use); the others are heavy-tailed variants built on it:
+/// - power_law_slash: extra slash lines at random offsets whose peak weights fall as a power law
+///   (line j: exp(logit) proportional to j^-slash_power);
+/// - periodic_slash: extra slash lines of equal weight every period_blocks block diagonals;
+/// - clustered_vertical: the outlier keys fall in a few clusters of nearby tokens;
+/// - mixture: per query head one of rope, power_law_slash, periodic_slash (head h: h mod 3), and
+///   clustered outliers on odd KV heads.
+enum class vs_pattern { rope, power_law_slash, periodic_slash, clustered_vertical, mixture };
+
+inline constexpr const char* pattern_name(vs_pattern p) {
+  switch (p) {
+    case vs_pattern::rope: return "rope";
+    case vs_pattern::power_law_slash: return "power_law_slash";
+    case vs_pattern::periodic_slash: return "periodic_slash";
+    case vs_pattern::clustered_vertical: return "clustered_vertical";
+    case vs_pattern::mixture: return "mixture";
+  }
+  return "?";
+}
+
 struct synthetic_vs_options {
   index_t seq_len = 16384;
   index_t heads_q = 16;
@@ -37,6 +58,13 @@ struct synthetic_vs_options {
   double slash_share = 0.6;  // of the planted entries, the share on slash diagonals (the rest vertical)
   index_t sink_tokens = 4;   // the first tokens are always vertical
   std::uint64_t seed = 1;
+  vs_pattern pattern = vs_pattern::rope;
+  index_t extra_slashes = 16;       // power_law_slash, periodic_slash: lines added
+  double slash_power = 1.5;         // power_law_slash: weight of line j ~ j^-slash_power
+  double slash_peak_logit = 4.0;    // scaled expected score at the strongest added line's peak
+  index_t period_blocks = 8;        // periodic_slash: block diagonals between lines
+  index_t vertical_clusters = 8;    // clustered_vertical: cluster count per KV head
+  index_t cluster_tokens = 1024;    // clustered_vertical: a cluster's width in tokens
 
   void validate() const {
     if (seq_len <= 0 || seq_len % block_tokens != 0)
@@ -50,6 +78,15 @@ struct synthetic_vs_options {
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
+    if (extra_slashes < 1) throw invalid_argument("extra_slashes", extra_slashes, "must be at least 1");
+    if (!(slash_power > 0.0 && slash_power <= 8.0)) throw invalid_argument("slash_power", slash_power, "must lie in (0, 8]");
+    if (!(slash_peak_logit > 0.0 && slash_peak_logit <= 12.0))
+      throw invalid_argument("slash_peak_logit", slash_peak_logit, "must lie in (0, 12]");
+    if (period_blocks < 1 || period_blocks >= seq_len / block_tokens)
+      throw invalid_argument("period_blocks", period_blocks, "must lie in [1, seq_len / 64)");
+    if (vertical_clusters < 1) throw invalid_argument("vertical_clusters", vertical_clusters, "must be at least 1");
+    if (cluster_tokens < 1 || cluster_tokens > seq_len)
+      throw invalid_argument("cluster_tokens", cluster_tokens, "must lie in [1, seq_len]");
   }
 };
 
@@ -93,6 +130,66 @@ inline double expected_logit(const vs_model& m, index_t head_dim, index_t h, ind
     f += (qa * ka + qb * kb) * std::cos(angle) + (qa * kb - qb * ka) * std::sin(angle);
   }
   return m.scale * f;
+}
+
+/// The heavy-tailed families on top of the rope model (synthetic_vs_options::pattern). They draw
+/// from a stream of their own, so the rope model's draws are untouched.
+///
+/// A slash line at token offset delta_j: each fast RoPE pair's query mean gets c_j R(-theta_i delta_j) k_i,
+/// which adds c_j * scale * cos(theta_i (delta - delta_j)) to f(delta): all fast pairs peak together
+/// at delta_j (height c_j * scale * pairs). Pairs slower than a 256-token period are left out: they
+/// barely turn over the sequence and would raise f everywhere instead of at one line.
+inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t slow_begin, index_t verticals_per_kv_head) {
+  std::mt19937_64 rng(o.seed * 0xd1b54a32d192ed03ULL + 0x2545f4914f6cdd1dULL);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  const index_t d = o.head_dim, group = o.heads_q / o.heads_kv;
+  auto head_pattern = [&](index_t h) {
+    if (o.pattern != vs_pattern::mixture) return o.pattern;
+    constexpr vs_pattern cycle[3] = {vs_pattern::rope, vs_pattern::power_law_slash, vs_pattern::periodic_slash};
+    return cycle[h % 3];
+  };
+  std::vector<index_t> fast;
+  for (index_t i = 0; i < slow_begin; ++i)
+    if (m.theta[static_cast<std::size_t>(i)] * 256.0 >= 2.0 * std::numbers::pi) fast.push_back(i);
+  for (index_t h = 0; h < o.heads_q; ++h) {
+    const vs_pattern p = head_pattern(h);
+    if (p != vs_pattern::power_law_slash && p != vs_pattern::periodic_slash) continue;
+    const index_t hk = h / group;
+    for (index_t j = 1; j <= o.extra_slashes; ++j) {
+      double delta = 0, height = o.slash_peak_logit;
+      if (p == vs_pattern::periodic_slash) {
+        delta = double(j * o.period_blocks * block_tokens);
+        if (delta >= double(o.seq_len)) break;
+      } else {
+        delta = 2.0 * block_tokens + uniform(rng) * double(o.seq_len - 2 * block_tokens);
+        height -= o.slash_power * std::log(double(j));  // weight exp(height) ~ j^-slash_power
+        if (height <= 0) break;
+      }
+      const double c = height / (m.scale * double(fast.size()));
+      for (const index_t i : fast) {
+        const double angle = -m.theta[static_cast<std::size_t>(i)] * delta;
+        const double ka = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)], kb = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)];
+        m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] += c * (std::cos(angle) * ka - std::sin(angle) * kb);
+        m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] += c * (std::sin(angle) * ka + std::cos(angle) * kb);
+      }
+    }
+  }
+  // Clustered outliers: the same count per KV head, the sinks kept, the rest near a few centres.
+  for (index_t hk = 0; hk < o.heads_kv; ++hk) {
+    if (o.pattern != vs_pattern::clustered_vertical && !(o.pattern == vs_pattern::mixture && hk % 2 == 1)) continue;
+    auto& tokens = m.vertical[static_cast<std::size_t>(hk)];
+    std::vector<bool> taken(static_cast<std::size_t>(o.seq_len));
+    tokens.erase(std::remove_if(tokens.begin(), tokens.end(), [&](index_t t) { return t >= o.sink_tokens; }), tokens.end());
+    for (const index_t t : tokens) taken[static_cast<std::size_t>(t)] = true;
+    const index_t first = std::min(o.sink_tokens, o.seq_len - 1), width = std::min(o.cluster_tokens, o.seq_len - first);
+    std::vector<index_t> centre(static_cast<std::size_t>(o.vertical_clusters));
+    for (index_t& c : centre) c = first + static_cast<index_t>(uniform(rng) * double(o.seq_len - first - width + 1));
+    for (index_t n = 0; n < 4 * verticals_per_kv_head && static_cast<index_t>(tokens.size()) < verticals_per_kv_head; ++n) {
+      const index_t t = centre[static_cast<std::size_t>(n % o.vertical_clusters)] + static_cast<index_t>(uniform(rng) * double(width));
+      if (t < o.seq_len && !taken[static_cast<std::size_t>(t)]) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
+    }
+    std::sort(tokens.begin(), tokens.end());
+  }
 }
 
 inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, index_t verticals_per_kv_head) {
@@ -158,6 +255,7 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
   for (index_t h = 0; h < o.heads_q; ++h)
     for (index_t j = 2 * slow_begin; j < d; ++j)
       m.mean_q[static_cast<std::size_t>(h * d + j)] = m.outlier[static_cast<std::size_t>((h / group) * d + j)];
+  if (o.pattern != vs_pattern::rope) add_heavy_tail(o, m, slow_begin, verticals_per_kv_head);
   return m;
 }
 
