@@ -82,19 +82,21 @@ inline std::vector<double> pattern_density(const stria::global_selection& g, str
 }
 
 /// Writes the picture: the panels' heatmaps (rows ranks, columns ring steps), a colour key, and
-/// head `pattern_head`'s block pattern (at most `pattern_cells` cells a side). `heading` names the run.
+/// head `pattern_head`'s block pattern (at most `pattern_cells` cells a side; cells with no active
+/// entry are left out, white on white). `heading` names the run.
 inline void write(std::ostream& out, const std::string& heading, const std::vector<panel>& panels, const stria::global_selection& g,
-                  stria::index_t pattern_head, int pattern_cells = 128) {
-  constexpr int margin = 20, caption = 34, cell_max = 24, panel_size = 240, key_height = 14;
+                  stria::index_t pattern_head, int pattern_cells = 64) {
+  constexpr int margin = 20, heading_height = 24, caption = 34, cell_max = 24, panel_size = 240, key_height = 14;
   std::int64_t most = 1;
   for (const panel& p : panels) most = std::max(most, *std::max_element(p.workload.entries.begin(), p.workload.entries.end()));
 
   const int columns = 3;  // panels per row
   const int rows_of_panels = static_cast<int>((panels.size() + columns - 1) / columns);
   const int cells = static_cast<int>(std::min<std::int64_t>(pattern_cells, g.num_blocks()));
-  const int pattern_px = std::max(cells, panel_size);
+  const int px = std::max(2, 256 / cells);  // whole pixels per pattern cell
+  const int pattern_px = px * cells;
   const int width = 2 * margin + columns * (panel_size + margin);
-  const int pattern_top = margin + caption + rows_of_panels * (panel_size + caption + margin) + 2 * key_height + margin;
+  const int pattern_top = margin + heading_height + caption + rows_of_panels * (panel_size + caption + margin) + 2 * key_height + margin;
   const int height = pattern_top + caption + pattern_px + margin;
 
   out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
@@ -109,15 +111,15 @@ inline void write(std::ostream& out, const std::string& heading, const std::vect
     const int cell_w = std::max(1, std::min(cell_max, panel_size / static_cast<int>(std::max<stria::index_t>(steps, 1))));
     const int cell_h = std::max(1, std::min(cell_max, panel_size / static_cast<int>(std::max<stria::index_t>(ranks, 1))));
     const int x0 = margin + static_cast<int>(i % columns) * (panel_size + margin);
-    const int y0 = margin + caption + static_cast<int>(i / columns) * (panel_size + caption + margin);
+    const int y0 = margin + heading_height + caption + static_cast<int>(i / columns) * (panel_size + caption + margin);
     char degrees[96];
-    std::snprintf(degrees, sizeof degrees, "worker %.3f, step %.3f", p.imbalance.worker_mean, p.imbalance.step_mean);
+    std::snprintf(degrees, sizeof degrees, "imbalance: worker %.3f, step %.3f", p.imbalance.worker_mean, p.imbalance.step_mean);
     out << "<g>\n<text x=\"" << x0 << "\" y=\"" << y0 - 18 << "\">" << escaped(p.title) << "</text>\n"
-        << "<text x=\"" << x0 << "\" y=\"" << y0 - 5 << "\" font-size=\"10\">" << degrees << " (ranks down, steps across)</text>\n";
+        << "<text x=\"" << x0 << "\" y=\"" << y0 - 5 << "\" font-size=\"10\">" << degrees << "</text>\n";
     for (stria::index_t r = 0; r < ranks; ++r)
       for (stria::index_t s = 0; s < steps; ++s) {
         const std::int64_t entries = p.workload.at(r, s);
-        out << "<rect x=\"" << x0 + s * cell_w << "\" y=\"" << y0 + r * cell_h << "\" width=\"" << cell_w << "\" height=\"" << cell_h << "\" fill=\""
+        out << "<rect x=\"" << x0 + s * cell_w << "\" y=\"" << y0 + r * cell_h << "\" width=\"" << cell_w << "\" height=\"" << cell_h << "\" stroke=\"#dddddd\" fill=\""
             << colour(static_cast<double>(entries) / static_cast<double>(most)) << "\"><title>rank " << r << ", step " << s << ": " << entries
             << " active entries</title></rect>\n";
       }
@@ -125,30 +127,30 @@ inline void write(std::ostream& out, const std::string& heading, const std::vect
   }
 
   // The colour key, shared by every panel.
-  const int key_top = margin + caption + rows_of_panels * (panel_size + caption + margin);
+  const int key_top = margin + heading_height + caption + rows_of_panels * (panel_size + caption + margin);
   const int key_steps = 20, key_w = 12;
   out << "<g>\n";
   for (int k = 0; k < key_steps; ++k)
     out << "<rect x=\"" << margin + k * key_w << "\" y=\"" << key_top << "\" width=\"" << key_w << "\" height=\"" << key_height << "\" fill=\""
         << colour(static_cast<double>(k) / (key_steps - 1)) << "\"/>\n";
   out << "<text x=\"" << margin + key_steps * key_w + 8 << "\" y=\"" << key_top + 11 << "\">0 to " << most
-      << " active entries per rank and step (all panels)</text>\n</g>\n";
+      << " active entries per rank (down) and ring step (across), all panels</text>\n</g>\n";
 
   // One head's pattern: query blocks down, key blocks across.
   const std::vector<double> density = pattern_density(g, pattern_head, cells);
-  const double px = static_cast<double>(pattern_px) / cells;
-  out << "<g>\n<text x=\"" << margin << "\" y=\"" << pattern_top + 14 << "\">head " << pattern_head << "'s selection: "
+  out << "<g>\n<text x=\"" << margin << "\" y=\"" << pattern_top + 2 << "\">head " << pattern_head << ": "
       << g.heads.at(static_cast<std::size_t>(pattern_head)).slash_deltas.size() << " block diagonals, "
-      << g.heads.at(static_cast<std::size_t>(pattern_head)).vertical_tokens.size() << " vertical tokens (" << g.num_blocks()
-      << " blocks a side, shown as " << cells << " cells; query blocks down, key blocks across)</text>\n";
+      << g.heads.at(static_cast<std::size_t>(pattern_head)).vertical_tokens.size() << " vertical tokens</text>\n"
+      << "<text x=\"" << margin << "\" y=\"" << pattern_top + 16 << "\" font-size=\"10\">" << g.num_blocks() << " x " << g.num_blocks()
+      << " blocks as " << cells << " x " << cells << " cells, query blocks down, key blocks across; colour: square root of the active share</text>\n";
   char number[32];
   for (int q = 0; q < cells; ++q)
     for (int k = 0; k < cells; ++k) {
       const double d = density[static_cast<std::size_t>(q) * cells + k];
-      if (d < 0) continue;  // above the causal diagonal
+      if (d <= 0) continue;  // no active entry, or above the causal diagonal
       std::snprintf(number, sizeof number, "%.3f", d);
       out << "<rect x=\"" << margin + k * px << "\" y=\"" << pattern_top + caption + q * px << "\" width=\"" << px << "\" height=\"" << px
-          << "\" fill=\"" << colour(d) << "\"><title>" << number << "</title></rect>\n";
+          << "\" fill=\"" << colour(std::sqrt(d)) << "\"><title>" << number << "</title></rect>\n";  // sqrt: single verticals show
     }
   out << "</g>\n</svg>\n";
 }
