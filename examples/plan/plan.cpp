@@ -61,6 +61,22 @@ row plan_one(const stria::global_selection& g, const Sharding& sharding, const T
           stria::forward_flops(w.total(), head_dim), w};
 }
 
+/// The synthetic input the options describe, at `seq_len` tokens.
+stria::host::synthetic_vs_options synthetic_input(const options& o, stria::index_t seq_len) {
+  stria::host::synthetic_vs_options s;
+  s.seq_len = seq_len;
+  s.heads_q = o.heads_q;
+  s.heads_kv = o.heads_kv;
+  s.head_dim = o.head_dim;
+  s.rope_theta = o.rope_theta;
+  s.density = 1.0 - o.sparsity;
+  s.seed = o.seed;
+  for (const auto p : {stria::host::vs_pattern::rope, stria::host::vs_pattern::power_law_slash, stria::host::vs_pattern::periodic_slash,
+                       stria::host::vs_pattern::clustered_vertical, stria::host::vs_pattern::mixture})
+    if (o.pattern == stria::host::pattern_name(p)) s.pattern = p;
+  return s;
+}
+
 /// The distributed estimator on `world` simulated ranks (striped<64> shards); every rank must agree.
 stria::global_selection estimate_on_ranks(const stria::estimator::vertical_slash_top_p& estimator, const stria::host::synthetic_vs& data,
                                           const stria::host::synthetic_vs_options& s, stria::index_t world, double& seconds) {
@@ -127,15 +143,7 @@ struct cluster_result {
 
 cluster_result predict_cluster(const options& o, stria::index_t nodes, stria::index_t gpus, stria::index_t seq_len,
                                const stria::cost::kernel_throughput& kernel) {
-  stria::host::synthetic_vs_options s;
-  s.seq_len = seq_len;
-  s.heads_q = o.heads_q;
-  s.heads_kv = o.heads_kv;
-  s.head_dim = o.head_dim;
-  s.rope_theta = o.rope_theta;
-  s.density = 1.0 - o.sparsity;
-  s.seed = o.seed;
-  const stria::global_selection g = stria::host::plant_vs_selection(s);
+  const stria::global_selection g = stria::host::plant_vs_selection(synthetic_input(o, seq_len));
   const stria::index_t world = nodes * gpus;
   const stria::cost::layer_shape shape{.seq_len = seq_len, .heads_q = o.heads_q, .heads_kv = o.heads_kv, .head_dim = o.head_dim};
   const stria::cost::cluster c{.nodes = nodes,
@@ -317,17 +325,7 @@ int main(int argc, char** argv) try {
     g = read_selection(o.selection_file);
     source = "selection";
   } else {
-    stria::host::synthetic_vs_options s;
-    s.seq_len = o.seq_len;
-    s.heads_q = o.heads_q;
-    s.heads_kv = o.heads_kv;
-    s.head_dim = o.head_dim;
-    s.rope_theta = o.rope_theta;
-    s.density = 1.0 - o.sparsity;
-    s.seed = o.seed;
-    for (const auto p : {stria::host::vs_pattern::rope, stria::host::vs_pattern::power_law_slash, stria::host::vs_pattern::periodic_slash,
-                         stria::host::vs_pattern::clustered_vertical, stria::host::vs_pattern::mixture})
-      if (o.pattern == stria::host::pattern_name(p)) s.pattern = p;
+    const stria::host::synthetic_vs_options s = synthetic_input(o, o.seq_len);
     if (!o.estimate) {
       g = stria::host::plant_vs_selection(s);
     } else {

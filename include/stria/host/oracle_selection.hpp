@@ -206,14 +206,7 @@ oracle_selections oracle_vs_selection(tensor_view<const T, 3> q, tensor_view<con
     }
   };
 
-  const unsigned workers = std::max(1u, std::min<unsigned>(threads ? threads : std::thread::hardware_concurrency(),
-                                                           static_cast<unsigned>(shape.heads_q)));
-  std::vector<std::thread> pool;
-  for (unsigned w = 0; w < workers; ++w)
-    pool.emplace_back([&, w] {
-      for (index_t h = static_cast<index_t>(w); h < shape.heads_q; h += static_cast<index_t>(workers)) run_head(h);
-    });
-  for (auto& t : pool) t.join();
+  detail::for_each_head(shape.heads_q, threads, run_head);
   out.top_p.validate();
   if (request.same_density_as) out.same_density.validate();
   return out;

@@ -20,6 +20,20 @@ namespace stria::host {
 
 namespace detail {
 
+/// run_head(h) for every head h < heads, the heads dealt round-robin to `threads` threads (0: all
+/// hardware threads), at most one thread per head.
+template <class RunHead>
+void for_each_head(index_t heads, unsigned threads, RunHead&& run_head) {
+  const unsigned workers =
+      std::max(1u, std::min<unsigned>(threads ? threads : std::thread::hardware_concurrency(), static_cast<unsigned>(heads)));
+  std::vector<std::thread> pool;
+  for (unsigned w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (index_t h = static_cast<index_t>(w); h < heads; h += static_cast<index_t>(workers)) run_head(h);
+    });
+  for (auto& t : pool) t.join();
+}
+
 /// 2^x for x <= 0 without branches or calls, so loops over it vectorise: x = n + f with n the
 /// nearest integer and |f| <= 1/2, 2^f by a degree-6 Taylor series of e^(f ln 2) (relative error
 /// below 2e-7), 2^n through the exponent bits. Results below 2^-126 flush to 0.
@@ -172,14 +186,7 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
     }
   };
 
-  const unsigned workers = std::max(1u, std::min<unsigned>(threads ? threads : std::thread::hardware_concurrency(),
-                                                           static_cast<unsigned>(shape.heads_q)));
-  std::vector<std::thread> pool;
-  for (unsigned w = 0; w < workers; ++w)
-    pool.emplace_back([&, w] {
-      for (index_t h = static_cast<index_t>(w); h < shape.heads_q; h += static_cast<index_t>(workers)) run_head(h);
-    });
-  for (auto& t : pool) t.join();
+  detail::for_each_head(shape.heads_q, threads, run_head);
 
   recall_summary summary;
   double sum = 0;
