@@ -9,6 +9,7 @@
 // Usage: see options.hpp (--help).
 #include <stria/stria.hpp>
 
+#include "../common/progress.hpp"
 #include "options.hpp"
 
 #include <algorithm>
@@ -39,6 +40,8 @@ template <class Topology>
 int run_host(const quickstart::options& o, const Topology& topology, const std::string& topology_name) {
   using namespace stria;
   const auto start = clock_type::now();
+  cli::progress progress;  // on stderr, when it is a terminal
+  progress.phase("generating the input");
   host::synthetic_vs_options input;
   input.seq_len = o.seq_len;
   input.heads_q = o.heads_q;
@@ -82,6 +85,7 @@ int run_host(const quickstart::options& o, const Topology& topology, const std::
   std::vector<std::vector<float>> dq_s(q_s), dk_s(k_s), dv_s(k_s);
   std::vector<double> index_s(static_cast<std::size_t>(w)), forward_s(static_cast<std::size_t>(w)), backward_s(static_cast<std::size_t>(w));
 
+  progress.phase("index, forward and backward on " + std::to_string(w) + " simulated ranks");
   comm::host_world world(w);
   world.run([&](comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
@@ -107,6 +111,8 @@ int run_host(const quickstart::options& o, const Topology& topology, const std::
 
   // Reference: one rank, the whole sequence, double precision.
   std::printf("  checking against single-rank attention in double precision...\n");
+  std::fflush(stdout);
+  progress.phase("the single-rank reference in double precision");
   const step_index whole = build_local_index(selection, sharding::sequential{}, 1, 0, 0);
   const std::vector<double> q64(data.q.begin(), data.q.end()), k64(data.k.begin(), data.k.end()), v64(data.v.begin(), data.v.end()),
       d_out64(d_out.begin(), d_out.end());

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/progress.hpp"
 #include "options.hpp"
 
 /// A device is present and this build has code for it (STRIA_CUDA_GENCODE picks the architectures).
@@ -197,6 +198,8 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
 
   std::printf("  running %d layer(s) (1 warm-up)...\n", o.repeats + 1);
   std::fflush(stdout);
+  cli::progress progress;  // on stderr, when it is a terminal; rank 0 reports
+  progress.phase("layers: estimate, forward, backward, transfers alone");
   std::vector<double> estimate_ms, forward_ms, backward_ms, forward_transfers_ms, backward_transfers_ms;
   std::vector<std::vector<T>> out_s(static_cast<std::size_t>(w)), dq_s(out_s.size()), dk_s(out_s.size()), dv_s(out_s.size());
   std::vector<std::vector<float>> lse_s(out_s.size());
@@ -231,6 +234,7 @@ int run(const quickstart::options& o, const Topology& topology, const std::strin
         const auto t4 = phase_end();
         transfers_alone(c, topology, k_d.size(), true, st);
         const auto t5 = phase_end();
+        if (r == 0) progress.step("layers (the first a warm-up)", i + 1, o.repeats + 1);
         if (r == 0 && i > 0) {
           estimate_ms.push_back(ms_between(t0, t1));
           forward_ms.push_back(ms_between(t1, t2));

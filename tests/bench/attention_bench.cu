@@ -33,6 +33,7 @@
 #include "stria/index/local_index.cuh"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sparse_attention.cuh"
+#include "../../examples/common/progress.hpp"
 #include "args.hpp"
 #include "timing.cuh"
 
@@ -228,6 +229,9 @@ int main(int argc, char** argv) try {
   std::printf("%-8s %-6s %8s %10s %9s %9s %10s %9s %10s %9s %9s %9s %9s %9s %s\n", "S", "pattern", "density", "fwd ms", "fwd TF", "bwd ms",
               "bwd TF", "det ms", "det TF", "mma ms", "mma TF", "mma bwd", "mma bTF", "index ms", "check");
   std::vector<json_row> rows;
+  cli::progress progress;  // on stderr, when it is a terminal
+  const long long measurements = static_cast<long long>(lengths.size() * patterns.size());
+  long long measured = 0;
   for (const std::string& length : lengths) {
     const index_t s = cli::parse_integer<index_t>("--seq-len", length, 1);
     const std::int64_t q_elements = std::int64_t{s} * hq * dim, kv_elements = std::int64_t{s} * hkv * dim;
@@ -245,6 +249,7 @@ int main(int argc, char** argv) try {
     const tensor_view<float, 2> lse_view(lse.data(), {hq, s}), delta_view(delta.data(), {hq, s});
 
     for (const std::string& name : patterns) {
+      progress.step("patterns measured (" + name + " at " + length + " next)", measured++, measurements);
       const global_selection g = make_pattern(name, s, hq, hkv, dim);
       const device_selection selection(g);
       const auto build_start = std::chrono::steady_clock::now();
@@ -314,6 +319,7 @@ int main(int argc, char** argv) try {
       if (bad != 0) return 1;
     }
   }
+  progress.step("patterns measured", measured, measurements);
   if (!json_path.empty()) write_json(json_path, commit, prop.name, rows);
   return 0;
 } catch (const std::exception& e) {

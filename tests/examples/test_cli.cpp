@@ -4,9 +4,12 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <regex>
 #include <string>
 
 #include "../../examples/common/cli.hpp"
+#include "../../examples/common/progress.hpp"
 
 using namespace stria;
 
@@ -62,4 +65,48 @@ TEST_CASE("command-line option values: the next argument, or an error naming the
   CHECK(i == 2);
   i = 3;
   CHECK(error_of([&] { cli::option_value(4, argv, i); }) == "stria: --seq-len = (missing): needs a value (see --help)");
+}
+
+namespace {
+
+/// What a progress report wrote to a temporary file.
+template <class Report>
+std::string progress_text(bool enabled, Report report) {
+  std::FILE* file = std::tmpfile();
+  REQUIRE(file != nullptr);
+  {
+    cli::progress p(file, enabled);
+    report(p);
+  }
+  std::string text;
+  std::rewind(file);
+  for (int c = std::fgetc(file); c != EOF; c = std::fgetc(file)) text += static_cast<char>(c);
+  std::fclose(file);
+  return text;
+}
+
+}  // namespace
+
+TEST_CASE("progress: phases on their own lines, steps rewritten in place, each with the elapsed time; nothing when off") {
+  auto run = [](cli::progress& p) {
+    p.phase("input");
+    p.step("forward", 1, 3);
+    p.step("forward", 2, 3);
+    p.phase("check");  // ends the open step line
+    p.step("rows", 1, 1);
+  };
+  const std::string text = progress_text(true, run);
+  const std::regex shape(R"(\[ +[0-9]+\.[0-9] s\] input\n)"
+                         R"(\r\[ +[0-9]+\.[0-9] s\] forward: 1 / 3\x1b\[K\r\[ +[0-9]+\.[0-9] s\] forward: 2 / 3\x1b\[K\n)"
+                         R"(\[ +[0-9]+\.[0-9] s\] check\n)"
+                         R"(\r\[ +[0-9]+\.[0-9] s\] rows: 1 / 1\x1b\[K\n)");
+  CHECK_MESSAGE(std::regex_match(text, shape), text);
+  CHECK(progress_text(false, run).empty());
+  // A step line left open is ended when the report goes away.
+  CHECK(progress_text(true, [](cli::progress& p) { p.step("x", 1, 2); }).back() == '\n');
+  // A file is not a terminal: the default report (stderr in a test run) is off unless stderr is one.
+  std::FILE* file = std::tmpfile();
+  CHECK_FALSE(cli::is_terminal(file));
+  std::fclose(file);
+  CHECK_FALSE(cli::is_terminal(nullptr));
 }
