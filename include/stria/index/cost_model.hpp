@@ -209,14 +209,11 @@ ring_workload count_ring_rows(const global_selection& selection, const Sharding&
   const shard_layout layout{nb, world};
   sharding.validate(layout);
   const auto at = [](index_t i, index_t j, index_t n) { return static_cast<std::size_t>(i) * static_cast<std::size_t>(n) + static_cast<std::size_t>(j); };
-  std::vector<index_t> owner(static_cast<std::size_t>(nb));
-  for (index_t b = 0; b < nb; ++b) owner[static_cast<std::size_t>(b)] = sharding.locate(layout, b).rank;
-  std::vector<index_t> step_of(static_cast<std::size_t>(world) * static_cast<std::size_t>(world), -1);  // [query rank, KV rank]
-  for (index_t r = 0; r < world; ++r)
-    for (index_t s = 0; s < steps; ++s) step_of[at(r, topology.kv_source_rank(r, s), world)] = s;
+  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
+  const std::vector<index_t>& owner = lookup.owner;
 
   ring_workload rows{world, steps, std::vector<std::int64_t>(static_cast<std::size_t>(world) * static_cast<std::size_t>(steps), 0)};
-  auto add = [&](index_t query_rank, index_t kv_rank, std::int64_t n) { rows.entries[at(query_rank, step_of[at(query_rank, kv_rank, world)], steps)] += n; };
+  auto add = [&](index_t query_rank, index_t kv_rank, std::int64_t n) { rows.entries[at(query_rank, lookup.step(query_rank, kv_rank), steps)] += n; };
 
   constexpr index_t none = std::numeric_limits<index_t>::max();
   std::vector<index_t> first_vertical(static_cast<std::size_t>(world));  // per KV rank: its lowest key block with a token

@@ -75,6 +75,31 @@ inline imbalance_degrees measure_imbalance(const ring_workload& w) {
   return d;
 }
 
+namespace detail {
+
+/// What the ring counters look up: the owner of each global block, and the step at which a query
+/// rank computes with a KV rank's chunk.
+struct ring_lookup {
+  index_t world = 0;
+  std::vector<index_t> owner;    // [global block]
+  std::vector<index_t> step_of;  // [query rank * world + KV rank]
+
+  template <sharding_policy Sharding, ring_topology Topology>
+  static ring_lookup of(const Sharding& sharding, const shard_layout& layout, const Topology& topology) {
+    ring_lookup x{topology.world_size(), std::vector<index_t>(static_cast<std::size_t>(layout.num_blocks)),
+                  std::vector<index_t>(static_cast<std::size_t>(topology.world_size()) * static_cast<std::size_t>(topology.world_size()), -1)};
+    for (index_t b = 0; b < layout.num_blocks; ++b) x.owner[static_cast<std::size_t>(b)] = sharding.locate(layout, b).rank;
+    for (index_t r = 0; r < x.world; ++r)
+      for (index_t s = 0; s < topology.num_steps(); ++s) x.step_of[static_cast<std::size_t>(r) * static_cast<std::size_t>(x.world) + static_cast<std::size_t>(topology.kv_source_rank(r, s))] = s;
+    return x;
+  }
+  [[nodiscard]] index_t step(index_t query_rank, index_t kv_rank) const {
+    return step_of[static_cast<std::size_t>(query_rank) * static_cast<std::size_t>(world) + static_cast<std::size_t>(kv_rank)];
+  }
+};
+
+}  // namespace detail
+
 /// Counts, without building indices, what build_ring_indices would give each (rank, step):
 /// tiles on selected diagonals and explicit tiles (diagonal tiles of causal attention count their
 /// 64 * 65 / 2 triangle), and 64 rows per vertical token outside the row's tiles.
@@ -85,8 +110,9 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
   const shard_layout layout{nb, world};
   sharding.validate(layout);
 
-  std::vector<index_t> owner(static_cast<std::size_t>(nb)), run_end(owner.size());  // run_end: first later block of another owner
-  for (index_t b = 0; b < nb; ++b) owner[static_cast<std::size_t>(b)] = sharding.locate(layout, b).rank;
+  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
+  const std::vector<index_t>& owner = lookup.owner;
+  std::vector<index_t> run_end(owner.size());  // run_end: first later block of another owner
   for (index_t b = nb - 1; b >= 0; --b)
     run_end[static_cast<std::size_t>(b)] =
         b + 1 < nb && owner[static_cast<std::size_t>(b + 1)] == owner[static_cast<std::size_t>(b)] ? run_end[static_cast<std::size_t>(b + 1)] : b + 1;
@@ -96,15 +122,11 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
   // where both of its blocks keep their owners, and one add per stretch counts it. Striped<64>
   // changes owner every block: there the plain per-block loops are cheaper.
   const bool by_stretch = 2 * runs < nb;
-  // step_of[query rank][KV rank]: the step at which the query rank computes with that KV.
-  std::vector<index_t> step_of(static_cast<std::size_t>(world) * static_cast<std::size_t>(world), -1);
-  for (index_t r = 0; r < world; ++r)
-    for (index_t s = 0; s < steps; ++s) step_of[static_cast<std::size_t>(r * world + topology.kv_source_rank(r, s))] = s;
 
   ring_workload w{world, steps, std::vector<std::int64_t>(static_cast<std::size_t>(world) * static_cast<std::size_t>(steps), 0)};
   auto add = [&](index_t q_block, index_t k_block, std::int64_t n) {
     const index_t r = owner[static_cast<std::size_t>(q_block)];
-    const index_t s = step_of[static_cast<std::size_t>(r * world + owner[static_cast<std::size_t>(k_block)])];
+    const index_t s = lookup.step(r, owner[static_cast<std::size_t>(k_block)]);
     w.entries[static_cast<std::size_t>(r) * static_cast<std::size_t>(steps) + static_cast<std::size_t>(s)] += n;
   };
   constexpr std::int64_t full_tile = std::int64_t{block_tokens} * block_tokens;
@@ -184,7 +206,7 @@ ring_workload count_ring_workload(const global_selection& selection, const Shard
       for (index_t r = 0; r < world; ++r) {
         const std::int64_t blocks = owned[static_cast<std::size_t>(r)];
         if (blocks == 0) continue;
-        const index_t s = step_of[static_cast<std::size_t>(r * world + kv_rank)];
+        const index_t s = lookup.step(r, kv_rank);
         w.entries[static_cast<std::size_t>(r) * static_cast<std::size_t>(steps) + static_cast<std::size_t>(s)] += block_tokens * tokens * blocks;
       }
     if (selection.causal) ++owned[static_cast<std::size_t>(kv_rank)];

@@ -213,7 +213,7 @@ struct forward_wgmma_tuning {
   int producer_registers;
   int consumer_registers;
 
-  constexpr int launch_registers(int threads) const { return 65536 / (threads * ctas_per_sm) / 8 * 8; }
+  STRIA_HOST_DEVICE constexpr int launch_registers(int threads) const { return 65536 / (threads * ctas_per_sm) / 8 * 8; }
 };
 template <int D>
 inline constexpr forward_wgmma_tuning forward_wgmma_config =
@@ -221,13 +221,6 @@ inline constexpr forward_wgmma_tuning forward_wgmma_config =
              : forward_wgmma_tuning{.stages = 4, .ctas_per_sm = 3, .producer_registers = 32, .consumer_registers = 128};  // 64 KiB
 
 inline constexpr int forward_wgmma_threads = 2 * attention_threads;
-
-static_assert(forward_wgmma_config<128>.producer_registers + forward_wgmma_config<128>.consumer_registers <=
-                  2 * forward_wgmma_config<128>.launch_registers(forward_wgmma_threads),
-              "the D 128 forward's consumer asks for more registers than its producer gives back");
-static_assert(forward_wgmma_config<64>.producer_registers + forward_wgmma_config<64>.consumer_registers <=
-                  2 * forward_wgmma_config<64>.launch_registers(forward_wgmma_threads),
-              "the D 64 forward's consumer asks for more registers than its producer gives back");
 
 /// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, plus
 /// slack to align them to 1024 bytes.
@@ -267,6 +260,8 @@ __device__ void load_query_fragments(unsigned (&qf)[D / 16][4], const T* block, 
 template <class T, int D>
 __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>.ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
   constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D>;
+  static_assert(tuning.producer_registers + tuning.consumer_registers <= 2 * tuning.launch_registers(forward_wgmma_threads),
+                "the consumer asks setmaxnreg for more registers than the producer gives back");
   constexpr int stages = tuning.stages, tile = swizzled_tile<D>::bytes;
   extern __shared__ __align__(16) unsigned char shared_raw[];
   __shared__ detail::row_tile_rings<stages, stages> rings;
