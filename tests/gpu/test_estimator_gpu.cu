@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <span>
 #include <vector>
@@ -202,6 +203,25 @@ TEST_CASE("the device index builder reproduces the host builder, array for array
   o.heads_q = 4;
   o.heads_kv = 1;
   check_device_builder(host::plant_vs_selection(o), sharding::striped<64>{}, 8);
+}
+
+TEST_CASE("the device index builder sums its entry counts in 64 bits: past 2^31 - 1 is an error, never a wrapped offset") {
+  auto sum = [](const std::vector<index_t>& counts, unsigned ctas) {
+    const device_buffer<index_t> c{std::span<const index_t>(counts), nullptr};
+    device_buffer<unsigned long long> total(1, nullptr);
+    total.fill_bytes(0);
+    kernel::sum_counts<><<<ctas, kernel::sum_counts_threads>>>(c.data(), static_cast<std::int64_t>(counts.size()), total.data());
+    STRIA_CUDA_CHECK_LAUNCH("sum_counts");
+    return total.download().front();
+  };
+  const index_t most = std::numeric_limits<index_t>::max();
+  const unsigned long long wrapped = sum({most, most, 5}, 1);
+  CHECK(wrapped == 2ULL * static_cast<unsigned long long>(most) + 5);
+  CHECK_THROWS_WITH(csr_offset(static_cast<std::size_t>(wrapped), "step index tiles"),
+                    doctest::Contains("step index tiles = 4294967299: exceed the 32-bit offsets of a step index"));
+  CHECK(csr_offset(static_cast<std::size_t>(sum({most}, 1)), "step index tiles") == most);
+  // Many counts over a capped grid: the grid-stride loop covers them all.
+  CHECK(sum(std::vector<index_t>(1 << 20, 3), 7) == 3ULL << 20);
 }
 
 TEST_CASE("device window statistics agree with the host's, for bf16, fp16 and fp32, on 1 and several ranks") {

@@ -6,6 +6,7 @@
 
 #include <cub/device/device_scan.cuh>
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -214,7 +215,7 @@ struct batch_tables {
 /// tokens, their queries), read once for the whole batch.
 inline index_in_build count_local_index(const device_selection& sel, const shard_layout& layout, index_t local, const batch_tables& shared,
                                         std::span<const index_t> query_global, std::span<const index_t> kv_global,
-                                        const index_request& request, cudaStream_t stream, const index_t** last) {
+                                        const index_request& request, cudaStream_t stream, unsigned long long* totals) {
   const index_t heads = sel.num_heads(), rows = heads * local, total = sel.num_vertical();
   index_in_build b;
   device_step_index& out = b.out;
@@ -292,11 +293,14 @@ inline index_in_build count_local_index(const device_selection& sel, const shard
   exclusive_scan(column_count, out.kv_query_ptr, stream);
   exclusive_scan(used, b.position, stream);
   exclusive_scan(query_count, b.query_offset, stream);
-  last[0] = out.block_ptr.data() + rows;
-  last[1] = out.col_ptr.data() + rows;
-  last[2] = out.kv_query_ptr.data() + rows;
-  last[3] = b.position.data() + total;
-  last[4] = b.query_offset.data() + total;
+  // The five totals in 64 bits (totals[0..5), zeroed by the caller), read back with the batch's.
+  const device_buffer<index_t>* summed[5] = {&tile_count, &token_count, &column_count, &used, &query_count};
+  for (int a = 0; a < 5; ++a) {
+    const auto n = static_cast<std::int64_t>(summed[a]->size());
+    const unsigned ctas = static_cast<unsigned>(std::min<std::int64_t>((n + kernel::sum_counts_threads - 1) / kernel::sum_counts_threads, 1024));
+    kernel::sum_counts<><<<ctas, kernel::sum_counts_threads, 0, stream>>>(summed[a]->data(), n, totals + a);
+    STRIA_CUDA_CHECK_LAUNCH("sum_counts");
+  }
   return b;  // the counts are freed in stream order, after the scans that read them
 }
 
@@ -359,19 +363,19 @@ std::vector<device_step_index> build_local_indices_device(const device_selection
 
   std::vector<detail::index_in_build> building;
   building.reserve(requests.size());
-  std::vector<const index_t*> last(5 * requests.size());
+  device_buffer<unsigned long long> wide_d(5 * requests.size(), stream);
+  wide_d.fill_bytes(0);
   for (std::size_t i = 0; i < requests.size(); ++i)
     building.push_back(detail::count_local_index(sel, layout, local, shared, global_blocks(requests[i].query_rank),
-                                                 global_blocks(requests[i].kv_rank), requests[i], stream, last.data() + 5 * i));
+                                                 global_blocks(requests[i].kv_rank), requests[i], stream, wide_d.data() + 5 * i));
 
-  // The batch's only host synchronisation: every index's five totals, read at once.
-  const device_buffer<const index_t*> last_d{std::span<const index_t* const>(last), stream};
-  device_buffer<index_t> totals_d(last.size(), stream);
-  constexpr unsigned threads = 128;
-  kernel::gather_totals<><<<detail::blocks_for(static_cast<std::int64_t>(last.size()), threads), threads, 0, stream>>>(
-      last_d.data(), static_cast<int>(last.size()), totals_d.data());
-  STRIA_CUDA_CHECK_LAUNCH("gather_totals");
-  const std::vector<index_t> totals = totals_d.download();
+  // The batch's only host synchronisation: every index's five totals, read at once. Each must fit
+  // the 32-bit offsets that the scans wrote (no partial sum of a scan exceeds its total).
+  const std::vector<unsigned long long> wide = wide_d.download();
+  static constexpr const char* arrays[5] = {"step index tiles", "step index vertical entries", "step index transposed tiles",
+                                            "step index vertical tokens", "step index vertical token queries"};
+  std::vector<index_t> totals(wide.size());
+  for (std::size_t i = 0; i < wide.size(); ++i) totals[i] = csr_offset(static_cast<std::size_t>(wide[i]), arrays[i % 5]);
 
   std::vector<device_step_index> out;
   out.reserve(requests.size());

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include <cub/block/block_reduce.cuh>
+
 #include "stria/core/config.hpp"
 #include "stria/core/tile.hpp"
 
@@ -367,11 +369,21 @@ __global__ void mark_slash_bits(const index_t* slash_ptr, const index_t* slash, 
   }
 }
 
-/// Gathers the totals of the builder's scans (each scan's last element) so one copy reads them all.
+/// Threads per CTA of sum_counts.
+inline constexpr int sum_counts_threads = 256;
+
+/// *total += counts[0] + ... + counts[n - 1] (counts are >= 0) in 64 bits. The builder's scans of
+/// these counts are 32-bit: this sum is what says whether their total, the entry count of one
+/// array of the index, fits.
 template <int Unused = 0>
-__global__ void gather_totals(const index_t* const* last_elements, int count, index_t* totals) {
-  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < count) totals[i] = *last_elements[i];
+__global__ void __launch_bounds__(sum_counts_threads) sum_counts(const index_t* __restrict__ counts, std::int64_t n, unsigned long long* total) {
+  using block_reduce = cub::BlockReduce<unsigned long long, sum_counts_threads>;
+  __shared__ typename block_reduce::TempStorage temp;
+  unsigned long long mine = 0;
+  for (std::int64_t i = std::int64_t{blockIdx.x} * sum_counts_threads + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * sum_counts_threads)
+    mine += static_cast<unsigned long long>(counts[i]);
+  const unsigned long long block = block_reduce(temp).Sum(mine);
+  if (threadIdx.x == 0 && block != 0) atomicAdd(total, block);
 }
 
 /// vtoken_head_ptr[h] = position[vertical_ptr[h]] for h in [0, heads]; and the last query pointer.
