@@ -10,7 +10,8 @@
 #   The bench `attention_results` writes $OUT/attention_h200.json (tests/bench/results/): attention_bench's
 #   rows at 128K for D 128 and 64 (dense, vs95, deterministic, front template) and vs95 at 32K and 512K,
 #   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
-#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default.
+#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default. TORCH=0
+#   skips installing and testing the PyTorch package.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/stria-device-out}
@@ -65,6 +66,13 @@ if [ "$mode" != quick ]; then
   # every attention kernel; RACECHECK_CASES picks other doctest test cases ("*" for all).
   run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests" \
     -tc="${RACECHECK_CASES:-*window statistics*,*one small problem*}"
+fi
+# The PyTorch package (python/): built against the device's torch with pip (no index, no isolation:
+# nothing can be downloaded there), then its tests against SDPA's math path. TORCH=0 skips it.
+if [ "${TORCH:-1}" = 1 ] && python3 -c "import torch" 2>/dev/null; then
+  CMAKE_BUILD_PARALLEL_LEVEL=16 run torch_install python3 -m pip install --no-build-isolation --no-deps --no-index ./python
+  run torch_tests python3 python/tests/test_sparse_attention.py
+  bench_logs+=" torch_tests"
 fi
 for bench in $benches; do
   if [ "$bench" = attention_results ]; then

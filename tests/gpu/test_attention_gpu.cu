@@ -21,6 +21,7 @@
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/index/local_index.hpp"
+#include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "support/device_tensors.cuh"
 #include "support/oracle.hpp"
@@ -260,6 +261,44 @@ TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
   CHECK(same_bits(direct_out.download(), cast));
   CHECK(same_bits(lse_before.download(), lse.download()));
   CHECK(same_bits(out_before.download(), running_before));
+}
+
+TEST_CASE("a single step writes its output in T with no fp32 running output") {
+  using T = __nv_bfloat16;
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  const index_t seq_len = 64 * 6, hq = 4, hkv = 2, dim = 128;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const global_selection g = test::random_selection(rng, seq_len, hq, true, 0.3, 0.05);
+  const device_step_index index = upload_step_index(build_local_index(g, sharding::sequential{}, 1, 0, 0, {}), nullptr);
+  auto q = random_tensor<T>(rng, std::size_t(seq_len) * hq * dim, 2.0f);
+  auto k = random_tensor<T>(rng, std::size_t(seq_len) * hkv * dim, 2.0f);
+  auto v = random_tensor<T>(rng, std::size_t(seq_len) * hkv * dim, 1.0f);
+  const tensor_view<const T, 3> q_view(q.device.data(), {seq_len, hq, dim}), k_view(k.device.data(), {seq_len, hkv, dim}),
+      v_view(v.device.data(), {seq_len, hkv, dim});
+  for (const auto which : {device::forward_kernel::automatic, device::forward_kernel::mma_sync}) {
+    // Through the running output and the cast, then straight into T with `out` empty: the same bits.
+    device_buffer<float> running(std::size_t(seq_len) * hq * dim), lse(std::size_t(hq) * seq_len), lse_direct(lse.size());
+    device_buffer<T> cast(running.size()), direct(running.size());
+    lse_direct.fill_bytes(0xff);
+    direct.fill_bytes(0xff);
+    device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>(running.data(), {seq_len, hq, dim}),
+                              tensor_view<float, 2>(lse.data(), {hq, seq_len}), device::running_state::overwrite, nullptr, which);
+    device::write_output<T>(tensor_view<const float, 3>(running.data(), {seq_len, hq, dim}), tensor_view<T, 3>(cast.data(), {seq_len, hq, dim}), nullptr);
+    device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>{}, tensor_view<float, 2>(lse_direct.data(), {hq, seq_len}),
+                              device::running_state::overwrite, nullptr, which, tensor_view<T, 3>(direct.data(), {seq_len, hq, dim}));
+    const std::vector<T> a = cast.download(), b = direct.download();
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+    const std::vector<float> la = lse.download(), lb = lse_direct.download();
+    CHECK(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0);
+  }
+  // A merging step needs the running output it merges into.
+  device_buffer<float> lse(std::size_t(hq) * seq_len);
+  device_buffer<T> direct(std::size_t(seq_len) * hq * dim);
+  CHECK_THROWS_WITH_AS(device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>{},
+                                                 tensor_view<float, 2>(lse.data(), {hq, seq_len}), device::running_state::merge, nullptr,
+                                                 device::forward_kernel::automatic, tensor_view<T, 3>(direct.data(), {seq_len, hq, dim})),
+                       doctest::Contains("out"), invalid_argument);
 }
 
 TEST_CASE("sparse attention calls reject bad input with the argument named") {

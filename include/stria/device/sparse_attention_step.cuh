@@ -135,14 +135,19 @@ void allow_shared_bytes(Kernel kernel, std::size_t bytes) {
 ///   first step and merged into afterwards. A row no step reaches keeps out = 0, lse = -inf.
 ///   final_out [Sq, Hq, D] (T), on the last step only: the merged output goes there, rounded to T,
 ///   and `out` is left as it was (what write_output would do after the step, without the pass).
+///   A single step (overwrite with final_out) neither reads nor writes `out`: it may then be empty,
+///   which spares a caller with one KV chunk the fp32 running output.
 template <class T>
 void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                     double softmax_scale, tensor_view<float, 3> out, tensor_view<float, 2> lse, running_state state,
                     cudaStream_t stream, forward_kernel which = forward_kernel::automatic, tensor_view<T, 3> final_out = {}) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+  const bool without_running = out.data() == nullptr && final_out.data() && state == running_state::overwrite;
+  if (!without_running) {
+    check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+    detail::check_layout(out, "out", 8);
+  }
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
-  detail::check_layout(out, "out", 8);
   detail::check_layout(lse, "lse", 4);
   if (final_out.data()) {
     check_extents(final_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "final_out");
@@ -151,7 +156,8 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
   const bool hopper = which == forward_kernel::wgmma || (which == forward_kernel::automatic && hopper_kernels_available());
   if (which == forward_kernel::wgmma && !hopper_kernels_available())
     throw invalid_argument("which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
-  detail::check_on_device({{q.data(), "q"}, {k.data(), "k"}, {v.data(), "v"}, {out.data(), "out"}, {lse.data(), "lse"}});
+  detail::check_on_device({{q.data(), "q"}, {k.data(), "k"}, {v.data(), "v"}, {lse.data(), "lse"}});
+  if (!without_running) detail::check_on_device({{out.data(), "out"}});
   if (final_out.data()) detail::check_on_device({{final_out.data(), "final_out"}});
   const kernel::forward_params<T> params{index.view(),
                                          q.data(),

@@ -29,7 +29,7 @@ struct forward_params {
   const T* q;             // [Sq, Hq, D]
   const T* k;             // [Sk, Hkv, D]
   const T* v;             // [Sk, Hkv, D]
-  float* out;             // [Sq, Hq, D]  running output (fp32)
+  float* out;             // [Sq, Hq, D]  running output (fp32); null on a single step with final_out
   float* lse;             // [Hq, Sq]     running LSE (natural log)
   index_t heads_q;
   index_t heads_kv;
@@ -102,7 +102,7 @@ __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, 
     const float sum = quad_sum(row_sum[half]);
     const float step_lse = sum > 0.0f ? (row_max[half] + log2f(sum)) * ln2 : -INFINITY;
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-    float* out_row = p.out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D;
+    float* out_row = p.out ? p.out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D : nullptr;  // null: one step, final_out
     float* lse_at = p.lse + static_cast<std::int64_t>(h) * p.query_tokens + token;
     float weight_old = 0.0f, weight_new = 1.0f, lse = step_lse;
     if (p.merge) {

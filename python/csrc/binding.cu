@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// The kernel layer's entry points: the element type picks the instantiation (binding_bf16.cu,
+// binding_fp16.cu); every error is caught here and returned as an outcome, its message kept for the
+// Python exception.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <exception>
+#include <stdexcept>
+
+#include "binding.hpp"
+
+namespace stria::python {
+
+template <class T>
+void estimate_typed(const problem&, const T*, const T*, const estimator_options&, std::pair<std::int64_t, std::int64_t>, std::int32_t*,
+                    std::int32_t*);
+template <class T>
+void forward_typed(const problem&, const T*, const T*, const T*, const padded_selection&, T*, float*);
+template <class T>
+void backward_typed(const problem&, const T*, const T*, const T*, const T*, const T*, const float*, const padded_selection&, bool,
+                    const backward_scratch&, T*, T*, T*);
+
+namespace {
+
+template <class Body>
+void with_type(element type, Body&& body) {
+  if (type == element::bf16) body(static_cast<const __nv_bfloat16*>(nullptr));
+  else body(static_cast<const __half*>(nullptr));
+}
+
+/// Runs `body`, its errors caught here and returned.
+template <class Body>
+outcome caught(Body&& body) noexcept {
+  try {
+    body();
+    return {};
+  } catch (const std::invalid_argument& e) {
+    return {outcome::kind::invalid_argument, e.what()};
+  } catch (const std::exception& e) {
+    return {outcome::kind::failure, e.what()};
+  } catch (...) {
+    return {outcome::kind::failure, "stria: an unknown exception"};
+  }
+}
+
+std::pair<std::int64_t, std::int64_t> widths_of(const estimator_options& options, std::int64_t seq_len, std::int64_t heads_q, bool causal) {
+  const estimator::vertical_slash_top_p e = estimator_of(options);
+  e.validate(static_cast<index_t>(seq_len), static_cast<index_t>(heads_q));
+  const estimator::top_p_rule rule = e.rule(static_cast<index_t>(seq_len));
+  // Sinks come on top of the vertical cap and the local diagonals on top of the slash cap (both
+  // sides of diagonal 0 without the causal mask).
+  const std::int64_t blocks = seq_len / block_tokens;
+  const std::int64_t local = causal ? rule.local_diagonals : 2 * rule.local_diagonals - 1;
+  return {std::min<std::int64_t>(seq_len, std::int64_t{rule.vertical_cap} + rule.sink_tokens),
+          std::min<std::int64_t>(causal ? blocks : 2 * blocks - 1, std::int64_t{rule.slash_cap} + local)};
+}
+
+}  // namespace
+
+outcome estimate_widths(const estimator_options& options, std::int64_t seq_len, std::int64_t heads_q, bool causal,
+                        std::pair<std::int64_t, std::int64_t>& widths) noexcept {
+  return caught([&] { widths = widths_of(options, seq_len, heads_q, causal); });
+}
+
+outcome estimate(const problem& p, const void* q, const void* k, const estimator_options& options, std::int32_t* vertical, std::int32_t* slash) noexcept {
+  return caught([&] {
+    const auto widths = widths_of(options, p.seq_len, p.heads_q, p.causal);
+    with_type(p.type, [&]<class T>(const T*) {
+      estimate_typed<T>(p, static_cast<const T*>(q), static_cast<const T*>(k), options, widths, vertical, slash);
+    });
+  });
+}
+
+outcome forward(const problem& p, const void* q, const void* k, const void* v, const padded_selection& selection, void* out, float* lse) noexcept {
+  return caught([&] {
+    with_type(p.type, [&]<class T>(const T*) {
+      forward_typed<T>(p, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), selection, static_cast<T*>(out), lse);
+    });
+  });
+}
+
+outcome backward(const problem& p, const void* q, const void* k, const void* v, const void* out, const void* d_out, const float* lse,
+                 const padded_selection& selection, bool deterministic, const backward_scratch& scratch, void* dq, void* dk, void* dv) noexcept {
+  return caught([&] {
+    with_type(p.type, [&]<class T>(const T*) {
+      backward_typed<T>(p, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(out),
+                        static_cast<const T*>(d_out), lse, selection, deterministic, scratch, static_cast<T*>(dq), static_cast<T*>(dk),
+                        static_cast<T*>(dv));
+    });
+  });
+}
+
+}  // namespace stria::python

@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: Apache-2.0
+// The PyTorch extension's kernel layer: stria's estimator, index builder and sparse kernels over raw
+// pointers of contiguous [batch, seq, heads, dim] tensors, one batch element after another. It includes
+// no PyTorch header (torch_ops.cpp turns tensors into these calls), so it builds with nvcc alone.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <stria/estimator/vertical_slash_top_p.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+namespace stria::python {
+
+enum class element { bf16, fp16 };
+
+/// One call's shapes: q [batch, seq_len, heads_q, head_dim], k and v [batch, seq_len, heads_kv, head_dim].
+struct problem {
+  std::int64_t batch = 0, seq_len = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  bool causal = true;
+  double softmax_scale = 0;
+  element type = element::bf16;
+  cudaStream_t stream = nullptr;
+};
+
+/// Fills a padded selection's tail; after every real entry of a row, so rows stay ascending.
+inline constexpr std::int32_t selection_padding = std::numeric_limits<std::int32_t>::max();
+
+/// A selection per (batch element, query head) as the op's tensors hold it, in host memory: vertical
+/// key tokens [batch, heads_q, vertical_width] and slash block diagonals (query block - key block)
+/// [batch, heads_q, slash_width], each row ascending and padded with selection_padding.
+struct padded_selection {
+  const std::int32_t* vertical = nullptr;
+  std::int64_t vertical_width = 0;
+  const std::int32_t* slash = nullptr;
+  std::int64_t slash_width = 0;
+};
+
+/// estimator::vertical_slash_top_p's settings (0 for a max: the default cap at the sequence length).
+struct estimator_options {
+  double p_vertical = 0.9, p_slash = 0.9;
+  std::int64_t vertical_max = 0, slash_max = 0, sink_tokens = 4, local_diagonals = 1, last_q = 64;
+};
+
+inline estimator::vertical_slash_top_p estimator_of(const estimator_options& o) {
+  estimator::vertical_slash_top_p e;
+  e.p_vertical = o.p_vertical;
+  e.p_slash = o.p_slash;
+  e.vertical.max = static_cast<index_t>(o.vertical_max);
+  e.slash.max = static_cast<index_t>(o.slash_max);
+  e.sink_tokens = static_cast<index_t>(o.sink_tokens);
+  e.local_diagonals = static_cast<index_t>(o.local_diagonals);
+  e.last_q = static_cast<index_t>(o.last_q);
+  return e;
+}
+
+/// How a call ended: the entry points below catch every error themselves (no exception crosses into
+/// the operators' translation unit) and report it here, the message kept whole.
+struct outcome {
+  enum class kind { ok, invalid_argument, failure } what = kind::ok;
+  std::string message;
+};
+
+/// The widths every head's estimated selection fits in at `seq_len` (an invalid_argument outcome for
+/// settings the estimator refuses).
+outcome estimate_widths(const estimator_options& options, std::int64_t seq_len, std::int64_t heads_q, bool causal,
+                        std::pair<std::int64_t, std::int64_t>& widths) noexcept;
+
+/// Estimates each batch element's selection from q and k (device) into host arrays of
+/// estimate_widths' widths.
+outcome estimate(const problem& p, const void* q, const void* k, const estimator_options& options, std::int32_t* vertical, std::int32_t* slash) noexcept;
+
+/// out [batch, seq, heads_q, dim] (the input type) and lse [batch, heads_q, seq] (fp32, natural log).
+outcome forward(const problem& p, const void* q, const void* k, const void* v, const padded_selection& selection, void* out, float* lse) noexcept;
+
+/// Device scratch of one batch element's backward, fp32: dq [seq, heads_q, dim], dk and dv [seq, heads_kv, dim],
+/// delta [heads_q, seq].
+struct backward_scratch {
+  float* dq = nullptr;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  float* delta = nullptr;
+};
+
+/// dq, dk, dv (the input type, shaped as q, k, v) from d_out and the forward's out and lse.
+outcome backward(const problem& p, const void* q, const void* k, const void* v, const void* out, const void* d_out, const float* lse,
+                 const padded_selection& selection, bool deterministic, const backward_scratch& scratch, void* dq, void* dk, void* dv) noexcept;
+
+}  // namespace stria::python

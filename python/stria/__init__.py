@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+"""stria for PyTorch: distributed dynamic sparse (Vertical-Slash) attention as torch operators.
+
+    import stria
+    out = stria.sparse_attention(q, k, v)              # q (batch, seq, heads_q, dim), k, v (batch, seq, heads_kv, dim)
+    out.sum().backward()                               # dq, dk, dv through stria's sparse backward
+
+The selection is estimated online from q and k (estimator options as keywords) or given
+(``selection=stria.Selection(vertical, slash)``). See stria/_ops.py for the operators.
+"""
+from ._ops import PADDING, Selection, estimate_selection, sparse_attention  # noqa: F401
+
+__version__ = "0.1.0"
+__all__ = ["PADDING", "Selection", "estimate_selection", "sparse_attention"]

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stria operators (torch.ops.stria, built from csrc/torch_ops.cpp): their fake implementations
+for torch.compile, autograd for the forward, and the user's entry points."""
+from __future__ import annotations
+
+import glob
+import math
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+_library = glob.glob(os.path.join(os.path.dirname(__file__), "_stria_ops*.so"))
+if not _library:
+    raise ImportError("stria: the compiled operators (_stria_ops.so) are missing next to stria/__init__.py; "
+                      "install with `pip install --no-build-isolation ./python` from a stria checkout")
+torch.ops.load_library(_library[0])
+
+#: Fills the tail of a padded selection row (after every real entry, so rows stay ascending).
+PADDING = 2**31 - 1
+
+
+class Selection(NamedTuple):
+    """A Vertical-Slash selection per (batch element, query head), on the device, int32:
+    vertical (batch, heads_q, width): key tokens every query may attend to (causal permitting);
+    slash (batch, heads_q, width): block diagonals, query block - key block, of 64x64 tiles.
+    Rows are ascending, unique, padded with PADDING; with causal attention every head keeps diagonal 0."""
+    vertical: torch.Tensor
+    slash: torch.Tensor
+
+
+# --- fake implementations (shapes only), for torch.compile and opcheck -----------------------------
+
+@torch.library.register_fake("stria::estimate_selection")
+def _estimate_selection_fake(q, k, softmax_scale, causal, p_vertical, p_slash, vertical_max, slash_max, sink_tokens,
+                             local_diagonals, last_q):
+    batch, seq_len, heads_q, _ = q.shape
+    vertical_width, slash_width = torch.ops.stria.estimate_widths(int(seq_len), int(heads_q), causal, p_vertical, p_slash,
+                                                                  vertical_max, slash_max, sink_tokens, local_diagonals, last_q)
+    return (q.new_empty((batch, heads_q, vertical_width), dtype=torch.int32),
+            q.new_empty((batch, heads_q, slash_width), dtype=torch.int32))
+
+
+@torch.library.register_fake("stria::forward")
+def _forward_fake(q, k, v, vertical, slash, softmax_scale, causal, deterministic):
+    batch, seq_len, heads_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((batch, heads_q, seq_len), dtype=torch.float32)
+
+
+@torch.library.register_fake("stria::backward")
+def _backward_fake(d_out, q, k, v, out, lse, vertical, slash, softmax_scale, causal, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# --- autograd -------------------------------------------------------------------------------------
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, vertical, slash, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.mark_non_differentiable(lse)  # the LSE is an output for inspection; no gradient flows through it
+
+
+def _backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, vertical, slash = ctx.saved_tensors
+    dq, dk, dv = torch.ops.stria.backward(d_out.contiguous(), q, k, v, out, lse, vertical, slash, ctx.softmax_scale, ctx.causal,
+                                          ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("stria::forward", _backward, setup_context=_setup_context)
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
+    """Clear exceptions before any operator runs: TypeError for types and dtypes, ValueError for the rest."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"stria: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"stria: {name}.dtype = {x.dtype}: must be torch.bfloat16 or torch.float16")
+        if x.dim() != 4:
+            raise ValueError(f"stria: {name}.shape = {tuple(x.shape)}: must be (batch, seq, heads, head_dim)")
+        if x.device.type != "cuda":
+            raise ValueError(f"stria: {name}.device = {x.device}: must be a CUDA device")
+        if not x.is_contiguous():
+            raise ValueError(f"stria: {name}.stride() = {x.stride()}: must be contiguous (call .contiguous())")
+    if k.dtype != q.dtype or (v is not None and v.dtype != q.dtype):
+        raise TypeError(f"stria: q, k, v dtypes {q.dtype}, {k.dtype}, {None if v is None else v.dtype}: must be equal")
+    batch, seq_len, heads_q, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(f"stria: k.shape = {tuple(k.shape)}: must match q.shape = {tuple(q.shape)} in batch, seq and head_dim")
+    if v is not None and v.shape != k.shape:
+        raise ValueError(f"stria: v.shape = {tuple(v.shape)}: must equal k.shape = {tuple(k.shape)}")
+    if heads_q % k.shape[2] != 0:
+        raise ValueError(f"stria: k.shape[2] = {k.shape[2]}: the KV heads must divide the {heads_q} query heads (grouped-query attention)")
+    if seq_len <= 0 or seq_len % 64 != 0:
+        raise ValueError(f"stria: q.shape[1] = {seq_len}: the sequence length must be a positive multiple of 64 (the block size)")
+    if head_dim not in (64, 128):
+        raise ValueError(f"stria: q.shape[3] = {head_dim}: the head dim must be 64 or 128")
+    if k.device != q.device or (v is not None and v.device != q.device):
+        raise ValueError(f"stria: q, k, v must be on one device, got {q.device}, {k.device}, {None if v is None else v.device}")
+
+
+def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"stria: softmax_scale = {softmax_scale}: must be a finite positive number")
+    return float(softmax_scale)
+
+
+def estimate_selection(q: torch.Tensor, k: torch.Tensor, softmax_scale: Optional[float] = None, causal: bool = True, *,
+                       p_vertical: float = 0.9, p_slash: float = 0.9, vertical_max: int = 0, slash_max: int = 0,
+                       sink_tokens: int = 4, local_diagonals: int = 1, last_q: int = 64) -> Selection:
+    """The Vertical-Slash selection of every (batch element, query head), estimated online from q and k
+    (estimator::vertical_slash_top_p: the last `last_q` queries' attention, top-p of its vertical and
+    slash mass; a max of 0 picks the default cap at this length)."""
+    _check_inputs(q, k, None)
+    with torch.no_grad():
+        vertical, slash = torch.ops.stria.estimate_selection(q.detach(), k.detach(), _scale(softmax_scale, q.shape[-1]), bool(causal),
+                                                             float(p_vertical), float(p_slash), int(vertical_max), int(slash_max),
+                                                             int(sink_tokens), int(local_diagonals), int(last_q))
+    return Selection(vertical, slash)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: Optional[float] = None,
+                     causal: bool = True, *, selection: Optional[Selection] = None, deterministic: bool = False,
+                     return_lse: bool = False, return_selection: bool = False, **estimator_options):
+    """Sparse attention of q (batch, seq, heads_q, dim) over k, v (batch, seq, heads_kv, dim), bf16 or fp16,
+    on the entries of `selection` (estimated online from q and k when None, with `estimator_options`:
+    see estimate_selection). Differentiable in q, k, v; `deterministic` makes the backward bit-identical
+    across runs. Returns out (like q), then lse (batch, heads_q, seq) fp32 and the selection if asked."""
+    _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, q.shape[-1])
+    if selection is None:
+        selection = estimate_selection(q, k, scale, causal, **estimator_options)
+    elif estimator_options:
+        raise ValueError(f"stria: estimator options {sorted(estimator_options)} apply only when no selection is given")
+    if not isinstance(selection, tuple) or len(selection) != 2:
+        raise TypeError("stria: selection must be a stria.Selection(vertical, slash)")
+    out, lse = torch.ops.stria.forward(q, k, v, selection[0], selection[1], scale, bool(causal), bool(deterministic))
+    result = (out,)
+    if return_lse:
+        result += (lse,)
+    if return_selection:
+        result += (Selection(*selection),)
+    return result[0] if len(result) == 1 else result

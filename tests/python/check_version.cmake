@@ -1,0 +1,20 @@
+# SPDX-License-Identifier: Apache-2.0
+# The PyTorch package's version (python/pyproject.toml, python/stria/__init__.py) must be the library's
+# (include/stria/version.hpp).   cmake -DROOT=<checkout> -P check_version.cmake
+file(STRINGS "${ROOT}/include/stria/version.hpp" lines REGEX "#define STRIA_VERSION_(MAJOR|MINOR|PATCH) ")
+set(parts "")
+foreach(part MAJOR MINOR PATCH)
+  string(REGEX MATCH "STRIA_VERSION_${part} ([0-9]+)" _ "${lines}")
+  list(APPEND parts "${CMAKE_MATCH_1}")
+endforeach()
+list(JOIN parts "." library)
+file(READ "${ROOT}/python/pyproject.toml" pyproject)
+string(REGEX MATCH "\nversion = \"([^\"]*)\"" _ "${pyproject}")
+set(package "${CMAKE_MATCH_1}")
+file(READ "${ROOT}/python/stria/__init__.py" init)
+string(REGEX MATCH "\n__version__ = \"([^\"]*)\"" _ "${init}")
+set(module "${CMAKE_MATCH_1}")
+if(NOT package STREQUAL library OR NOT module STREQUAL library)
+  message(FATAL_ERROR "version.hpp says ${library}, python/pyproject.toml '${package}', python/stria/__init__.py '${module}': they must agree")
+endif()
+message(STATUS "stria ${library}: the PyTorch package has the same version")
