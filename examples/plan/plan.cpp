@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // plan: how evenly each sharding x ring topology spreads a Vertical-Slash pattern over the ranks.
 // For a synthetic VS input (or a recorded selection) it prints, per combination, the worker- and
-// step-level imbalance degrees and the busiest rank's attention FLOPs; with --solver, the dynamic
-// solver's plan of the same selection. With --cluster it predicts one layer's time on N nodes x G
+// step-level imbalance degrees and the busiest rank's attention FLOPs (placed_stripes: 64-token
+// stripes placed for this selection by balance_stripes); with --solver, the dynamic solver's plan of
+// the same selection. With --cluster it predicts one layer's time on N nodes x G
 // GPUs instead (stria/index/cost_model.hpp) and ranks the choices. Runs on any machine.
 #include <stria/comm/host_threads.hpp>
 #include <stria/estimator/vertical_slash_top_p.hpp>
@@ -11,6 +12,7 @@
 #include <stria/host/recall.hpp>
 #include <stria/host/synthetic_vs.hpp>
 #include <stria/index/cost_model.hpp>
+#include <stria/index/stripe_balance.hpp>
 #include <stria/index/workload.hpp>
 #include <stria/sharding/dispatch.hpp>
 #include <stria/sharding/sequential.hpp>
@@ -366,6 +368,14 @@ int main(int argc, char** argv) try {
   plan_sharding(stria::sharding::sequential{});
   plan_sharding(stria::sharding::zigzag{});
   plan_sharding(stria::sharding::striped<64>{});
+  // Stripes placed for this selection: the same traffic as striped<64>, the work balanced per rank and step.
+  double placement_ms = -1;
+  if (o.world <= stria::max_balanced_world_size) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const stria::sharding::placed_stripes placed = stria::balance_stripes(g, o.world);
+    placement_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    plan_sharding(placed);
+  }
 
   // The dynamic solver's plan of the same selection (sequential sharding, M chunks per rank).
   struct solver_row {
@@ -400,6 +410,7 @@ int main(int argc, char** argv) try {
     nlohmann::ordered_json config = {{"seq_len", g.seq_len}, {"world", o.world},   {"nodes", o.nodes},           {"heads_q", g.num_heads()},
                                      {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", 1.0 - density}, {"density", density},
                                      {"source", source},     {"seed", o.seed},     {"seconds", seconds}};
+    config["placement_ms"] = placement_ms >= 0 ? nlohmann::ordered_json(placement_ms) : nlohmann::ordered_json();
     if (o.estimate) {
       config["estimator"] = "vertical_slash_top_p";
       config["estimate_seconds"] = estimate_seconds;
@@ -455,10 +466,14 @@ int main(int argc, char** argv) try {
     else std::printf("; recall not computed (needs --seq-len <= 16384 or --recall-stride)");
     std::printf("\n");
   }
-  std::printf("imbalance = busiest / mean (1.00 is perfect); worker: over ranks within a step, step: over one rank's steps\n\n");
-  std::printf("%-11s %-26s %17s %17s %22s\n", "sharding", "topology", "worker mean/max", "step mean/max", "busiest rank fwd GFLOP");
+  std::printf("imbalance = busiest / mean (1.00 is perfect); worker: over ranks within a step, step: over one rank's steps\n");
+  if (placement_ms >= 0)
+    std::printf("placed_stripes: 64-token stripes placed for this selection (balance_stripes, %.1f ms), striped's traffic\n", placement_ms);
+  else
+    std::printf("placed_stripes: not planned (balance_stripes takes at most %d ranks)\n", stria::max_balanced_world_size);
+  std::printf("\n%-14s %-26s %17s %17s %22s\n", "sharding", "topology", "worker mean/max", "step mean/max", "busiest rank fwd GFLOP");
   for (const row& r : rows)
-    std::printf("%-11s %-26s %8.3f /%7.3f %8.3f /%7.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
+    std::printf("%-14s %-26s %8.3f /%7.3f %8.3f /%7.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
                 r.imbalance.worker_max, r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops * 1e-9);
   if (o.solver_chunks > 0)
     std::printf("\ndynamic solver (sequential, %d chunks per rank, mu 1.10, volume cap %.2f): busiest rank / mean %.3f, volume %.3f of the\n"

@@ -27,6 +27,8 @@ namespace plan_input {
 
 inline constexpr const char* usage =
     "plan: worker- and step-level imbalance of each sharding x ring topology on a Vertical-Slash pattern\n"
+    "(shardings: sequential, zigzag, striped<64>, and placed_stripes: 64-token stripes placed for the\n"
+    "selection by balance_stripes, up to 1024 ranks)\n"
     "\n"
     "  --seq-len N      global sequence length (default 131072)\n"
     "  --world W        context-parallel ranks (default 8)\n"

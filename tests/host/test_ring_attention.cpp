@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host ring attention equals single-rank attention on the same global selection, forward and
-// backward, for every sharding x topology, world sizes 1-8, GQA 1/2/8, D 64/128, causal and full;
+// backward, for every sharding x topology (stripes placed per selection too), world sizes 1-8, GQA 1/2/8, D 64/128, causal and full;
 // its fp32 error does not grow with the world size; mismatched indices are rejected.
 #include <doctest/doctest.h>
 
@@ -10,6 +10,7 @@
 #include "stria/comm/host_threads.hpp"
 #include "stria/host/ring_attention.hpp"
 #include "stria/index/local_index.hpp"
+#include "stria/index/stripe_balance.hpp"
 #include "stria/sharding/dispatch.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
@@ -106,6 +107,31 @@ TEST_CASE("host ring attention equals single-rank attention: striped sharding, a
   // A wider stripe too.
   const global_selection selection = test::random_selection(rng, 1024, 4, true);
   CHECK(compare_ring(rng, sharding::striped<128>{}, topology::hierarchical_ring(2, 2), selection, 2, 64).max() < 1e-5);
+}
+
+TEST_CASE("host ring attention equals single-rank attention: stripes placed by balance_stripes") {
+  // The placement depends on the selection and the world size: one per case, flat and hierarchical.
+  STRIA_SEEDED_RNG(rng);
+  struct ring_case {
+    index_t nodes, cards;  // nodes == 0: flat ring of `cards` ranks
+    bool causal;
+  };
+  const ring_case cases[] = {{0, 1, true}, {0, 3, true}, {0, 4, false}, {0, 8, true}, {2, 2, true}, {2, 3, false}, {4, 2, true}};
+  int variant = 0;
+  for (const ring_case& rc : cases) {
+    if (!test::in_sweep(variant++, 2)) continue;
+    const index_t world = rc.nodes == 0 ? rc.cards : rc.nodes * rc.cards;
+    const index_t dim = variant % 2 ? 128 : 64, heads_kv = variant % 3 ? 2 : 8;
+    const global_selection selection = test::random_selection(rng, 2 * world * 64, 8, rc.causal, 0.35, 0.03);
+    const sharding::placed_stripes placed = balance_stripes(selection, world);
+    CAPTURE(world);
+    CAPTURE(rc.nodes);
+    CAPTURE(rc.causal);
+    CAPTURE(dim);
+    const test::attention_errors e = rc.nodes == 0 ? compare_ring(rng, placed, topology::flat_ring(world), selection, heads_kv, dim)
+                                                   : compare_ring(rng, placed, topology::hierarchical_ring(rc.nodes, rc.cards), selection, heads_kv, dim);
+    test::check_errors(e, 1e-5);
+  }
 }
 
 TEST_CASE("every GQA ratio, head dim and mode on one ring") {

@@ -1,18 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
 // The workload planner counts what the built indices hold, per rank and step; the imbalance degrees
-// follow their definitions; on Vertical-Slash inputs striped beats zigzag and sequential.
+// follow their definitions; on Vertical-Slash inputs striped beats zigzag and sequential, and on the
+// heavy-tailed families (issue 21) stripes placed by balance_stripes reach worker <= 1.05 and step
+// <= 1.10 where striped<64> does not.
 #include <doctest/doctest.h>
 
 #include <vector>
 
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/local_index.hpp"
+#include "stria/index/stripe_balance.hpp"
 #include "stria/index/workload.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "stria/topology/hierarchical_ring.hpp"
+#include "support/random.hpp"
 #include "support/selection.hpp"
 
 using namespace stria;
@@ -47,6 +51,9 @@ TEST_CASE("planner counts equal the active entries of the built indices, per ran
           check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
           check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
           if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
+          const sharding::placed_stripes placed = balance_stripes(g, world);
+          check_counts(g, placed, topology::flat_ring(world));
+          if (world % 2 == 0) check_counts(g, placed, topology::hierarchical_ring(2, world / 2));
         }
 }
 
@@ -84,5 +91,62 @@ TEST_CASE("on Vertical-Slash inputs striped is better balanced than zigzag and s
     CHECK(striped.step_mean < zigzag.step_mean);
     CHECK(striped.step_mean < sequential.step_mean);
     CHECK(striped.worker_mean < 1.1);
+  }
+}
+
+TEST_CASE("heavy-tailed Vertical-Slash patterns at W 8 and 32: striped beats zigzag, placed stripes reach the targets") {
+  // 128K tokens, 4 query heads on 1 KV head: few heads leave the most imbalance (at W 32 each rank
+  // owns 64 blocks). Measured at this commit (worker mean, step mean):
+  //                        W  striped        zigzag         placed_stripes
+  //   power_law_slash      8  1.070 1.120    1.195 3.636    1.001 1.001
+  //                       32  1.122 1.589    1.402 7.320    1.023 1.028
+  //   periodic_slash       8  1.073 1.278    1.210 2.983    1.002 1.002
+  //                       32  1.148 2.457    1.681 5.210    1.033 1.039
+  //   clustered_vertical   8  1.036 1.127    1.755 4.076    1.001 1.001
+  //                       32  1.286 1.628    4.977 8.638    1.022 1.022
+  //   mixture              8  1.071 1.146    1.166 3.947    1.001 1.001
+  //                       32  1.130 1.948    1.408 8.036    1.023 1.025
+  host::synthetic_vs_options o;
+  o.seq_len = 131072;
+  o.heads_q = 4;
+  o.heads_kv = 1;
+  int variant = 0;
+  for (const host::vs_pattern pattern :
+       {host::vs_pattern::power_law_slash, host::vs_pattern::periodic_slash, host::vs_pattern::clustered_vertical, host::vs_pattern::mixture}) {
+    o.pattern = pattern;
+    const global_selection g = host::plant_vs_selection(o);
+    for (const index_t world : {8, 32}) {
+      if (!test::in_sweep(variant++, 2)) continue;  // the sanitized build runs half
+      const topology::flat_ring ring(world);
+      const imbalance_degrees striped = measure_imbalance(count_ring_workload(g, sharding::striped<64>{}, ring));
+      const imbalance_degrees zigzag = measure_imbalance(count_ring_workload(g, sharding::zigzag{}, ring));
+      const sharding::placed_stripes placement = balance_stripes(g, world);
+      const imbalance_degrees placed = measure_imbalance(count_ring_workload(g, placement, ring));
+      const imbalance_degrees placed_hierarchical = measure_imbalance(count_ring_workload(g, placement, topology::hierarchical_ring(world / 4, 4)));
+      CAPTURE(host::pattern_name(pattern));
+      CAPTURE(world);
+      CAPTURE(striped.worker_mean);
+      CAPTURE(striped.step_mean);
+      CAPTURE(placed.worker_mean);
+      CAPTURE(placed.worker_max);
+      CAPTURE(placed.step_mean);
+      CAPTURE(placed.step_max);
+      CHECK(striped.worker_mean < zigzag.worker_mean);
+      CHECK(striped.step_mean < zigzag.step_mean);
+      // striped<64> misses the targets on these patterns at W 32 (and on its steps at W 8).
+      CHECK(striped.worker_mean < (world == 8 ? 1.10 : 1.35));
+      CHECK(striped.step_mean < (world == 8 ? 1.35 : 2.60));
+      if (world == 32) CHECK(striped.worker_mean > 1.05);
+      CHECK(striped.step_mean > 1.10);
+      // The placement reaches them on every ring, and no step is far off.
+      CHECK(placed.worker_mean <= 1.05);
+      CHECK(placed.step_mean <= 1.10);
+      CHECK(placed.worker_max <= 1.08);
+      CHECK(placed.step_max <= 1.08);
+      CHECK(placed_hierarchical.worker_mean <= 1.05);
+      CHECK(placed_hierarchical.step_mean <= 1.10);
+      CHECK(placed.worker_mean < striped.worker_mean);
+      CHECK(placed.step_mean < striped.step_mean);
+    }
   }
 }

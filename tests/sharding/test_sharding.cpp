@@ -3,9 +3,11 @@
 // clear layout errors, and dispatch/undispatch round trips.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/placed_stripes.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
@@ -37,6 +39,14 @@ void check_bijection(const Policy& policy, shard_layout layout) {
   for (int h : hits) CHECK(h == 1);
 }
 
+/// A random placement with num_blocks / world blocks per rank.
+sharding::placed_stripes random_placement(test::seeded_rng& rng, shard_layout layout) {
+  std::vector<index_t> owner(static_cast<std::size_t>(layout.num_blocks));
+  for (index_t b = 0; b < layout.num_blocks; ++b) owner[static_cast<std::size_t>(b)] = b % layout.world_size;
+  std::shuffle(owner.begin(), owner.end(), rng.engine);
+  return {owner, layout.world_size};
+}
+
 }  // namespace
 
 TEST_CASE("every sharding is a bijection that keeps global order, over many sizes and world sizes") {
@@ -50,6 +60,36 @@ TEST_CASE("every sharding is a bijection that keeps global order, over many size
     }
   check_bijection(sharding::striped<64>{}, {2048, 64});  // 128K tokens over 64 ranks
   check_bijection(sharding::zigzag{}, {2048, 8});
+}
+
+TEST_CASE("placed stripes: any table with equal counts is a bijection that keeps global order") {
+  STRIA_SEEDED_RNG(rng);
+  for (index_t world = 1; world <= 16; ++world)
+    for (index_t multiple = 1; multiple <= 4; ++multiple) check_bijection(random_placement(rng, {world * multiple, world}), {world * multiple, world});
+  check_bijection(random_placement(rng, {2048, 32}), {2048, 32});
+  // The table it was built from reads back, and a round-robin table is striped<64>.
+  std::vector<index_t> round_robin(48);
+  for (index_t b = 0; b < 48; ++b) round_robin[static_cast<std::size_t>(b)] = b % 6;
+  const sharding::placed_stripes placed(round_robin, 6);
+  CHECK(placed.owner_ranks() == round_robin);
+  CHECK(placed.world_size() == 6);
+  for (index_t b = 0; b < 48; ++b) CHECK(placed.locate({48, 6}, b) == sharding::striped<64>{}.locate({48, 6}, b));
+}
+
+TEST_CASE("placed stripes reject tables with unequal counts and layouts they were not built for") {
+  CHECK_THROWS_WITH_AS(sharding::placed_stripes({0, 1, 1, 1}, 2), doctest::Contains("rank 1 owns more than 2 blocks"), stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(sharding::placed_stripes({0, 2, 1, 1}, 2), "stria: owner_rank[1] = 2: must lie in [0, world_size = 2)", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(sharding::placed_stripes({0, 1, 0}, 2), doctest::Contains("owner_rank.size() = 3: must be a positive multiple of world_size = 2"),
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(sharding::placed_stripes({0}, 0), "stria: world_size = 0: must be at least 1", stria::invalid_argument);
+  const sharding::placed_stripes placed({0, 1, 1, 0}, 2);
+  CHECK_NOTHROW(placed.validate({4, 2}));
+  CHECK_THROWS_WITH_AS(placed.validate({8, 2}),
+                       "stria: seq_len = 512: placed_stripes was built for seq_len 256 and world_size 2, this layout has world_size 2 "
+                       "(build the placement for the layout it is used with)",
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(placed.validate({4, 4}), doctest::Contains("this layout has world_size 4"), stria::invalid_argument);
+  CHECK_THROWS_AS(sharding::placed_stripes{}.validate({4, 2}), stria::invalid_argument);  // the default placement fits no layout
 }
 
 TEST_CASE("the documented formulas hold") {
@@ -115,6 +155,7 @@ TEST_CASE("dispatch then undispatch returns the global tensor, and shards hold t
   run(sharding::zigzag{});
   run(sharding::striped<64>{});
   run(sharding::striped<128>{});
+  run(random_placement(rng, {seq / 64, world}));
 
   std::vector<float> wrong(global.size() / 2);
   std::vector<tensor_view<float, 3>> two{{wrong.data(), {seq / 2, heads, dim}}, {wrong.data(), {seq / 2 - 64, heads, dim}}};
