@@ -116,6 +116,14 @@ def check_against_reference(dtype, dim, heads_q, heads_kv, causal, selection_kin
     assert not bad, f"{dtype} D {dim} Hq {heads_q} Hkv {heads_kv} causal {causal} {selection_kind}: relative errors {errors}"
 
 
+def test_readme_example():
+    q, k, v, d_out = inputs(1, 4096, 16, 2, 128, torch.bfloat16, 23)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = stria.sparse_attention(q, k, v)  # q (batch, seq, heads_q, dim), k, v (batch, seq, heads_kv, dim)
+    out.backward(d_out)                    # dq, dk, dv by stria's sparse backward
+    assert out.shape == q.shape and all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+
+
 def test_matches_sdpa_math_on_given_selections():
     for dtype in (torch.bfloat16, torch.float16):
         for dim in (64, 128):
