@@ -28,6 +28,7 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/topology/flat_ring.hpp"
+#include "../../examples/common/progress.hpp"
 
 using namespace stria;
 using clock_type = std::chrono::steady_clock;
@@ -144,8 +145,10 @@ int main(int argc, char** argv) try {
     if (once) return 0;
   }
   std::printf("%-34s %12s %14s %10s\n", "case", "estimate ms", "index build ms", "density");
+  cli::progress progress;  // on stderr, when it is a terminal
   for (const auto& [seq, world, name] : {std::tuple{131072, 1, "S=128K, 1 rank"}, std::tuple{524288, 8, "S=512K, 8 ranks on one GPU (all)"}}) {
     if (once && world > 1) break;
+    progress.phase(std::string("case ") + name + ": inputs, then the timed estimates");
     o.seq_len = seq;
     const auto t0 = clock_type::now();
     const host::synthetic_vs data = host::make_synthetic_vs(o);

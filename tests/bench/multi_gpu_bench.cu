@@ -51,6 +51,7 @@
 #include "args.hpp"
 #include "step_times.cuh"
 #include "timing.cuh"
+#include "../../examples/common/progress.hpp"
 
 using namespace stria;
 using T = __nv_bfloat16;
@@ -333,8 +334,12 @@ int main(int argc, char** argv) try {
   if (!json)
     std::printf("%-16s %4s %8s %9s %10s %10s %10s %10s %8s %8s %8s %8s %8s %8s\n", "variant", "gpus", "S", "index ms", "fwd ms", "bwd ms",
                 "layer ms", "steps ms", "fwd TF/G", "bwd TF/G", "plan wkr", "plan stp", "meas wkr", "meas stp");
+  cli::progress progress;  // on stderr, when it is a terminal
+  long long measured = 0;
+  const auto measurements = static_cast<long long>(gpu_counts.size() * variants.size());
   for (const index_t gpus : gpu_counts)
     for (const std::string& variant : variants) {
+      progress.step("layers measured (" + variant + " on " + std::to_string(gpus) + " GPUs next)", measured++, measurements);
       const index_t s = tokens_per_gpu > 0 ? tokens_per_gpu * gpus : seq_len;
       const row r = run_named(variant, s, gpus, o);
       rows.push_back(r);
@@ -355,6 +360,7 @@ int main(int argc, char** argv) try {
         std::fflush(stdout);
       }
     }
+  progress.step("layers measured", measured, measurements);
   if (json) {
     std::printf("{\"gpu\": \"%s\", \"rows\": [", prop.name);
     for (std::size_t i = 0; i < rows.size(); ++i) {

@@ -34,6 +34,7 @@
 #include "step_times.cuh"
 #include "timing.cuh"
 #include "args.hpp"
+#include "../../examples/common/progress.hpp"
 
 using namespace stria;
 using T = __nv_bfloat16;
@@ -118,7 +119,9 @@ int main(int argc, char** argv) try {
               world, repeats);
   std::printf("%-8s %-11s %9s %9s %10s %12s %10s %14s\n", "S", "sharding", "worker", "step", "ring ms", "busiest ms", "work ms",
               "local_device ms");
+  cli::progress progress;  // on stderr, when it is a terminal
   for (const index_t s : seq_lens) {
+    progress.phase("S = " + std::to_string(s) + ": sequential, zigzag, striped");
     host::synthetic_vs_options o;
     o.seq_len = s;
     o.heads_q = hq;
