@@ -7,6 +7,9 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+
+#include "stria/core/config.hpp"
 
 namespace stria {
 
@@ -82,6 +85,30 @@ class nccl_error : public call_error {
 class comm_error : public std::runtime_error {
  public:
   explicit comm_error(const std::string& what) : std::runtime_error("stria: " + what) {}
+};
+
+/// Checked mode found a NaN or an infinity in a result (DESIGN 11: never a silent NaN): the rank,
+/// the step (ring step, or solver stage) and the element where it first appeared. `head()` and
+/// `token()` are local to this rank's queries, or, for a travelling dK/dV, to `chunk_owner()`'s KV chunk.
+class non_finite_error : public std::runtime_error {
+ public:
+  non_finite_error(const std::string& what, index_t rank, index_t step, std::string tensor, index_t head, index_t token,
+                   index_t chunk_owner = -1)
+      : std::runtime_error(what), rank_(rank), step_(step), tensor_(std::move(tensor)), head_(head), token_(token), chunk_owner_(chunk_owner) {}
+
+  [[nodiscard]] index_t rank() const noexcept { return rank_; }
+  [[nodiscard]] index_t step() const noexcept { return step_; }
+  /// "O", "LSE", "dQ", "dK" or "dV".
+  [[nodiscard]] const std::string& tensor() const noexcept { return tensor_; }
+  [[nodiscard]] index_t head() const noexcept { return head_; }
+  [[nodiscard]] index_t token() const noexcept { return token_; }
+  /// Whose KV chunk a dK/dV value belongs to (-1 for this rank's O, LSE and dQ).
+  [[nodiscard]] index_t chunk_owner() const noexcept { return chunk_owner_; }
+
+ private:
+  index_t rank_, step_;
+  std::string tensor_;
+  index_t head_, token_, chunk_owner_;
 };
 
 }  // namespace stria
