@@ -6,6 +6,8 @@
 // arrived and a slot is overwritten only once the steps that read it are done. Running O/LSE are
 // fp32; in backward the fp32 dK/dV partials travel as the topology's gradient_transfers say and end
 // at their owners. host/ring_attention.hpp is the same algorithm on the host (the tests' oracle).
+// Checked mode (finite_check::every_step) verifies each step's results on the device
+// (device/finite_check.cuh) at the cost of a pass and a host synchronisation per step.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -15,6 +17,7 @@
 
 #include <array>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,7 +28,9 @@
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
+#include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
+#include "stria/device/finite_check.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/index/local_index.cuh"
 #include "stria/topology/ring_steps.hpp"
@@ -124,11 +129,13 @@ inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t strea
 /// leaves with nothing pending past its end). q [Sq, Hq, D], k, v [Sk, Hkv, D] are the local
 /// shards (bf16 or fp16, device); indices[s] is this rank's index for step s. Writes out
 /// [Sq, Hq, D] and the fp32 lse [Hq, Sq] of the whole sequence's attention for the local queries.
+/// With finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked
+/// after every step.
 template <class Comm, ring_topology Topology, class T>
 void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
                   tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out,
                   tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
-                  forward_kernel which = forward_kernel::automatic) {
+                  forward_kernel which = forward_kernel::automatic, finite_check check = finite_check::off) {
   check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -136,6 +143,8 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   device_buffer<float> running(static_cast<std::size_t>(q.size()), stream);  // [Sq, Hq, D] fp32
   const tensor_view<float, 3> running_view(running.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
+  std::optional<step_check> checks;
+  if (check == finite_check::every_step) checks.emplace(stream);
   detail::kv_ring<Comm, Topology, T> ring(comm, topology, k, v, stream, transfer_stream);
   for (index_t s = 0; s < topology.num_steps(); ++s) {
     const T* chunk = ring.begin_step(s);
@@ -145,18 +154,29 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
     const bool last = s + 1 == topology.num_steps();
     sparse_forward(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
                    s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
+    if (checks) {
+      checks->begin();
+      const checked_tensor o = checked_tensor::queries("O", shape.query_tokens, shape.heads_q, shape.head_dim);
+      if (last) checks->add(out.data(), o);
+      else checks->add(running.data(), o);
+      checks->add(lse.data(), checked_tensor::lse(shape.heads_q, shape.query_tokens));
+      checks->finish(comm.rank(), s, "ring step " + std::to_string(s));
+    }
   }
   ring.finish();
 }
 
 /// This rank's ring backward on `stream` (transfers on `transfer_stream`). out and lse are the
 /// forward results, d_out the incoming gradient (local shards). Writes dq [Sq, Hq, D] and the
-/// complete dk, dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 as they travel.
+/// complete dk, dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 as they travel. With
+/// finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step,
+/// before that sum travels on.
 template <class Comm, ring_topology Topology, class T>
 void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
-                   tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream) {
+                   tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
+                   finite_check check = finite_check::off) {
   check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);
@@ -199,6 +219,8 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
     }
   };
 
+  std::optional<step_check> checks;
+  if (check == finite_check::every_step) checks.emplace(stream);
   detail::kv_ring<Comm, Topology, T> ring(comm, topology, k, v, stream, transfer_stream);
   for (index_t s = 0; s < topology.num_steps(); ++s) {
     const T* chunk = ring.begin_step(s);
@@ -209,7 +231,16 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
                     tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
                     tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
                     tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream);
-    add_partial(topology.kv_source_rank(rank, s), std::move(working));
+    const index_t source = topology.kv_source_rank(rank, s);
+    add_partial(source, std::move(working));
+    if (checks) {
+      checks->begin();
+      checks->add(dq32.data(), checked_tensor::queries("dQ", shape.query_tokens, shape.heads_q, shape.head_dim));
+      const float* sum = partial.at(source).data();
+      checks->add(sum, checked_tensor::kv_gradient("dK", shape.kv_tokens, shape.heads_kv, shape.head_dim, source));
+      checks->add(sum + kv_elems, checked_tensor::kv_gradient("dV", shape.kv_tokens, shape.heads_kv, shape.head_dim, source));
+      checks->finish(rank, s, "ring step " + std::to_string(s));
+    }
     // In list order; before each send, every partial due at this step's end is added in.
     for (const ring_transfer& t : topology.gradient_transfers(rank, s)) {
       finish_receives(s);
