@@ -49,6 +49,11 @@ class call_error : public std::runtime_error {
   [[nodiscard]] const std::string& file() const noexcept { return file_; }
   [[nodiscard]] unsigned line() const noexcept { return line_; }
 
+ protected:
+  /// For failures that a library call did not report itself: `message` is the whole text.
+  call_error(const std::string& message, std::string_view call, int code, std::source_location where)
+      : std::runtime_error(message), call_(call), code_(code), file_(where.file_name()), line_(where.line()) {}
+
  private:
   static std::string format(std::string_view library, std::string_view call, int code, std::string_view reason,
                             std::source_location where) {
@@ -78,6 +83,15 @@ class nccl_error : public call_error {
   nccl_error(std::string_view call, int code, std::string_view reason,
              std::source_location where = std::source_location::current())
       : call_error("NCCL", call, code, reason, where) {}
+
+  /// NCCL work that a wait gave up on: `message` says which rank waited for what, how long, and
+  /// what NCCL reported (`code`: ncclSuccess when it reported nothing). `call()` is "wait".
+  static nccl_error stalled(int code, const std::string& message, std::source_location where = std::source_location::current()) {
+    return nccl_error("stria: NCCL: " + message, code, where);
+  }
+
+ private:
+  nccl_error(const std::string& message, int code, std::source_location where) : call_error(message, "wait", code, where) {}
 };
 
 /// A communicator could not complete an operation: peers that disagree on it, a peer that failed,

@@ -39,15 +39,40 @@ namespace stria::device {
 
 namespace detail {
 
-/// A transfer's completion on the transfer stream, awaited by the compute stream at `ready_step`.
+/// However a function ends (an exception included), buffers released in compute order after this
+/// guard is destroyed are released only after the transfers queued by then: a peer may still be
+/// copying from or into them (a failed step leaves transfers in flight).
+class transfers_before_release {
+ public:
+  transfers_before_release(cudaStream_t compute, cudaStream_t transfer) : compute_(compute), transfer_(transfer) {}
+  ~transfers_before_release() {
+    cudaEvent_t done = nullptr;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) return;
+    if (cudaEventRecord(done, transfer_) == cudaSuccess) (void)cudaStreamWaitEvent(compute_, done, 0);
+    (void)cudaEventDestroy(done);
+  }
+  transfers_before_release(const transfers_before_release&) = delete;
+  transfers_before_release& operator=(const transfers_before_release&) = delete;
+
+ private:
+  cudaStream_t compute_, transfer_;
+};
+
+/// A transfer's completion on the transfer stream: the compute stream waits for it before
+/// `ready_step` computes, and the host confirms it (comm.wait) at the start of the step after, a
+/// step behind the device, so the device always holds queued work while the host waits.
 struct arrival {
   index_t ready_step;
   cuda_event done;
+  std::string what;  // for the error of a wait that gives up
 };
 
 /// The KV chunks of one rank's ring: K and V packed in one buffer per slot ([2, Sk, Hkv, D], so a
 /// transfer is one message), moved as the topology's transfers say. Sends and receives of a step
-/// are posted together in one group at the step's start, on the transfer stream.
+/// are posted together in one group at the step's start, on the transfer stream. Every transfer is
+/// confirmed on the host through comm.wait(), which raises (a peer failed, NCCL reported an error,
+/// the communicator's timeout passed) instead of letting a dead peer hang the job; the backward adds
+/// its dK/dV transfers to the same confirmations (watch()).
 template <class Comm, ring_topology Topology, class T>
 class kv_ring {
  public:
@@ -75,12 +100,22 @@ class kv_ring {
       }
       comm_.group_end();
       for (const ring_transfer& t : list) {
-        arrivals_.push_back({t.ready_step, cuda_event{}});
+        arrivals_.push_back({t.ready_step, cuda_event{},
+                             "the KV chunk of rank " + std::to_string(t.received_origin) + " for ring step " + std::to_string(t.ready_step) +
+                                 " (from rank " + std::to_string(t.receive_from) + ")"});
         arrivals_.back().done.record(transfer_);
       }
     }
     wait_arrivals(step);
+    confirm_before(step);
     return slot(topology_.kv_buffer(rank, step));
+  }
+
+  /// Confirms on the host, like the KV transfers, what is queued on the transfer stream now (a
+  /// transfer just posted), at the start of the step after `ready_step`.
+  void watch(index_t ready_step, std::string what) {
+    confirming_.push_back({ready_step, cuda_event{}, std::move(what)});
+    confirming_.back().done.record(transfer_);
   }
 
   [[nodiscard]] std::size_t elements() const { return elements_; }
@@ -89,6 +124,7 @@ class kv_ring {
   /// compute order.
   void finish() {
     wait_arrivals(topology_.num_steps());
+    confirm_before(topology_.num_steps() + 1);
     wait_for(compute_, transfer_);
   }
 
@@ -106,7 +142,20 @@ class kv_ring {
         continue;
       }
       it->done.make_wait(compute_);
+      confirming_.push_back(std::move(*it));
       it = arrivals_.erase(it);
+    }
+  }
+
+  /// Waits on the host (bounded: comm.wait) for every watched transfer due before `step`.
+  void confirm_before(index_t step) {
+    for (auto it = confirming_.begin(); it != confirming_.end();) {
+      if (it->ready_step >= step) {
+        ++it;
+        continue;
+      }
+      comm_.wait(it->done.get(), it->what);
+      it = confirming_.erase(it);
     }
   }
 
@@ -115,7 +164,9 @@ class kv_ring {
   std::size_t elements_;
   cudaStream_t compute_, transfer_;
   std::array<device_buffer<T>, 4> slots_;
-  std::vector<arrival> arrivals_;
+  transfers_before_release guard_{compute_, transfer_};  // destroyed before the slots
+  std::vector<arrival> arrivals_;    // posted, not yet awaited by the compute stream
+  std::vector<arrival> confirming_;  // awaited by the compute stream (or watched), not yet confirmed on the host
 };
 
 /// x[i] += y[i] for n floats, on `stream`.
@@ -256,6 +307,10 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
       comm.group_end();
       pending.push_back({t, std::move(into), cuda_event{}});
       pending.back().done.record(transfer_stream);
+      ring.watch(t.ready_step, "the dK/dV sum of rank " + std::to_string(t.received_origin) + "'s chunk " +
+                                   (t.ready_step == topology.num_steps() ? std::string("delivered after the last ring step")
+                                                                         : "due at the end of ring step " + std::to_string(t.ready_step)) +
+                                   " (from rank " + std::to_string(t.receive_from) + ")");
       sent.push_back(std::move(it->second));
       partial.erase(it);
     }
