@@ -26,6 +26,7 @@
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/error.hpp"
+#include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/core/tile.hpp"
 #include "stria/device/ring_attention.cuh"
@@ -48,6 +49,11 @@ struct attention_config {
   bool causal = true;
   double softmax_scale = 0;  // 0: 1 / sqrt(head_dim)
   device::determinism backward_mode = device::determinism::atomic;
+  /// Checked mode (ring topologies): every ring step's merged O and LSE (backward: dQ and the
+  /// travelling dK/dV) are checked on the device; the first NaN or infinity raises
+  /// stria::non_finite_error naming the rank, step, head and token. Costs a pass over those tensors
+  /// and a host synchronisation per step, so it is off by default.
+  finite_check check = finite_check::off;
 };
 
 namespace detail {
@@ -88,6 +94,8 @@ class sparse_attention {
     sharding_.validate({config_.seq_len / block_tokens, topology_.world_size()});
     if constexpr (dynamic) topology_.check_seq_len(config_.seq_len);
     estimator_.validate(config_.seq_len, config_.heads_q);
+    if (dynamic && config_.check != finite_check::off)
+      throw invalid_argument("config.check", "finite_check::every_step", "is available with ring topologies, not yet with topology::solver");
     if (config_.softmax_scale == 0) config_.softmax_scale = 1.0 / std::sqrt(double(Tile::head_dim));
   }
 
@@ -148,7 +156,7 @@ class sparse_attention {
       device::solver_forward(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream, transfer_.get());
     else
       device::ring_forward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
-                           transfer_.get());
+                           transfer_.get(), device::forward_kernel::automatic, config_.check);
   }
 
   /// dq [S_local, Hq, D] of the rank's queries, and dk, dv [S_local, Hkv, D] of its own keys and
@@ -166,7 +174,7 @@ class sparse_attention {
                               config_.backward_mode, stream, transfer_.get());
     else
       device::ring_backward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
-                            dk, dv, config_.backward_mode, stream, transfer_.get());
+                            dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
   }
 
  private:

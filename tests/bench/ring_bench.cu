@@ -10,7 +10,9 @@
 //  2. the whole ring through comm::local_device (all W ranks at once, sharing the GPU): wall time of
 //     device::ring_forward + ring_backward per layer, against the sum of all (rank, step) kernel
 //     times (the work a shared GPU must do anyway), i.e. what the ring engine adds.
-//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5]
+//  3. with --checked: part 2 again in checked mode (finite_check::every_step: every step's O, LSE,
+//     dQ, dK/dV checked on the device, one host synchronisation per step), and its cost over part 2.
+//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -22,6 +24,7 @@
 #include "stria/comm/local_device.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/finite_check.hpp"
 #include "stria/device/ring_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/host/synthetic_vs.hpp"
@@ -45,6 +48,7 @@ constexpr index_t hq = 16, hkv = 2, dim = 128;
 
 struct balance : bench::step_balance {
   double ring_engine_ms = 0;
+  double checked_ms = 0;  // the same ring in checked mode (--checked)
 };
 
 /// Part 1: every (rank, step) alone.
@@ -58,7 +62,7 @@ balance time_steps(const global_selection& g, const Sharding& sharding, index_t 
 
 /// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).
 template <class Sharding>
-double time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats) {
+double time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check) {
   const index_t s = g.seq_len, local = s / world;
   const topology::flat_ring ring(world);
   const double scale = 1.0 / std::sqrt(double(dim));
@@ -84,11 +88,11 @@ double time_ring(const global_selection& g, const Sharding& sharding, index_t wo
         c.barrier();
         const auto t0 = std::chrono::steady_clock::now();
         device::ring_forward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, scale, tensor_view<T, 3>(out.data(), {local, hq, dim}),
-                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get());
+                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get(), device::forward_kernel::automatic, check);
         device::ring_backward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, ov, dov,
                               tensor_view<const float, 2>(lse.data(), {hq, local}), scale, tensor_view<T, 3>(dq.data(), {local, hq, dim}),
                               tensor_view<T, 3>(dk.data(), {local, hkv, dim}), tensor_view<T, 3>(dv.data(), {local, hkv, dim}),
-                              device::determinism::atomic, st, transfer.get());
+                              device::determinism::atomic, st, transfer.get(), check);
         compute.synchronize();
         c.barrier();
         if (c.rank() == 0 && i > 0) wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -106,19 +110,26 @@ int main(int argc, char** argv) try {
   std::vector<index_t> seq_lens{131072, 524288};
   index_t world = 8;
   int repeats = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
+  bool checked = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--checked") {
+      checked = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw invalid_argument(flag, "(missing)", "needs a value");
+    const std::string value = argv[++i];
     if (flag == "--seq-len") seq_lens = bench::parse_sizes(flag, value);
     else if (flag == "--world") world = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
-    else throw invalid_argument("flag", flag, "must be --seq-len, --world or --repeats");
+    else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats or --checked");
   }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("ring_bench on %s: Hq %d, Hkv %d, D %d, bf16, causal, vs95, flat ring of %d ranks, median of %d\n", prop.name, hq, hkv, dim,
               world, repeats);
-  std::printf("%-8s %-11s %9s %9s %10s %12s %10s %14s\n", "S", "sharding", "worker", "step", "ring ms", "busiest ms", "work ms",
-              "local_device ms");
+  std::printf("%-8s %-11s %9s %9s %10s %12s %10s %14s%s\n", "S", "sharding", "worker", "step", "ring ms", "busiest ms", "work ms",
+              "local_device ms", checked ? "     checked ms  checked cost" : "");
   cli::progress progress;  // on stderr, when it is a terminal
   for (const index_t s : seq_lens) {
     progress.phase("S = " + std::to_string(s) + ": sequential, zigzag, striped");
@@ -132,8 +143,10 @@ int main(int argc, char** argv) try {
     double busiest_zigzag = 0, busiest_striped = 0, ring_zigzag = 0, ring_striped = 0;
     auto report = [&](const char* name, balance b) {
       const std::string engine = b.ring_engine_ms > 0 ? std::to_string(b.ring_engine_ms).substr(0, std::to_string(b.ring_engine_ms).find('.') + 3) : "-";
-      std::printf("%-8d %-11s %9.3f %9.3f %10.2f %12.2f %10.2f %14s\n", s, name, b.worker_imbalance, b.step_imbalance, b.ring_ms,
+      std::printf("%-8d %-11s %9.3f %9.3f %10.2f %12.2f %10.2f %14s", s, name, b.worker_imbalance, b.step_imbalance, b.ring_ms,
                   b.busiest_rank_ms, b.total_ms, engine.c_str());
+      if (b.checked_ms > 0) std::printf(" %14.2f %12.1f%%", b.checked_ms, 100.0 * (b.checked_ms / b.ring_engine_ms - 1.0));
+      std::printf("\n");
       std::fflush(stdout);
     };
     {
@@ -142,14 +155,16 @@ int main(int argc, char** argv) try {
     }
     {
       balance b = time_steps(g, sharding::zigzag{}, world, repeats);
-      b.ring_engine_ms = time_ring(g, sharding::zigzag{}, world, repeats);
+      b.ring_engine_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::off);
+      if (checked) b.checked_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::every_step);
       busiest_zigzag = b.busiest_rank_ms;
       ring_zigzag = b.ring_ms;
       report("zigzag", b);
     }
     {
       balance b = time_steps(g, sharding::striped<64>{}, world, repeats);
-      b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats);
+      b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off);
+      if (checked) b.checked_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::every_step);
       busiest_striped = b.busiest_rank_ms;
       ring_striped = b.ring_ms;
       report("striped", b);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -170,4 +171,30 @@ TEST_CASE("a message never received is reported, not lost") {
                          if (c.rank() == 0) c.send(&x, 1, 1, 3);
                        }),
                        "stria: rank 0 sent 1 message(s) to rank 1 (tag 3) that were never received", stria::comm_error);
+}
+
+TEST_CASE("waits outside the communicator: check_peers raises once a rank failed, fail() stops every rank's waits") {
+  host_world world(3, 20s);
+  std::vector<std::string> errors(3);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(world.run([&](host_threads& c) {
+    CHECK(c.timeout() == 20s);
+    CHECK_NOTHROW(c.check_peers("device work"));
+    c.barrier();
+    if (c.rank() == 2) throw c.fail("rank 2 gave up on its device work");
+    try {
+      int x = 0;
+      c.recv(&x, 1, 2);  // never sent: released by rank 2's failure, not by the timeout
+    } catch (const comm_error& e) {
+      errors[static_cast<std::size_t>(c.rank())] = e.what();
+    }
+    CHECK_THROWS_WITH_AS(c.check_peers("device work"), doctest::Contains("stopped waiting for device work: rank 2 gave up on its device work"),
+                         comm_error);
+  }),
+                       "stria: rank 2 gave up on its device work", comm_error);
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  for (const std::size_t r : {0u, 1u}) {
+    CAPTURE(errors[r]);
+    CHECK(errors[r].find("stopped waiting for a message from rank 2 (tag 0): rank 2 gave up") != std::string::npos);
+  }
 }

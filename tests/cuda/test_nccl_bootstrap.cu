@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The NCCL unique id through a shared file (one process per GPU without MPI), across two real
 // processes, without a GPU: the reader waits for the writer and gets its bytes; a missing writer
-// ends in a comm_error that names the rank, the wait and the path.
+// ends in a comm_error that names the rank, the wait and the path. nccl_options.timeout must be
+// positive; a wait that gives up raises nccl_error with the story.
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -71,4 +72,22 @@ TEST_CASE("a rank whose id file never appears gets a comm_error naming the rank,
   const std::string path = fresh_path("stria_nccl_id_missing");
   const std::string expected = "rank 3 waited 60 ms for the NCCL id file " + path;
   CHECK_THROWS_WITH_AS(nccl::unique_id_through_file(path, 3, std::chrono::milliseconds(60)), doctest::Contains(expected.c_str()), stria::comm_error);
+}
+
+TEST_CASE("nccl_options.timeout must be positive, and is refused before any NCCL call") {
+  using stria::comm::nccl_options;
+  CHECK(nccl_options{}.timeout == std::chrono::minutes(10));
+  CHECK_NOTHROW(nccl_options{}.validate());
+  for (const std::chrono::milliseconds timeout : {std::chrono::milliseconds(0), std::chrono::milliseconds(-5)}) {
+    const std::string expected = "stria: nccl_options.timeout (ms) = " + std::to_string(timeout.count()) + ": must be positive";
+    CHECK_THROWS_WITH_AS(nccl::wrap(nullptr, nccl_options{timeout}), expected.c_str(), stria::invalid_argument);
+    CHECK_THROWS_WITH_AS(nccl::create_all({}, nccl_options{timeout}), expected.c_str(), stria::invalid_argument);
+  }
+}
+
+TEST_CASE("a wait that gives up raises nccl_error with the whole story, call \"wait\" and NCCL's code") {
+  const stria::nccl_error e = stria::nccl_error::stalled(6, "rank 3 waited 1.50 s for X: ncclCommGetAsyncError reported code 6 (remote error)");
+  CHECK(std::string(e.what()) == "stria: NCCL: rank 3 waited 1.50 s for X: ncclCommGetAsyncError reported code 6 (remote error)");
+  CHECK(e.call() == "wait");
+  CHECK(e.code() == 6);
 }

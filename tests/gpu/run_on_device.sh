@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool): the `gpu` tests (and, where there are two or more GPUs,
-# the `multi_gpu` tests and multi_gpu_bench), compute-sanitizer memcheck and racecheck over the `gpu`
-# tests, then the benchmarks; prints a short table last and leaves logs in $OUT.
+# the `multi_gpu` tests and multi_gpu_bench), compute-sanitizer memcheck, synccheck, initcheck and
+# racecheck over the `gpu` tests, then the benchmarks; prints a short table last and leaves logs in $OUT.
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers)
@@ -10,8 +10,9 @@
 #   The bench `attention_results` writes $OUT/attention_h200.json (tests/bench/results/): attention_bench's
 #   rows at 128K for D 128 and 64 (dense, vs95, deterministic, front template) and vs95 at 32K and 512K,
 #   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
-#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default. TORCH=0
-#   skips installing and testing the PyTorch package.
+#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default. RING_ARGS are
+#   passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
+#   installing and testing the PyTorch package.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/stria-device-out}
@@ -62,6 +63,9 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
 fi
 if [ "$mode" != quick ]; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/stria_gpu_tests"
+  # Barrier and warp-synchronous misuse, and reads of device memory never written.
+  run synccheck compute-sanitizer --tool synccheck --error-exitcode 9 "$bin/stria_gpu_tests"
+  run initcheck compute-sanitizer --tool initcheck --error-exitcode 9 "$bin/stria_gpu_tests"
   # racecheck is slow: by default it covers the window-statistics kernels and one small problem through
   # every attention kernel; RACECHECK_CASES picks other doctest test cases ("*" for all).
   run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests" \
@@ -88,6 +92,8 @@ for bench in $benches; do
   elif [ "$bench" = attention_bench ]; then
     mkdir -p "$OUT/patterns"
     run attention_bench "$bin/attention_bench" --pattern-dir "$OUT/patterns" ${ATTENTION_ARGS:-}
+  elif [ "$bench" = ring_bench ]; then
+    run ring_bench "$bin/ring_bench" ${RING_ARGS:-}
   else
     run "$bench" "$bin/$bench"
   fi

@@ -253,6 +253,23 @@ class host_threads {
     collective({"barrier", "none", 0}, nullptr, [](const std::vector<const void*>&) {});
   }
 
+  /// The world's wait limit (host_world's timeout).
+  [[nodiscard]] std::chrono::milliseconds timeout() const { return state_->timeout; }
+
+  /// For waits outside this communicator (a device communicator polling its GPU work): throws
+  /// comm_error, naming what this rank waited for, once any rank has failed.
+  void check_peers(const std::string& what) const {
+    const std::lock_guard lock(state_->mutex);
+    if (!state_->failure.empty()) throw comm_error("rank " + std::to_string(rank_) + " stopped waiting for " + what + ": " + state_->failure);
+  }
+
+  /// Fails the world for `reason` (every rank's waits raise from now on) and returns the error to throw here.
+  [[nodiscard]] comm_error fail(const std::string& reason) {
+    const std::lock_guard lock(state_->mutex);
+    state_->fail(reason);
+    return comm_error(reason);
+  }
+
  private:
   struct queued {
     bool is_send;

@@ -3,7 +3,8 @@
 // comm::nccl (send/recv in groups, all_gather, all_reduce, broadcast of device buffers, each queued
 // on the stream the caller names). Transfers are device copies ordered by events; the host side
 // (who sends what to whom, errors, timeouts) is comm::host_threads, whose handle host() also gives
-// for collectives of host arrays. For tests, and for per-rank timing of multi-rank work on one GPU.
+// for collectives of host arrays. wait() confirms device work within the same timeout. For tests,
+// and for per-rank timing of multi-rank work on one GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
+#include "stria/core/bounded_wait.cuh"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
@@ -146,6 +148,18 @@ class local_device {
 
   /// A host-side barrier (it orders no stream).
   void barrier() { host_.barrier(); }
+
+  /// Returns once the work `done` captured (an event on one of this rank's streams, e.g. after a
+  /// receive) has completed on the device: how the ring engines confirm a transfer. Raises
+  /// comm_error instead of hanging once another rank has failed, or after the world's timeout (a
+  /// peer whose stream never reaches its send leaves the copy waiting forever); a timeout fails the
+  /// world, so every rank stops waiting at once.
+  void wait(cudaEvent_t done, const std::string& what) {
+    const stria::detail::poll_result r = stria::detail::poll_event(done, host_.timeout(), [&](auto) { host_.check_peers(what); });
+    if (!r.completed)
+      throw host_.fail("rank " + std::to_string(rank()) + " timed out after " + std::to_string(host_.timeout().count()) + " ms waiting for " +
+                       what + " on the device (the copy never completed: a peer's stream never reached its send)");
+  }
 
  private:
   struct queued {

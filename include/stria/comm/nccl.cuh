@@ -4,6 +4,8 @@
 // comm::local_device offers on one GPU. Wraps a user's ncclComm_t (not owned: the training code
 // that made it keeps it) or owns one it created; split() gives sub-communicators (ncclCommSplit),
 // and nccl_hierarchy puts a hierarchical ring's inner and outer links on separate ones (DESIGN 5).
+// wait() confirms NCCL work within a timeout (nccl_options): a failed or stuck peer aborts the
+// communicator with an error instead of hanging the job.
 // Bootstrap helpers for examples and tests:
 // every local GPU from one process (ncclCommInitAll), or one process per GPU with the unique id
 // passed through a shared file.
@@ -20,6 +22,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <span>
 #include <string>
 #include <thread>
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
+#include "stria/core/bounded_wait.cuh"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
@@ -62,6 +66,18 @@ constexpr ncclRedOp_t nccl_op(reduce_op op) { return op == reduce_op::sum ? nccl
 
 class nccl;
 
+/// Settings of a comm::nccl rank.
+struct nccl_options {
+  /// How long wait() lets NCCL work run without completing before it aborts the communicator
+  /// (ncclCommAbort) and raises stria::nccl_error: a failed or stuck peer then ends the job with an
+  /// error instead of a hang. Must be positive; the default leaves room for any training step.
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+
+  void validate() const {
+    if (timeout.count() <= 0) throw invalid_argument("nccl_options.timeout (ms)", timeout.count(), "must be positive");
+  }
+};
+
 /// Collectives of host arrays over an NCCL communicator (what the estimator's statistics use):
 /// each goes through a device staging buffer on the communicator's own stream and returns with the
 /// result on the host.
@@ -84,26 +100,32 @@ class nccl_host_surface {
 
 class nccl {
  public:
-  /// Wraps the user's communicator; it stays theirs (never destroyed here).
-  static nccl wrap(ncclComm_t comm) { return nccl(comm, false); }
+  /// Wraps the user's communicator; it stays theirs (never destroyed here, but aborted by a wait()
+  /// that times out: see wait()).
+  static nccl wrap(ncclComm_t comm, nccl_options options = {}) {
+    options.validate();
+    return nccl(comm, false, options);
+  }
 
   /// Creates (and owns) rank `rank` of `world_size` from the unique id rank 0 made, on the current device.
-  static nccl create(const ncclUniqueId& id, index_t world_size, index_t rank) {
+  static nccl create(const ncclUniqueId& id, index_t world_size, index_t rank, nccl_options options = {}) {
+    options.validate();
     if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
     if (rank < 0 || rank >= world_size)
       throw invalid_argument("rank", rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
     ncclComm_t comm = nullptr;
     STRIA_NCCL_CHECK(ncclCommInitRank(&comm, static_cast<int>(world_size), id, static_cast<int>(rank)));
-    return nccl(comm, true);
+    return nccl(comm, true, options);
   }
 
   /// One owned communicator per device of `devices`, rank r on devices[r], made by one process.
-  static std::vector<nccl> create_all(std::span<const int> devices) {
+  static std::vector<nccl> create_all(std::span<const int> devices, nccl_options options = {}) {
+    options.validate();
     if (devices.empty()) throw invalid_argument("devices.size()", 0, "must be at least 1");
     std::vector<ncclComm_t> comms(devices.size());
     STRIA_NCCL_CHECK(ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()));
     std::vector<nccl> out;
-    for (ncclComm_t c : comms) out.push_back(nccl(c, true));
+    for (ncclComm_t c : comms) out.push_back(nccl(c, true, options));
     return out;
   }
 
@@ -131,7 +153,7 @@ class nccl {
 
   nccl(nccl&& other) noexcept
       : comm_(std::exchange(other.comm_, nullptr)), owned_(other.owned_), rank_(other.rank_), world_(other.world_), stream_(std::exchange(other.stream_, nullptr)),
-        device_(other.device_), host_(*this) {}
+        device_(other.device_), options_(other.options_), aborted_(std::move(other.aborted_)), host_(*this) {}
   nccl& operator=(nccl&&) = delete;
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
@@ -149,18 +171,56 @@ class nccl {
   [[nodiscard]] nccl_host_surface& host() { return host_; }
   /// The stream the host-array collectives use.
   [[nodiscard]] cudaStream_t own_stream() const { return stream_; }
+  [[nodiscard]] const nccl_options& options() const { return options_; }
+  /// Whether a wait() gave up and aborted the communicator (it refuses every call from then on).
+  [[nodiscard]] bool aborted() const { return !aborted_.empty(); }
 
-  /// A sub-communicator of the ranks with the same `color`, ordered by `key` (owned).
+  /// A sub-communicator of the ranks with the same `color`, ordered by `key` (owned, with these options).
   [[nodiscard]] nccl split(int color, int key) const {
+    check_usable();
     ncclComm_t sub = nullptr;
     STRIA_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
-    return nccl(sub, true);
+    return nccl(sub, true, options_);
   }
 
-  void group_start() { STRIA_NCCL_CHECK(ncclGroupStart()); }
+  void group_start() {
+    check_usable();
+    STRIA_NCCL_CHECK(ncclGroupStart());
+  }
   void group_end() {
     STRIA_NCCL_CHECK(ncclGroupEnd());
     check_async();
+  }
+
+  /// Returns once the work `done` captured has completed (an event recorded after NCCL operations
+  /// of this communicator: the ring engines confirm their transfers so). Polls the event and
+  /// ncclCommGetAsyncError; on an asynchronous error, or past options().timeout with no progress,
+  /// it aborts the communicator (ncclCommAbort: its kernels end, so the streams drain) and raises
+  /// nccl_error naming this rank, `what` and the time waited. An aborted communicator refuses
+  /// further calls; a wrapped one is freed by the abort, so its owner must not destroy it again.
+  void wait(cudaEvent_t done, const std::string& what) { wait_all(done, what, rank_, {this}); }
+
+  /// wait() on work that depends on several communicators (nccl_hierarchy's two rings): polls each
+  /// one's asynchronous error, waits as long as the first one's timeout, and aborts them all.
+  /// `rank` is how messages name the waiting rank.
+  static void wait_all(cudaEvent_t done, const std::string& what, index_t rank, std::initializer_list<nccl*> comms) {
+    for (const nccl* c : comms) c->check_usable();
+    const std::chrono::milliseconds timeout = (*comms.begin())->options_.timeout;
+    const stria::detail::poll_result r = stria::detail::poll_event(done, timeout, [&](std::chrono::duration<double> elapsed) {
+      for (const nccl* c : comms) {
+        ncclResult_t state = ncclSuccess;
+        STRIA_NCCL_CHECK(ncclCommGetAsyncError(c->comm_, &state));
+        if (state != ncclSuccess && state != ncclInProgress)
+          abort_all(comms, state,
+                    "rank " + std::to_string(rank) + " waited " + stria::detail::seconds_text(elapsed) + " for " + what +
+                        ": ncclCommGetAsyncError reported code " + std::to_string(int(state)) + " (" + ncclGetErrorString(state) + ")");
+      }
+    });
+    if (!r.completed)
+      abort_all(comms, ncclSuccess,
+                "rank " + std::to_string(rank) + " timed out after " + stria::detail::seconds_text(r.elapsed) + " (nccl_options.timeout " +
+                    std::to_string(timeout.count()) + " ms) waiting for " + what +
+                    "; NCCL reported no error, so a peer stopped or never posted its part");
   }
 
   /// Sends `count` elements of device memory to `peer` on `stream`. As with every NCCL send, pair it
@@ -168,18 +228,21 @@ class nccl {
   /// matches a pair's operations in posting order, which the ring schedules keep on both sides.
   template <class T>
   void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
+    check_usable();
     check_peer(peer, "send");
     STRIA_NCCL_CHECK(ncclSend(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
   }
 
   template <class T>
   void recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
+    check_usable();
     check_peer(peer, "recv");
     STRIA_NCCL_CHECK(ncclRecv(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
   }
 
   template <class T>
   void all_gather(const T* send_data, T* recv_data, std::size_t count, cudaStream_t stream) {
+    check_usable();
     STRIA_NCCL_CHECK(ncclAllGather(send_data, recv_data, detail::nccl_count<T>(count), detail::nccl_type<T>(), comm_, stream));
     check_async();
   }
@@ -187,12 +250,14 @@ class nccl {
   template <class T>
   void all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op, cudaStream_t stream) {
     static_assert(detail::nccl_type<T>() != ncclUint8 || std::is_same_v<T, std::uint8_t>, "all_reduce needs an arithmetic element type");
+    check_usable();
     STRIA_NCCL_CHECK(ncclAllReduce(send_data, recv_data, count, detail::nccl_type<T>(), detail::nccl_op(op), comm_, stream));
     check_async();
   }
 
   template <class T>
   void broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) {
+    check_usable();
     check_peer(root, "broadcast root");
     STRIA_NCCL_CHECK(ncclBroadcast(data, data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(root), comm_, stream));
     check_async();
@@ -204,13 +269,14 @@ class nccl {
   /// Raises stria::nccl_error if the communicator reported an asynchronous failure (a peer died,
   /// a network error): NCCL's own calls may return success while the operation failed later.
   void check_async() const {
+    check_usable();
     ncclResult_t state = ncclSuccess;
     STRIA_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
     stria::detail::check_nccl(state, "ncclCommGetAsyncError (an earlier operation failed)", std::source_location::current());
   }
 
  private:
-  nccl(ncclComm_t comm, bool owned) : comm_(comm), owned_(owned), host_(*this) {
+  nccl(ncclComm_t comm, bool owned, const nccl_options& options) : comm_(comm), owned_(owned), options_(options), host_(*this) {
     int rank = 0, world = 0;
     STRIA_NCCL_CHECK(ncclCommUserRank(comm, &rank));
     STRIA_NCCL_CHECK(ncclCommCount(comm, &world));
@@ -233,11 +299,29 @@ class nccl {
       throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_) + ")");
   }
 
+  void check_usable() const {
+    if (comm_) return;
+    throw comm_error("rank " + std::to_string(rank_) + ": this NCCL communicator " +
+                     (aborted_.empty() ? std::string("was moved from") : "was aborted after an error (" + aborted_ + ")") + "; make a new one");
+  }
+
+  /// Aborts every communicator of `comms` (their pending kernels end) and raises nccl_error.
+  [[noreturn]] static void abort_all(std::initializer_list<nccl*> comms, ncclResult_t state, const std::string& reason) {
+    for (nccl* c : comms) {
+      (void)ncclCommAbort(c->comm_);  // a second error would hide the first
+      c->comm_ = nullptr;
+      c->aborted_ = reason;
+    }
+    throw nccl_error::stalled(static_cast<int>(state), reason + "; the communicator was aborted (ncclCommAbort)");
+  }
+
   ncclComm_t comm_ = nullptr;
   bool owned_ = false;
   index_t rank_ = 0, world_ = 1;
   cudaStream_t stream_ = nullptr;
   int device_ = 0;
+  nccl_options options_;
+  std::string aborted_;  // why wait() aborted the communicator ("": it was not)
   nccl_host_surface host_;
 };
 
@@ -306,6 +390,9 @@ class nccl_hierarchy {
     outer_.check_async();
   }
 
+  /// nccl::wait over both rings (the transfers of a step may use either); a timeout aborts both.
+  void wait(cudaEvent_t done, const std::string& what) { nccl::wait_all(done, what, rank(), {&inner_, &outer_}); }
+
   template <class T>
   void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag = 0) {
     if (ring_message_channel(tag) == ring_channel::outer) outer_.send(data, count, outer_rank(peer, "send"), stream);
@@ -359,8 +446,8 @@ class nccl_hierarchy {
 /// body(comm) on one thread per GPU (rank r on devices[r], made current), joins them, and rethrows
 /// the first failure. For examples and tests; a training code passes its own ncclComm_t to wrap().
 template <class Body>
-void run_on_devices(std::span<const int> devices, const Body& body) {
-  std::vector<nccl> comms = nccl::create_all(devices);
+void run_on_devices(std::span<const int> devices, const Body& body, nccl_options options = {}) {
+  std::vector<nccl> comms = nccl::create_all(devices, options);
   std::vector<std::exception_ptr> errors(comms.size());
   std::vector<std::thread> threads;
   for (std::size_t r = 0; r < comms.size(); ++r)

@@ -7,6 +7,9 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+
+#include "stria/core/config.hpp"
 
 namespace stria {
 
@@ -46,6 +49,11 @@ class call_error : public std::runtime_error {
   [[nodiscard]] const std::string& file() const noexcept { return file_; }
   [[nodiscard]] unsigned line() const noexcept { return line_; }
 
+ protected:
+  /// For failures that a library call did not report itself: `message` is the whole text.
+  call_error(const std::string& message, std::string_view call, int code, std::source_location where)
+      : std::runtime_error(message), call_(call), code_(code), file_(where.file_name()), line_(where.line()) {}
+
  private:
   static std::string format(std::string_view library, std::string_view call, int code, std::string_view reason,
                             std::source_location where) {
@@ -75,6 +83,15 @@ class nccl_error : public call_error {
   nccl_error(std::string_view call, int code, std::string_view reason,
              std::source_location where = std::source_location::current())
       : call_error("NCCL", call, code, reason, where) {}
+
+  /// NCCL work that a wait gave up on: `message` says which rank waited for what, how long, and
+  /// what NCCL reported (`code`: ncclSuccess when it reported nothing). `call()` is "wait".
+  static nccl_error stalled(int code, const std::string& message, std::source_location where = std::source_location::current()) {
+    return nccl_error("stria: NCCL: " + message, code, where);
+  }
+
+ private:
+  nccl_error(const std::string& message, int code, std::source_location where) : call_error(message, "wait", code, where) {}
 };
 
 /// A communicator could not complete an operation: peers that disagree on it, a peer that failed,
@@ -82,6 +99,30 @@ class nccl_error : public call_error {
 class comm_error : public std::runtime_error {
  public:
   explicit comm_error(const std::string& what) : std::runtime_error("stria: " + what) {}
+};
+
+/// Checked mode found a NaN or an infinity in a result (DESIGN 11: never a silent NaN): the rank,
+/// the step (ring step, or solver stage) and the element where it first appeared. `head()` and
+/// `token()` are local to this rank's queries, or, for a travelling dK/dV, to `chunk_owner()`'s KV chunk.
+class non_finite_error : public std::runtime_error {
+ public:
+  non_finite_error(const std::string& what, index_t rank, index_t step, std::string tensor, index_t head, index_t token,
+                   index_t chunk_owner = -1)
+      : std::runtime_error(what), rank_(rank), step_(step), tensor_(std::move(tensor)), head_(head), token_(token), chunk_owner_(chunk_owner) {}
+
+  [[nodiscard]] index_t rank() const noexcept { return rank_; }
+  [[nodiscard]] index_t step() const noexcept { return step_; }
+  /// "O", "LSE", "dQ", "dK" or "dV".
+  [[nodiscard]] const std::string& tensor() const noexcept { return tensor_; }
+  [[nodiscard]] index_t head() const noexcept { return head_; }
+  [[nodiscard]] index_t token() const noexcept { return token_; }
+  /// Whose KV chunk a dK/dV value belongs to (-1 for this rank's O, LSE and dQ).
+  [[nodiscard]] index_t chunk_owner() const noexcept { return chunk_owner_; }
+
+ private:
+  index_t rank_, step_;
+  std::string tensor_;
+  index_t head_, token_, chunk_owner_;
 };
 
 }  // namespace stria

@@ -8,7 +8,9 @@
 // query chunk's fp32 partial O and LSE then go back to the chunk's owner, which merges them into
 // its running state. Backward: Q, dO, LSE and delta travel with a moved query chunk; its dQ and a
 // moved KV chunk's fp32 dK/dV go back and are added by their owners. host/solver_attention.hpp is
-// the same algorithm on the host (the tests' oracle).
+// the same algorithm on the host (the tests' oracle). As in the ring engine, the host confirms each
+// group of transfers through comm.wait() (bounded: a dead peer raises instead of hanging), the
+// moves once stage 1 is queued and the returns before the call ends.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -153,6 +155,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   }
 
   // 1. The moves, in plan order on both sides of every pair (NCCL matches a pair's messages in order).
+  const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
   wait_for(transfer_stream, stream);  // the inputs are ready and the receive buffers allocated
   comm.group_start();
   for (const solver::chunk_move& move : plan.moves) {
@@ -230,6 +233,9 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     }
   }
   comm.group_end();
+  cuda_event partials_home;
+  partials_home.record(transfer_stream);
+  comm.wait(arrived.get(), "the chunks the plan moves to rank " + std::to_string(rank));
   wait_for(stream, transfer_stream);
   for (auto& [i, r] : returned) {  // plan order: deterministic
     const auto [o, l] = own_state(plan.moves[i].chunk);
@@ -240,6 +246,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);
   for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
     detail::scatter_columns(own_state(c).second.data(), ct, hq, lse.data(), local, me.first_token(c), stream);
+  comm.wait(partials_home.get(), "the partial results returned to or from rank " + std::to_string(rank));
 }
 
 /// This rank's backward as `plan` places its tasks. out and lse are the forward's results, d_out
@@ -305,6 +312,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   }
 
   // 1. The moves, in plan order on both sides of every pair.
+  const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
   wait_for(transfer_stream, stream);
   comm.group_start();
   for (const solver::chunk_move& move : plan.moves) {
@@ -406,6 +414,9 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     }
   }
   comm.group_end();
+  cuda_event gradients_home;
+  gradients_home.record(transfer_stream);
+  comm.wait(arrived.get(), "the chunks the plan moves to rank " + std::to_string(rank));
   wait_for(stream, transfer_stream);
   for (const auto& [i, sum] : returned) {
     const solver::chunk_move& move = plan.moves[i];
@@ -420,6 +431,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   write_output(tensor_view<const float, 3>(dq32.data(), {local, hq, dim}), dq, stream);
   write_output(tensor_view<const float, 3>(dk32, {local, hkv, dim}), dk, stream);
   write_output(tensor_view<const float, 3>(dv32, {local, hkv, dim}), dv, stream);
+  comm.wait(gradients_home.get(), "the gradients returned to or from rank " + std::to_string(rank));
 }
 
 }  // namespace stria::device

@@ -2,7 +2,9 @@
 // Host ring attention: one rank's part of the distributed forward and backward, run on a
 // communicator with the host_threads surface. Each step computes the reference kernel on that step's
 // local index; the running O/LSE are fp32; in backward the fp32 dK/dV partials travel as the
-// topology's gradient_transfers say and end at their owners. The oracle for the device ring.
+// topology's gradient_transfers say and end at their owners. The oracle for the device ring. In
+// checked mode (finite_check::every_step) each step's merged O and LSE (backward: dQ and the
+// travelling dK/dV) are verified finite, and the first NaN or infinity raises non_finite_error.
 #pragma once
 
 #include <algorithm>
@@ -11,11 +13,13 @@
 #include <map>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
+#include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/step_index.hpp"
@@ -94,11 +98,12 @@ class kv_mover {
 
 /// This rank's ring forward. q [Sq, Hq, D], k, v [Sk, Hkv, D] are the local shards; indices[s] is
 /// this rank's index for step s (see build_ring_indices). Writes out [Sq, Hq, D] and the fp32 lse
-/// [Hq, Sq] of the whole sequence's attention for the local queries.
+/// [Hq, Sq] of the whole sequence's attention for the local queries. With finite_check::every_step
+/// the running O and LSE are checked after every step's merge.
 template <class Comm, ring_topology Topology, class T>
 void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
                   tensor_view<const T, 3> v, std::span<const step_index> indices, double softmax_scale,
-                  tensor_view<T, 3> out, tensor_view<float, 2> lse) {
+                  tensor_view<T, 3> out, tensor_view<float, 2> lse, finite_check check = finite_check::off) {
   check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -128,6 +133,12 @@ void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> 
                              chunk.v(shape.kv_tokens, shape.heads_kv, shape.head_dim),
                              indices[static_cast<std::size_t>(s)].view(), softmax_scale, part_out_view, part_lse_view);
     merge_partial<float>(running_out_view, running_lse_view, part_out_view, part_lse_view);
+    if (check == finite_check::every_step) {
+      const std::string phase = "ring step " + std::to_string(s);
+      check_finite(std::span<const float>(running_out), checked_tensor::queries("O", shape.query_tokens, shape.heads_q, shape.head_dim),
+                   comm.rank(), s, phase);
+      check_finite(std::span<const float>(running_lse), checked_tensor::lse(shape.heads_q, shape.query_tokens), comm.rank(), s, phase);
+    }
   }
   mover.finish();
   for (index_t t = 0; t < shape.query_tokens; ++t)
@@ -139,12 +150,14 @@ void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> 
 
 /// This rank's ring backward. out and lse are the forward results, d_out the incoming gradient
 /// (all local shards). Writes dq [Sq, Hq, D] and the complete dk, dv [Sk, Hkv, D] of this rank's
-/// own KV chunk, summed in fp32 over all ranks as they travel the ring.
+/// own KV chunk, summed in fp32 over all ranks as they travel the ring. With
+/// finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step,
+/// before that sum travels on.
 template <class Comm, ring_topology Topology, class T>
 void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
                    tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, std::span<const step_index> indices, double softmax_scale,
-                   tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv) {
+                   tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv, finite_check check = finite_check::off) {
   check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);
@@ -195,7 +208,15 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
                               tensor_view<const float, 3>(d_out32.data(), q_extents), lse, indices[static_cast<std::size_t>(s)].view(),
                               softmax_scale, tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
                               tensor_view<float, 3>(working.data() + kv_elems, kv_extents));
-    add_into(topology.kv_source_rank(rank, s), working);
+    const index_t source = topology.kv_source_rank(rank, s);
+    add_into(source, working);
+    if (check == finite_check::every_step) {
+      const std::string phase = "ring step " + std::to_string(s);
+      check_finite(std::span<const float>(dq32), checked_tensor::queries("dQ", shape.query_tokens, shape.heads_q, shape.head_dim), rank, s, phase);
+      const std::span<const float> sum(partial.at(source));
+      for (const auto& [name, half] : {std::pair{"dK", sum.first(kv_elems)}, std::pair{"dV", sum.subspan(kv_elems)}})
+        check_finite(half, checked_tensor::kv_gradient(name, shape.kv_tokens, shape.heads_kv, shape.head_dim, source), rank, s, phase);
+    }
     // Sends in list order; before each, every partial due at this step end is added in.
     for (const ring_transfer& t : topology.gradient_transfers(rank, s)) {
       finish_receives(s);
