@@ -9,6 +9,10 @@
 #include <exception>
 #include <stdexcept>
 
+#include <stria/sharding/sequential.hpp>
+#include <stria/sharding/striped.hpp>
+#include <stria/sharding/zigzag.hpp>
+
 #include "binding.hpp"
 
 namespace stria::python {
@@ -62,6 +66,26 @@ std::pair<std::int64_t, std::int64_t> widths_of(const estimator_options& options
 outcome estimate_widths(const estimator_options& options, std::int64_t seq_len, std::int64_t heads_q, bool causal,
                         std::pair<std::int64_t, std::int64_t>& widths) noexcept {
   return caught([&] { widths = widths_of(options, seq_len, heads_q, causal); });
+}
+
+outcome rank_blocks(const std::string& layout, std::int64_t seq_len, std::int64_t world, std::vector<std::int64_t>& blocks) noexcept {
+  return caught([&] {
+    if (seq_len < 1 || seq_len > std::numeric_limits<index_t>::max()) throw invalid_argument("seq_len", seq_len, "must lie in [1, 2^31 - 1]");
+    if (world < 1 || world > max_world_size) throw invalid_argument("world", world, "must lie in [1, " + std::to_string(max_world_size) + "]");
+    if (seq_len % block_tokens != 0) throw invalid_argument("seq_len", seq_len, "must be a multiple of 64 (the block size)");
+    const shard_layout shape{static_cast<index_t>(seq_len / block_tokens), static_cast<index_t>(world)};
+    auto list = [&](const auto& sharding) {
+      sharding.validate(shape);
+      const index_t local = sharding.local_blocks(shape);
+      blocks.clear();
+      for (index_t r = 0; r < shape.world_size; ++r)
+        for (index_t i = 0; i < local; ++i) blocks.push_back(sharding.global_block(shape, {r, i}));
+    };
+    if (layout == "sequential") list(sharding::sequential{});
+    else if (layout == "zigzag") list(sharding::zigzag{});
+    else if (layout == "striped") list(sharding::striped<>{});
+    else throw invalid_argument("layout", layout, "must be \"sequential\", \"zigzag\" or \"striped\"");
+  });
 }
 
 outcome estimate(const problem& p, const void* q, const void* k, const estimator_options& options, std::int32_t* vertical, std::int32_t* slash) noexcept {

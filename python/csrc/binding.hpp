@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace stria::python {
 
@@ -68,6 +69,11 @@ struct outcome {
 /// settings the estimator refuses).
 outcome estimate_widths(const estimator_options& options, std::int64_t seq_len, std::int64_t heads_q, bool causal,
                         std::pair<std::int64_t, std::int64_t>& widths) noexcept;
+
+/// The global 64-token blocks each rank owns under a sharding ("sequential", "zigzag", "striped": stria's
+/// sharding::sequential, zigzag, striped<64>), rank after rank, each rank's in local order: blocks[r *
+/// seq_len / 64 / world + i] is rank r's local block i.
+outcome rank_blocks(const std::string& layout, std::int64_t seq_len, std::int64_t world, std::vector<std::int64_t>& blocks) noexcept;
 
 /// Estimates each batch element's selection from q and k (device) into host arrays of
 /// estimate_widths' widths.

@@ -2,6 +2,7 @@
 // stria's PyTorch operators (library "stria"), on CUDA tensors in flash-attn's layout: q
 // [batch, seq, heads_q, dim], k and v [batch, seq, heads_kv, dim], contiguous, bf16 or fp16.
 //   estimate_widths       the widths of estimate_selection's padded rows (no tensors: runs anywhere)
+//   rank_blocks           the global blocks of each rank under a sharding (no tensors)
 //   estimate_selection    the Vertical-Slash selection of every (batch element, query head), online
 //   forward / backward    sparse attention on a selection; autograd, fake implementations and the
 //                         user's entry point are in the Python package (stria/_ops.py)
@@ -12,6 +13,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "binding.hpp"
@@ -114,6 +116,12 @@ std::vector<std::int64_t> estimate_widths(std::int64_t seq_len, std::int64_t hea
   return {vertical, slash};
 }
 
+std::vector<std::int64_t> rank_blocks(std::string layout, std::int64_t seq_len, std::int64_t world) {
+  std::vector<std::int64_t> blocks;
+  raise_if_failed(sp::rank_blocks(layout, seq_len, world, blocks));
+  return blocks;
+}
+
 std::tuple<Tensor, Tensor> estimate_selection(const Tensor& q, const Tensor& k, double softmax_scale, bool causal, double p_vertical,
                                               double p_slash, std::int64_t vertical_max, std::int64_t slash_max, std::int64_t sink_tokens,
                                               std::int64_t local_diagonals, std::int64_t last_q) {
@@ -167,6 +175,7 @@ TORCH_LIBRARY(stria, m) {
   m.def("estimate_widths(int seq_len, int heads_q, bool causal, float p_vertical, float p_slash, int vertical_max, int slash_max, "
         "int sink_tokens, int local_diagonals, int last_q) -> int[]",
         &estimate_widths);
+  m.def("rank_blocks(str layout, int seq_len, int world) -> int[]", &rank_blocks);
   m.def("estimate_selection(Tensor q, Tensor k, float softmax_scale, bool causal, float p_vertical, float p_slash, int vertical_max, "
         "int slash_max, int sink_tokens, int local_diagonals, int last_q) -> (Tensor vertical, Tensor slash)");
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor vertical, Tensor slash, float softmax_scale, bool causal, bool deterministic) "

@@ -6,9 +6,10 @@
     out.sum().backward()                               # dq, dk, dv through stria's sparse backward
 
 The selection is estimated online from q and k (estimator options as keywords) or given
-(``selection=stria.Selection(vertical, slash)``). See stria/_ops.py for the operators.
+(``selection=stria.Selection(vertical, slash)``). stria.shard / stria.unshard lay a global tensor out
+over context-parallel ranks as stria's striped, zigzag and sequential shardings do. See stria/_ops.py.
 """
-from ._ops import PADDING, Selection, estimate_selection, sparse_attention  # noqa: F401
+from ._ops import PADDING, Selection, estimate_selection, shard, sparse_attention, unshard  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["PADDING", "Selection", "estimate_selection", "sparse_attention"]
+__all__ = ["PADDING", "Selection", "estimate_selection", "shard", "sparse_attention", "unshard"]

@@ -150,3 +150,43 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     if return_selection:
         result += (Selection(*selection),)
     return result[0] if len(result) == 1 else result
+
+
+# --- sharding helpers -----------------------------------------------------------------------------
+
+_LAYOUTS = ("striped", "zigzag", "sequential")
+
+
+def _token_order(seq_len: int, world: int, layout: str, device) -> torch.Tensor:
+    """Global token positions rank after rank, each rank's in local order (stria's sharding maps)."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"stria: layout = {layout!r}: must be one of {', '.join(_LAYOUTS)}")
+    blocks = torch.tensor(torch.ops.stria.rank_blocks(layout, int(seq_len), int(world)), dtype=torch.long, device=device)
+    return (blocks[:, None] * 64 + torch.arange(64, device=device)).flatten()
+
+
+def shard(x: torch.Tensor, rank: int, world: int, layout: str = "striped", *, dim: int = 1) -> torch.Tensor:
+    """Rank `rank`'s shard of the global tensor `x` along `dim` (the sequence), as stria's sharding
+    `layout` lays tokens out over `world` ranks ("striped": 64-token stripes dealt round-robin;
+    "zigzag": 2 x world chunks, rank r holding chunks r and 2 world - 1 - r; "sequential": contiguous).
+    A rank's tokens keep their global order."""
+    if not 0 <= rank < world:
+        raise ValueError(f"stria: rank = {rank}: must lie in [0, world = {world})")
+    order = _token_order(x.shape[dim], world, layout, x.device)
+    local = x.shape[dim] // world
+    return x.index_select(dim, order[rank * local:(rank + 1) * local]).contiguous()
+
+
+def unshard(shards, layout: str = "striped", *, dim: int = 1) -> torch.Tensor:
+    """The global tensor from every rank's shard (the inverse of shard), shards in rank order."""
+    shards = list(shards)
+    if not shards:
+        raise ValueError("stria: shards is empty: give every rank's shard, in rank order")
+    world = len(shards)
+    local = shards[0].shape[dim]
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"stria: shard shapes {[tuple(s.shape) for s in shards]}: every rank's shard must have the same shape")
+    order = _token_order(local * world, world, layout, shards[0].device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(shards, dim=dim).index_select(dim, inverse).contiguous()

@@ -197,6 +197,32 @@ def test_torch_compile_matches_eager():
         assert torch.equal(a, b)
 
 
+def test_shard_and_unshard():
+    x = torch.arange(2 * 768 * 3, device="cuda").view(2, 768, 3)  # (batch, seq, features): 12 blocks
+    for world in (1, 2, 3, 6):
+        for layout in ("striped", "zigzag", "sequential"):
+            if layout == "zigzag" and 768 % (128 * world) != 0:
+                expect(ValueError, "seq_len", lambda: stria.shard(x, 0, world, "zigzag"))
+                continue
+            shards = [stria.shard(x, r, world, layout) for r in range(world)]
+            assert torch.equal(stria.unshard(shards, layout), x), (layout, world)
+            for r, s in enumerate(shards):
+                tokens = s[0, :, 0] // 3
+                assert bool((tokens[1:] > tokens[:-1]).all()), "a rank's tokens keep their global order"
+                blocks = (tokens[::64] // 64).tolist()
+                nb = 12
+                if layout == "striped":
+                    assert blocks == [i * world + r for i in range(nb // world)]
+                elif layout == "sequential":
+                    assert blocks == list(range(r * nb // world, (r + 1) * nb // world))
+                else:
+                    chunk = nb // (2 * world)
+                    assert blocks == list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * world - 1 - r) * chunk, (2 * world - r) * chunk))
+    expect(ValueError, "layout = 'ring'", lambda: stria.shard(x, 0, 2, "ring"))
+    expect(ValueError, "rank = 2", lambda: stria.shard(x, 2, 2))
+    expect(ValueError, "multiple of 64", lambda: stria.shard(x[:, :100], 0, 1))
+
+
 def expect(exception, text, fn):
     try:
         fn()
