@@ -175,7 +175,7 @@ TEST_CASE("checked mode through sparse_attention: config.check names the NaN; of
   attention_config config{s::seq_len, s::heads_q, s::heads_kv, false};
   CHECK(config.check == finite_check::off);
   REQUIRE_NOTHROW(run(config));
-  CHECK(std::isnan(to_float(out[2][s::element(64, 3, s::heads_q) - 7])));  // rank 2's head 3, local token 64: NaN, unreported
+  CHECK(std::isnan(to_float(out[2][s::element(64, 3, s::heads_q) + 7])));  // rank 2's head 3, local token 64: NaN, unreported
   config.check = finite_check::every_step;
   CHECK_THROWS_WITH_AS(run(config),
                        "stria: checked mode: rank 2, ring step 1, head 3, local token 64: O is NaN (the first non-finite value of this step's result)",

@@ -145,20 +145,22 @@ TEST_CASE("local_device fault: a rank whose stream never reaches its send makes 
   gate g;
   std::vector<std::string> errors;
   const clock::time_point start = clock::now();
-  CHECK_THROWS_WITH_AS(run_faulty_ring(g, false, std::chrono::milliseconds(2000), errors),
-                       doctest::Contains("timed out after 2000 ms waiting for the KV chunk of rank"), comm_error);
+  // Which wait gives up first depends on timing: a rank confirming a KV transfer on its stream, or
+  // a rank waiting on the host for a peer's message (the stuck rank's peers post theirs late).
+  CHECK_THROWS_WITH_AS(run_faulty_ring(g, false, std::chrono::milliseconds(2000), errors), doctest::Contains("timed out after 2000 ms waiting for"),
+                       comm_error);
   const double seconds = std::chrono::duration<double>(clock::now() - start).count();
   CHECK(seconds >= 2.0);
   CHECK(seconds < 30.0);  // a timeout, not a hang
   g.open();
-  // Every rank raised: a rank whose transfer confirmation timed out names itself, the chunk, the
-  // step and the peer; the others stopped waiting because of it.
+  // Every rank raised: a rank whose wait timed out names itself and what it waited for (a KV chunk,
+  // its step and peer, or a peer's message); the others stopped waiting because of it.
   int timed_out = 0;
   for (std::size_t r = 0; r < errors.size(); ++r) {
     CAPTURE(r);
     CAPTURE(errors[r]);
     CHECK(errors[r].find("waiting for") != std::string::npos);
-    timed_out += errors[r].starts_with("stria: rank " + std::to_string(r) + " timed out after 2000 ms waiting for the KV chunk of rank ");
+    timed_out += errors[r].find("rank " + std::to_string(r) + " timed out after 2000 ms waiting for ") != std::string::npos;
   }
   CHECK(timed_out >= 1);
 }

@@ -100,8 +100,11 @@ __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, 
   for (int half = 0; half < 2; ++half) {
     const index_t token = q_block * block_tokens + warp_row0 + fragment_row(2 * half);
     const float sum = quad_sum(row_sum[half]);
-    const float step_lse = sum > 0.0f ? (row_max[half] + log2f(sum)) * ln2 : -INFINITY;
-    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    // Only an empty row (sum exactly 0) is -inf: a NaN sum (a NaN score) must stay NaN, or the next
+    // step's merge would drop this step's rows as empty and the output would be silently wrong.
+    const bool empty = sum == 0.0f;
+    const float step_lse = empty ? -INFINITY : (row_max[half] + log2f(sum)) * ln2;
+    const float inverse = empty ? 0.0f : 1.0f / sum;
     float* out_row = p.out ? p.out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D : nullptr;  // null: one step, final_out
     float* lse_at = p.lse + static_cast<std::int64_t>(h) * p.query_tokens + token;
     float weight_old = 0.0f, weight_new = 1.0f, lse = step_lse;
