@@ -180,8 +180,15 @@ TEST_CASE("waits outside the communicator: check_peers raises once a rank failed
   CHECK_THROWS_WITH_AS(world.run([&](host_threads& c) {
     CHECK(c.timeout() == 20s);
     CHECK_NOTHROW(c.check_peers("device work"));
-    c.barrier();
-    if (c.rank() == 2) throw c.fail("rank 2 gave up on its device work");
+    // Ranks 0 and 1 report in before rank 2 fails, so their first check ran on a healthy world. (A
+    // barrier here raced: a rank still leaving it when rank 2 failed raised from the barrier.)
+    const int ready = 1;
+    if (c.rank() == 2) {
+      int got = 0;
+      for (const index_t peer : {0, 1}) c.recv(&got, 1, peer, 1);
+      throw c.fail("rank 2 gave up on its device work");
+    }
+    c.send(&ready, 1, 2, 1);
     try {
       int x = 0;
       c.recv(&x, 1, 2);  // never sent: released by rank 2's failure, not by the timeout
