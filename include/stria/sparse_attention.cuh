@@ -49,10 +49,12 @@ struct attention_config {
   bool causal = true;
   double softmax_scale = 0;  // 0: 1 / sqrt(head_dim)
   device::determinism backward_mode = device::determinism::atomic;
-  /// Checked mode (ring topologies): every ring step's merged O and LSE (backward: dQ and the
-  /// travelling dK/dV) are checked on the device; the first NaN or infinity raises
-  /// stria::non_finite_error naming the rank, step, head and token. Costs a pass over those tensors
-  /// and a host synchronisation per step, so it is off by default.
+  /// Checked mode: every ring step's merged O and LSE (backward: dQ and the travelling dK/dV), or
+  /// with topology::solver every stage's results (the partials computed for other ranks before they
+  /// travel, the rank's own after the merge), are checked on the device; the first NaN or infinity
+  /// raises stria::non_finite_error naming the rank, step ("ring step 2", "solver stage 1"), head
+  /// and token. Costs a pass over those tensors and a host synchronisation per step, so it is off by
+  /// default.
   finite_check check = finite_check::off;
 };
 
@@ -94,8 +96,6 @@ class sparse_attention {
     sharding_.validate({config_.seq_len / block_tokens, topology_.world_size()});
     if constexpr (dynamic) topology_.check_seq_len(config_.seq_len);
     estimator_.validate(config_.seq_len, config_.heads_q);
-    if (dynamic && config_.check != finite_check::off)
-      throw invalid_argument("config.check", "finite_check::every_step", "is available with ring topologies, not yet with topology::solver");
     if (config_.softmax_scale == 0) config_.softmax_scale = 1.0 / std::sqrt(double(Tile::head_dim));
   }
 
@@ -153,7 +153,8 @@ class sparse_attention {
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
     if constexpr (dynamic)
-      device::solver_forward(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream, transfer_.get());
+      device::solver_forward(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream, transfer_.get(),
+                             config_.check);
     else
       device::ring_forward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
                            transfer_.get(), device::forward_kernel::automatic, config_.check);
@@ -171,7 +172,7 @@ class sparse_attention {
     check_shard(v, config_.heads_kv, "v");
     if constexpr (dynamic)
       device::solver_backward(comm, *problem_, *plan_, solver_indices_, q, k, v, out, d_out, lse, config_.softmax_scale, dq, dk, dv,
-                              config_.backward_mode, stream, transfer_.get());
+                              config_.backward_mode, stream, transfer_.get(), config_.check);
     else
       device::ring_backward(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
                             dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);

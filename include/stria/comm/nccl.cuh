@@ -33,6 +33,7 @@
 #include "stria/comm/host_threads.hpp"
 #include "stria/core/bounded_wait.cuh"
 #include "stria/core/cuda_check.cuh"
+#include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/nccl_check.cuh"
@@ -80,7 +81,8 @@ struct nccl_options {
 
 /// Collectives of host arrays over an NCCL communicator (what the estimator's statistics use):
 /// each goes through a device staging buffer on the communicator's own stream and returns with the
-/// result on the host.
+/// result on the host. Each is confirmed through the communicator's bounded wait() before its
+/// result is read back, so a failed or stuck peer raises nccl_error instead of hanging the rank.
 class nccl_host_surface {
  public:
   explicit nccl_host_surface(nccl& owner) : owner_(&owner) {}
@@ -95,6 +97,9 @@ class nccl_host_surface {
   void barrier();
 
  private:
+  /// nccl::wait() for the collective just queued on the communicator's own stream.
+  void confirm(const std::string& what);
+
   nccl* owner_;
 };
 
@@ -328,11 +333,18 @@ class nccl {
 inline index_t nccl_host_surface::rank() const { return owner_->rank(); }
 inline index_t nccl_host_surface::world_size() const { return owner_->world_size(); }
 
+inline void nccl_host_surface::confirm(const std::string& what) {
+  const cuda_event done;
+  done.record(owner_->own_stream());
+  owner_->wait(done.get(), "the host-surface " + what);
+}
+
 template <class T>
 void nccl_host_surface::broadcast(T* data, std::size_t count, index_t root) {
   const cudaStream_t stream = owner_->own_stream();
   device_buffer<T> staged(std::span<const T>(data, count), stream);
   owner_->broadcast(staged.data(), count, root, stream);
+  confirm("broadcast of " + std::to_string(count) + " elements from rank " + std::to_string(root));
   const std::vector<T> result = staged.download(stream);
   std::copy(result.begin(), result.end(), data);
 }
@@ -342,6 +354,7 @@ void nccl_host_surface::all_reduce(const T* send_data, T* recv_data, std::size_t
   const cudaStream_t stream = owner_->own_stream();
   device_buffer<T> staged(std::span<const T>(send_data, count), stream);
   owner_->all_reduce(staged.data(), staged.data(), count, op, stream);
+  confirm("all_reduce of " + std::to_string(count) + " elements");
   const std::vector<T> result = staged.download(stream);
   std::copy(result.begin(), result.end(), recv_data);
 }
@@ -352,6 +365,7 @@ void nccl_host_surface::all_gather(const T* send_data, T* recv_data, std::size_t
   const device_buffer<T> staged(std::span<const T>(send_data, count), stream);
   device_buffer<T> gathered(count * static_cast<std::size_t>(owner_->world_size()), stream);
   owner_->all_gather(staged.data(), gathered.data(), count, stream);
+  confirm("all_gather of " + std::to_string(count) + " elements per rank");
   const std::vector<T> result = gathered.download(stream);
   std::copy(result.begin(), result.end(), recv_data);
 }
@@ -361,7 +375,7 @@ inline void nccl_host_surface::barrier() {
   device_buffer<int> token(1, stream);
   token.fill_bytes(0, stream);
   owner_->all_reduce(token.data(), token.data(), 1, reduce_op::sum, stream);
-  STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  confirm("barrier");
 }
 
 /// A hierarchical ring's links on separate communicators (DESIGN 5): the inner ring (a node's

@@ -103,7 +103,9 @@ class comm_error : public std::runtime_error {
 
 /// Checked mode found a NaN or an infinity in a result (DESIGN 11: never a silent NaN): the rank,
 /// the step (ring step, or solver stage) and the element where it first appeared. `head()` and
-/// `token()` are local to this rank's queries, or, for a travelling dK/dV, to `chunk_owner()`'s KV chunk.
+/// `token()` are local to this rank's queries (a KV head and token for this rank's dK/dV), or, for a
+/// value computed for another rank (a ring's travelling dK/dV, a solver's moved chunk), to
+/// `chunk_owner()`'s local tokens.
 class non_finite_error : public std::runtime_error {
  public:
   non_finite_error(const std::string& what, index_t rank, index_t step, std::string tensor, index_t head, index_t token,
@@ -116,7 +118,8 @@ class non_finite_error : public std::runtime_error {
   [[nodiscard]] const std::string& tensor() const noexcept { return tensor_; }
   [[nodiscard]] index_t head() const noexcept { return head_; }
   [[nodiscard]] index_t token() const noexcept { return token_; }
-  /// Whose KV chunk a dK/dV value belongs to (-1 for this rank's O, LSE and dQ).
+  /// Whose chunk the value belongs to: a ring's dK/dV (its KV chunk's owner), a solver's result
+  /// computed for another rank (that rank); -1 for this rank's O, LSE, dQ and solver dK/dV.
   [[nodiscard]] index_t chunk_owner() const noexcept { return chunk_owner_; }
 
  private:

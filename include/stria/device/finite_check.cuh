@@ -21,11 +21,13 @@ namespace stria::device {
 
 /// The checks of one step. Use: begin(), add() each tensor (in the order they should be reported),
 /// then finish(), which waits for the passes (a host synchronisation with `stream`) and throws.
+/// `capacity`: the most tensors one step adds (a solver stage adds one or two per moved chunk).
 class step_check {
  public:
-  static constexpr std::size_t capacity = 4;  // O and LSE; or dQ, dK and dV
+  static constexpr std::size_t default_capacity = 4;  // a ring step: O and LSE; or dQ, dK and dV
 
-  explicit step_check(cudaStream_t stream) : stream_(stream), found_(capacity, stream) {}
+  explicit step_check(cudaStream_t stream, std::size_t capacity = default_capacity)
+      : stream_(stream), capacity_(capacity), found_(capacity, stream) {}
 
   void begin() {
     tensors_.clear();
@@ -35,7 +37,8 @@ class step_check {
   /// Queues the pass over `data`, laid out and ruled as `t` says.
   template <class T>
   void add(const T* data, const checked_tensor& t) {
-    if (tensors_.size() == capacity) throw invalid_argument("step_check::add", tensors_.size(), "takes at most 4 tensors per step");
+    if (tensors_.size() == capacity_)
+      throw invalid_argument("step_check::add", tensors_.size(), "takes at most " + std::to_string(capacity_) + " tensors per step (its capacity)");
     const std::int64_t count = t.size();
     unsigned long long* slot = found_.data() + tensors_.size();
     tensors_.push_back(t);
@@ -60,6 +63,7 @@ class step_check {
 
  private:
   cudaStream_t stream_;
+  std::size_t capacity_;
   device_buffer<unsigned long long> found_;
   std::vector<checked_tensor> tensors_;
 };

@@ -10,7 +10,11 @@
 // moved KV chunk's fp32 dK/dV go back and are added by their owners. host/solver_attention.hpp is
 // the same algorithm on the host (the tests' oracle). As in the ring engine, the host confirms each
 // group of transfers through comm.wait() (bounded: a dead peer raises instead of hanging), the
-// moves once stage 1 is queued and the returns before the call ends.
+// moves once stage 1 is queued and the returns before the call ends. Checked mode
+// (finite_check::every_step) checks what the host execution checks, in the same order, with the
+// ring's device pass (device/finite_check.cuh): after stage 0 the rank's own results; after stage
+// 1 those and the partials computed here for other ranks, before they travel; and the rank's own
+// results again once the returned partials are merged.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,6 +23,7 @@
 
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,7 +32,9 @@
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
+#include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
+#include "stria/device/finite_check.cuh"
 #include "stria/device/ring_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/index/local_index.cuh"
@@ -102,15 +109,22 @@ inline void fill(device_buffer<float>& x, float value, cudaStream_t stream) {
   thrust::fill(thrust::cuda::par.on(stream), x.data(), x.data() + x.size(), value);
 }
 
+/// Checked mode's name for a chunk computed here for its owner: positions in the owner's local tokens.
+inline checked_tensor moved_chunk(const checked_tensor& t, const solver::problem& p, index_t chunk) {
+  return checked_tensor::solver_chunk(t, p.owner(chunk), (chunk % p.chunks_per_rank) * p.chunk_tokens);
+}
+
 }  // namespace detail
 
 /// This rank's forward as `plan` places its tasks, on `stream` (transfers on `transfer_stream`,
 /// left with nothing pending past the call). q [m x tokens, Hq, D], k, v [m x tokens, Hkv, D] are
 /// this rank's sequential shards (bf16 or fp16, device); writes out and the fp32 lse [Hq, m x tokens].
+/// With finite_check::every_step each stage's results are checked ("solver stage 0", "solver stage 1").
 template <class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
                     tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale,
-                    tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream) {
+                    tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
+                    finite_check check = finite_check::off) {
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
@@ -153,6 +167,23 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     if (me.owns(move.chunk) && move.what == solver::chunk_move::kind::qo)
       returned.emplace(i, returned_partial{device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)});
   }
+  // Checked mode: the rank's own merged O and LSE (its chunks' LSEs gathered into `lse`), then
+  // (`moved`) the partials computed here for other ranks.
+  std::optional<step_check> checks;
+  if (check == finite_check::every_step) checks.emplace(stream, 2 + 2 * moved_q.size());
+  const auto check_stage = [&](index_t stage, bool moved) {
+    checks->begin();
+    checks->add(running.data(), checked_tensor::queries("O", local, hq, dim));
+    for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
+      detail::scatter_columns(own_state(c).second.data(), ct, hq, lse.data(), local, me.first_token(c), stream);
+    checks->add(lse.data(), checked_tensor::lse(hq, local));
+    if (moved)
+      for (const auto& [chunk, mq] : moved_q) {
+        checks->add(mq.out.data(), detail::moved_chunk(checked_tensor::queries("O", ct, hq, dim), p, chunk));
+        checks->add(mq.lse.data(), detail::moved_chunk(checked_tensor::lse(hq, ct), p, chunk));
+      }
+    checks->finish(rank, stage, "solver stage " + std::to_string(stage));
+  };
 
   // 1. The moves, in plan order on both sides of every pair (NCCL matches a pair's messages in order).
   const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
@@ -194,6 +225,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     sparse_forward(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                    running_state::merge, stream);
   }
+  if (checks) check_stage(0, false);
 
   // 3. Stage 1: the remote tasks, once the moves have arrived.
   arrived.make_wait(stream);
@@ -215,6 +247,8 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
                      running_state::merge, stream);
     }
   }
+
+  if (checks) check_stage(1, true);  // before any partial travels: a NaN is named where it first appears
 
   // 4. Partials home: one for every query chunk that moved here (even if no task used it).
   wait_for(transfer_stream, stream);
@@ -243,6 +277,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     kernel::merge_partial<float><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(o.data(), l.data(), r.out.data(), r.lse.data(), ct, hq, dim);
     STRIA_CUDA_CHECK_LAUNCH("merge_partial");
   }
+  if (checks) check_stage(1, false);
   write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);
   for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
     detail::scatter_columns(own_state(c).second.data(), ct, hq, lse.data(), local, me.first_token(c), stream);
@@ -251,12 +286,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
 
 /// This rank's backward as `plan` places its tasks. out and lse are the forward's results, d_out
 /// the incoming gradient (local shards). Writes dq and the complete dk, dv of this rank's chunks;
-/// the gradients of moved chunks are summed in fp32 at their owners.
+/// the gradients of moved chunks are summed in fp32 at their owners. With finite_check::every_step
+/// each stage's dQ and dK/dV sums are checked.
 template <class Comm, class T>
 void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
                      tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out,
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq,
-                     tensor_view<T, 3> dk, tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream) {
+                     tensor_view<T, 3> dk, tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
+                     finite_check check = finite_check::off) {
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
@@ -310,6 +347,23 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
       returned.emplace(i, device_buffer<float>(kv ? 2 * kv_elems : q_elems, stream));
     }
   }
+  // Checked mode: the rank's own dQ, dK and dV sums, then (`moved`) the sums computed here for other ranks.
+  std::optional<step_check> checks;
+  if (check == finite_check::every_step) checks.emplace(stream, 3 + moved_q.size() + 2 * moved_k.size());
+  const auto check_stage = [&](index_t stage, bool moved) {
+    checks->begin();
+    checks->add(dq32.data(), checked_tensor::queries("dQ", local, hq, dim));
+    checks->add(dk32, checked_tensor::solver_chunk(checked_tensor::kv_gradient("dK", local, hkv, dim, rank), rank, 0));
+    checks->add(dv32, checked_tensor::solver_chunk(checked_tensor::kv_gradient("dV", local, hkv, dim, rank), rank, 0));
+    if (moved) {
+      for (const auto& [chunk, mq] : moved_q) checks->add(mq.dq.data(), detail::moved_chunk(checked_tensor::queries("dQ", ct, hq, dim), p, chunk));
+      for (const auto& [chunk, mk] : moved_k) {
+        checks->add(mk.dkv.data(), detail::moved_chunk(checked_tensor::kv_gradient("dK", ct, hkv, dim, p.owner(chunk)), p, chunk));
+        checks->add(mk.dkv.data() + kv_elems, detail::moved_chunk(checked_tensor::kv_gradient("dV", ct, hkv, dim, p.owner(chunk)), p, chunk));
+      }
+    }
+    checks->finish(rank, stage, "solver stage " + std::to_string(stage));
+  };
 
   // 1. The moves, in plan order on both sides of every pair.
   const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
@@ -374,6 +428,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   // 2. Stage 0: own tasks while the moves travel. 3. Stage 1: remote tasks once they have arrived.
   const auto& local_tasks = plan.local_tasks[static_cast<std::size_t>(rank)];
   for (std::size_t t = 0; t < local_tasks.size(); ++t) run(indices.local[t], own_query(local_tasks[t].query_chunk), own_kv(local_tasks[t].kv_chunk));
+  if (checks) check_stage(0, false);
   arrived.make_wait(stream);
   const auto& remote_tasks = plan.remote_tasks[static_cast<std::size_t>(rank)];
   const auto moved_kv_side = [&](index_t c) {
@@ -397,6 +452,8 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     const kv_side ks = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : moved_kv_side(task.kv_chunk);
     run(indices.remote[t], me.owns(task.query_chunk) ? own_query(task.query_chunk) : moved_query_side(task.query_chunk), ks);
   }
+
+  if (checks) check_stage(1, true);  // before any sum travels: a NaN is named where it first appears
 
   // 4. Gradients home, in plan order; the owners add them in fp32.
   wait_for(transfer_stream, stream);
@@ -428,6 +485,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
       detail::add_into(dq32.data() + first * hq * dim, sum.data(), q_elems, stream);
     }
   }
+  if (checks) check_stage(1, false);
   write_output(tensor_view<const float, 3>(dq32.data(), {local, hq, dim}), dq, stream);
   write_output(tensor_view<const float, 3>(dk32, {local, hkv, dim}), dk, stream);
   write_output(tensor_view<const float, 3>(dv32, {local, hkv, dim}), dv, stream);

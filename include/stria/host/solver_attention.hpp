@@ -8,16 +8,24 @@
 // state. Backward: Q, O, dO and LSE travel with a moved query chunk; the dQ of a moved query chunk
 // and the fp32 dK/dV of a moved KV chunk go back to their owners and are added there. The oracle for
 // the device execution; communicator: the host_threads surface (buffered sends, blocking receives).
+// Checked mode (finite_check::every_step) verifies each stage's results: after stage 0 the rank's
+// own O and LSE (backward: dQ, dK, dV); after stage 1 those and the partials computed here for
+// other ranks, before they travel, and the rank's own results again once the returned partials
+// are merged (a sum of finite gradients can overflow). The first NaN or infinity raises
+// non_finite_error naming rank, stage, tensor, head and token.
 #pragma once
 
 #include <cstddef>
 #include <limits>
 #include <map>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/error.hpp"
+#include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/global_selection.hpp"
@@ -74,6 +82,28 @@ const Value& cached(std::map<index_t, Value>& cache, index_t key, const Make& ma
   return it->second;
 }
 
+/// Checked mode's view of a rank's own results: its chunks' fp32 [tokens, heads, D] rows (chunk(c)
+/// points at chunk c's), laid out as the rank's whole shard [m x tokens, heads, D].
+template <class Chunk>
+std::vector<float> whole_rows(const solver::rank_chunks& me, std::size_t chunk_elements, const Chunk& chunk) {
+  std::vector<float> whole;
+  for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c) whole.insert(whole.end(), chunk(c), chunk(c) + chunk_elements);
+  return whole;
+}
+
+/// The same for an LSE: chunk(c) points at chunk c's [Hq, tokens]; the result is [Hq, m x tokens].
+template <class Chunk>
+std::vector<float> whole_lse(const solver::rank_chunks& me, index_t heads, const Chunk& chunk) {
+  std::vector<float> whole;
+  const index_t tokens = me.tokens();
+  for (index_t h = 0; h < heads; ++h)
+    for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c) whole.insert(whole.end(), chunk(c) + h * tokens, chunk(c) + (h + 1) * tokens);
+  return whole;
+}
+
+/// The local token where chunk `chunk` starts on its owner (chunks_per_rank chunks of `tokens` each).
+inline index_t owner_first_token(const solver::problem& p, index_t chunk) { return (chunk % p.chunks_per_rank) * p.chunk_tokens; }
+
 template <class Comm>
 void send_vector(Comm& comm, const std::vector<float>& x, index_t to, int tag) {
   comm.send(x.data(), x.size(), to, tag);
@@ -90,10 +120,12 @@ std::vector<float> recv_vector(Comm& comm, std::size_t count, index_t from, int 
 /// This rank's forward as `plan` places the tasks of `g` (p = the problem the plan solved, e.g.
 /// solver::problem_from_selection(g, W, m, Hkv)). q [m x tokens, Hq, D], k, v [m x tokens, Hkv, D]
 /// are this rank's sequential shards; writes out and the fp32 lse [Hq, m x tokens] of the whole
-/// sequence's attention for the local queries.
+/// sequence's attention for the local queries. With finite_check::every_step each stage's results
+/// are checked ("solver stage 0", "solver stage 1").
 template <class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, tensor_view<const T, 3> q,
-                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out, tensor_view<float, 2> lse) {
+                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out, tensor_view<float, 2> lse,
+                    finite_check check = finite_check::off) {
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2);
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), rank, comm.world_size(), q.extent(0), k.extent(0), hq, hkv);
@@ -131,10 +163,28 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     return detail::cached(own_q, c, [&](index_t x) { return detail::chunk_rows(me, q, x); });
   };
   const auto own_kv_chunk = [&](index_t c) -> const std::vector<float>& { return detail::cached(own_kv, c, packed_kv); };
+  // Checked mode: the rank's own merged O and LSE, then (`moved`) the partials computed here for other ranks.
+  const bool checked = check == finite_check::every_step;
+  const auto check_stage = [&](index_t stage, bool moved) {
+    const std::string phase = "solver stage " + std::to_string(stage);
+    const index_t local = q.extent(0);
+    check_finite(std::span<const float>(detail::whole_rows(me, q_elems, [&](index_t c) { return running.at(c).out.data(); })),
+                 checked_tensor::queries("O", local, hq, dim), rank, stage, phase);
+    check_finite(std::span<const float>(detail::whole_lse(me, hq, [&](index_t c) { return running.at(c).lse.data(); })),
+                 checked_tensor::lse(hq, local), rank, stage, phase);
+    if (!moved) return;
+    for (const auto& [chunk, result] : returned) {
+      const index_t owner = p.owner(chunk), first = detail::owner_first_token(p, chunk);
+      check_finite(std::span<const float>(result.out), checked_tensor::solver_chunk(checked_tensor::queries("O", ct, hq, dim), owner, first), rank,
+                   stage, phase);
+      check_finite(std::span<const float>(result.lse), checked_tensor::solver_chunk(checked_tensor::lse(hq, ct), owner, first), rank, stage, phase);
+    }
+  };
 
   // 2. Stage 0: tasks of this rank's own chunks, while the moves travel.
   for (const solver::task& t : plan.local_tasks[static_cast<std::size_t>(rank)])
     run_task(t, own_query(t.query_chunk), own_kv_chunk(t.kv_chunk), running.at(t.query_chunk));
+  if (checked) check_stage(0, false);
 
   // 3. What moved here.
   for (const solver::chunk_move& move : plan.moves) {
@@ -163,6 +213,9 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     }
   }
 
+  // Checked before any partial travels: a NaN is named on the rank where it first appears.
+  if (checked) check_stage(1, true);
+
   // 5. Partials home: sent for every query chunk that moved here, merged by its owner in fp32.
   for (const auto& [chunk, result] : returned) {
     detail::send_vector(comm, result.out, p.owner(chunk), me.tag(message::partial_out, chunk));
@@ -176,6 +229,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     merge_partial<float>(tensor_view<float, 3>(into.out.data(), {ct, hq, dim}), tensor_view<float, 2>(into.lse.data(), {hq, ct}),
                          tensor_view<const float, 3>(part.out.data(), {ct, hq, dim}), tensor_view<const float, 2>(part.lse.data(), {hq, ct}));
   }
+  if (checked) check_stage(1, false);
   for (const auto& [chunk, result] : running) {
     const index_t first = me.first_token(chunk);
     for (index_t t = 0, i = 0; t < ct; ++t)
@@ -188,11 +242,13 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
 
 /// This rank's backward as `plan` places the tasks. out and lse are the forward's results, d_out
 /// the incoming gradient (all local shards). Writes dq and the complete dk, dv of this rank's
-/// chunks; the partial gradients of moved chunks are summed in fp32 at their owners.
+/// chunks; the partial gradients of moved chunks are summed in fp32 at their owners. With
+/// finite_check::every_step each stage's dQ and dK/dV sums are checked.
 template <class Comm, class T>
 void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, tensor_view<const T, 3> q,
                      tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
-                     tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv) {
+                     tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv,
+                     finite_check check = finite_check::off) {
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2);
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), rank, comm.world_size(), q.extent(0), k.extent(0), hq, hkv);
@@ -247,10 +303,33 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   };
   const auto own_query = [&](index_t c) -> const query_side& { return detail::cached(own_q, c, own_query_side); };
   const auto own_kv_chunk = [&](index_t c) -> const std::vector<float>& { return detail::cached(own_kv, c, packed_kv); };
+  // Checked mode: the rank's own dQ, dK and dV sums, then (`moved`) the sums computed here for other ranks.
+  const bool checked = check == finite_check::every_step;
+  const auto check_stage = [&](index_t stage, bool moved) {
+    const std::string phase = "solver stage " + std::to_string(stage);
+    const index_t local = q.extent(0);
+    check_finite(std::span<const float>(detail::whole_rows(me, q_elems, [&](index_t c) { return dq_sum.at(c).data(); })),
+                 checked_tensor::queries("dQ", local, hq, dim), rank, stage, phase);
+    for (const auto& [name, half] : {std::pair{"dK", std::size_t{0}}, std::pair{"dV", kv_elems}})
+      check_finite(std::span<const float>(detail::whole_rows(me, kv_elems, [&](index_t c) { return dkv_sum.at(c).data() + half; })),
+                   checked_tensor::solver_chunk(checked_tensor::kv_gradient(name, local, hkv, dim, rank), rank, 0), rank, stage, phase);
+    if (!moved) return;
+    for (const auto& [chunk, x] : dq_home)
+      check_finite(std::span<const float>(x),
+                   checked_tensor::solver_chunk(checked_tensor::queries("dQ", ct, hq, dim), p.owner(chunk), detail::owner_first_token(p, chunk)),
+                   rank, stage, phase);
+    for (const auto& [chunk, x] : dkv_home)
+      for (const auto& [name, half] : {std::pair{"dK", std::size_t{0}}, std::pair{"dV", kv_elems}})
+        check_finite(std::span<const float>(x).subspan(half, kv_elems),
+                     checked_tensor::solver_chunk(checked_tensor::kv_gradient(name, ct, hkv, dim, p.owner(chunk)), p.owner(chunk),
+                                                  detail::owner_first_token(p, chunk)),
+                     rank, stage, phase);
+  };
 
   // 2. Stage 0: this rank's own tasks.
   for (const solver::task& t : plan.local_tasks[static_cast<std::size_t>(rank)])
     run_task(t, own_query(t.query_chunk), own_kv_chunk(t.kv_chunk), dq_sum.at(t.query_chunk), dkv_sum.at(t.kv_chunk));
+  if (checked) check_stage(0, false);
 
   // 3. What moved here; each moved chunk's gradient goes home even if no task touched it.
   for (const solver::chunk_move& move : plan.moves) {
@@ -291,6 +370,9 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     }
   }
 
+  // Checked before any sum travels: a NaN is named on the rank where it first appears.
+  if (checked) check_stage(1, true);
+
   // 5. Gradients home, added by the owners in fp32.
   for (const auto& [chunk, x] : dq_home) detail::send_vector(comm, x, p.owner(chunk), me.tag(message::partial_dq, chunk));
   for (const auto& [chunk, x] : dkv_home) detail::send_vector(comm, x, p.owner(chunk), me.tag(message::partial_dkv, chunk));
@@ -301,6 +383,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
     const std::vector<float> x = detail::recv_vector(comm, into.size(), move.to, me.tag(kv ? message::partial_dkv : message::partial_dq, move.chunk));
     for (std::size_t i = 0; i < x.size(); ++i) into[i] += x[i];
   }
+  if (checked) check_stage(1, false);
   for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c) {
     const index_t first = me.first_token(c);
     const std::vector<float>& gq = dq_sum.at(c);
