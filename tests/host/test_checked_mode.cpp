@@ -18,6 +18,7 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "support/checked_scenario.hpp"
+#include "support/checked_shards.hpp"
 #include "support/oracle.hpp"
 #include "support/random.hpp"
 
@@ -31,28 +32,8 @@ namespace {
 constexpr float nan_value = std::numeric_limits<float>::quiet_NaN();
 constexpr float inf = std::numeric_limits<float>::infinity();
 
-/// Every rank's shards of the scenario, and what the ring wrote.
-struct shards {
-  std::vector<std::vector<float>> q, k, v, d_out, out, lse, dq, dk, dv;
-};
-
-shards random_shards(test::seeded_rng& rng) {
-  using s = checked_scenario;
-  shards x;
-  const std::size_t q_elems = std::size_t(s::local_tokens) * s::heads_q * s::dim, kv_elems = std::size_t(s::local_tokens) * s::heads_kv * s::dim;
-  for (index_t r = 0; r < s::world; ++r) {
-    x.q.push_back(rng.values<float>(q_elems));
-    x.k.push_back(rng.values<float>(kv_elems));
-    x.v.push_back(rng.values<float>(kv_elems));
-    x.d_out.push_back(rng.values<float>(q_elems));
-    x.out.emplace_back(q_elems);
-    x.lse.emplace_back(std::size_t(s::heads_q) * s::local_tokens);
-    x.dq.emplace_back(q_elems);
-    x.dk.emplace_back(kv_elems);
-    x.dv.emplace_back(kv_elems);
-  }
-  return x;
-}
+using shards = test::host_shards;
+using test::random_host_shards;
 
 /// The host ring's forward (and, if asked, backward on the forward's results) on the scenario's 4 ranks.
 void run_ring(shards& x, finite_check check, bool backward) {
@@ -130,7 +111,7 @@ TEST_CASE("checked mode, host ring: a NaN in K or V is named where it first appe
       "stria: checked mode: rank 2, ring step 1, head 3, local token 64: O is NaN (the first non-finite value of this step's result)";
   for (const bool in_values : {false, true}) {
     CAPTURE(in_values);
-    shards x = random_shards(rng);
+    shards x = random_host_shards(rng);
     auto& poisoned = in_values ? x.v : x.k;
     poisoned[s::poisoned_rank][s::element(s::poisoned_token, s::poisoned_kv_head, s::heads_kv)] = nan_value;
     CHECK_THROWS_WITH_AS(run_ring(x, finite_check::every_step, false), expected.c_str(), non_finite_error);
@@ -140,7 +121,7 @@ TEST_CASE("checked mode, host ring: a NaN in K or V is named where it first appe
 TEST_CASE("checked mode, host ring: a NaN in dO is named in dQ at the step it is first used") {
   STRIA_SEEDED_RNG(rng);
   using s = checked_scenario;
-  shards x = random_shards(rng);
+  shards x = random_host_shards(rng);
   x.d_out[s::d_out_rank][s::element(s::d_out_token, s::d_out_head, s::heads_q)] = nan_value;
   CHECK_THROWS_WITH_AS(run_ring(x, finite_check::every_step, true),
                        "stria: checked mode: rank 2, ring step 1, head 3, local token 70: dQ is NaN (the first non-finite value of this step's result)",
@@ -149,7 +130,7 @@ TEST_CASE("checked mode, host ring: a NaN in dO is named in dQ at the step it is
 
 TEST_CASE("checked mode, host ring: clean inputs pass, with empty rows (LSE -inf) legal") {
   STRIA_SEEDED_RNG(rng);
-  shards checked = random_shards(rng);
+  shards checked = random_host_shards(rng);
   shards unchecked = checked;
   REQUIRE_NOTHROW(run_ring(checked, finite_check::every_step, true));
   run_ring(unchecked, finite_check::off, true);
@@ -164,7 +145,7 @@ TEST_CASE("checked mode, host ring: clean inputs pass, with empty rows (LSE -inf
 TEST_CASE("checked mode is off by default: the same NaN passes silently into the results") {
   STRIA_SEEDED_RNG(rng);
   using s = checked_scenario;
-  shards x = random_shards(rng);
+  shards x = random_host_shards(rng);
   x.k[s::poisoned_rank][s::element(s::poisoned_token, s::poisoned_kv_head, s::heads_kv)] = nan_value;
   // finite_check not passed: the default.
   const global_selection selection = s::selection();

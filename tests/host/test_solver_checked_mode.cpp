@@ -19,6 +19,7 @@
 #include "stria/host/solver_attention.hpp"
 #include "stria/solver/dynamic_solver.hpp"
 #include "support/checked_scenario.hpp"
+#include "support/checked_shards.hpp"
 #include "support/oracle.hpp"
 #include "support/random.hpp"
 
@@ -37,27 +38,8 @@ using test::placement;
 using test::rank_of_task;
 const auto scenario_problem = &checked_scenario::solver_problem;
 
-/// Every rank's shards of the scenario, and what the solver's execution wrote.
-struct shards {
-  std::vector<std::vector<float>> q, k, v, d_out, out, lse, dq, dk, dv;
-};
-
-shards random_shards(test::seeded_rng& rng) {
-  shards x;
-  const std::size_t q_elems = std::size_t(s::local_tokens) * s::heads_q * s::dim, kv_elems = std::size_t(s::local_tokens) * s::heads_kv * s::dim;
-  for (index_t r = 0; r < s::world; ++r) {
-    x.q.push_back(rng.values<float>(q_elems));
-    x.k.push_back(rng.values<float>(kv_elems));
-    x.v.push_back(rng.values<float>(kv_elems));
-    x.d_out.push_back(rng.values<float>(q_elems));
-    x.out.emplace_back(q_elems);
-    x.lse.emplace_back(std::size_t(s::heads_q) * s::local_tokens);
-    x.dq.emplace_back(q_elems);
-    x.dk.emplace_back(kv_elems);
-    x.dv.emplace_back(kv_elems);
-  }
-  return x;
-}
+using shards = test::host_shards;
+using test::random_host_shards;
 
 /// The host solver execution's forward (and, if asked, backward on the forward's results) of `plan`
 /// on the scenario's 4 ranks; `check` not given: the default.
@@ -144,7 +126,7 @@ TEST_CASE("checked mode, host solver: a NaN in K or V is named on the rank that 
       const std::string plan_name = name_of(how);
       CAPTURE(plan_name);
       CAPTURE(in_values);
-      shards x = random_shards(rng);
+      shards x = random_host_shards(rng);
       (in_values ? x.v : x.k)[s::poisoned_rank][s::element(s::poisoned_token, s::poisoned_kv_head, s::heads_kv)] = nan_value;
       CHECK_THROWS_WITH_AS(run_solver(x, hand_plan(scenario_problem(), how), finite_check::every_step, false), expected.c_str(), non_finite_error);
     }
@@ -156,11 +138,11 @@ TEST_CASE("checked mode, host solver: the plan solve() makes, as the front templ
   // The GPU test through sparse_attention<..., topology::solver> asserts the same message: it
   // relies on solve() placing task (5, 2) on rank 2 (KV chunk 2 moves there).
   REQUIRE(rank_of_task(plan, 5, 2) == 2);
-  shards x = random_shards(rng);
+  shards x = random_host_shards(rng);
   x.k[s::poisoned_rank][s::element(s::poisoned_token, s::poisoned_kv_head, s::heads_kv)] = nan_value;
   CHECK_THROWS_WITH_AS(run_solver(x, plan, finite_check::every_step, false),
                        message("rank 2, solver stage 1, head 3, local token 64: O is NaN").c_str(), non_finite_error);
-  shards y = random_shards(rng);
+  shards y = random_host_shards(rng);
   y.d_out[s::d_out_rank][s::element(s::d_out_token, s::d_out_head, s::heads_q)] = nan_value;
   CHECK_THROWS_WITH_AS(run_solver(y, plan, finite_check::every_step, true),
                        message("rank 2, solver stage 1, head 3, local token 70: dQ is NaN").c_str(), non_finite_error);
@@ -170,7 +152,7 @@ TEST_CASE("checked mode, host solver: a NaN in a rank's own Q is named at stage 
   STRIA_SEEDED_RNG(rng);
   // Rank 1's local token 5 (chunk 2), head 0: task (2, 2) is local; with KV chunks moving, rank 1
   // runs every task of query chunk 2, so no other rank meets the NaN.
-  shards x = random_shards(rng);
+  shards x = random_host_shards(rng);
   x.q[1][s::element(5, 0, s::heads_q)] = nan_value;
   CHECK_THROWS_WITH_AS(run_solver(x, hand_plan(scenario_problem(), placement::kv_moves), finite_check::every_step, false),
                        message("rank 1, solver stage 0, head 0, local token 5: O is NaN").c_str(), non_finite_error);
@@ -189,7 +171,7 @@ TEST_CASE("checked mode, host solver: a NaN in dO is named in dQ, or in the dK/d
   for (const auto& [how, expected] : cases) {
     const std::string plan_name = name_of(how);
     CAPTURE(plan_name);
-    shards x = random_shards(rng);
+    shards x = random_host_shards(rng);
     x.d_out[s::d_out_rank][s::element(s::d_out_token, s::d_out_head, s::heads_q)] = nan_value;
     CHECK_THROWS_WITH_AS(run_solver(x, hand_plan(scenario_problem(), how), finite_check::every_step, true), expected.c_str(), non_finite_error);
   }
@@ -201,7 +183,7 @@ TEST_CASE("checked mode, host solver: clean inputs pass, results bit-identical t
   for (const auto& [name, plan] : {std::pair{"solve()", solver::solve(p)}, std::pair{"query moves", hand_plan(p, placement::query_moves)},
                                    std::pair{"third rank", hand_plan(p, placement::third_rank)}}) {
     CAPTURE(name);
-    shards checked = random_shards(rng);
+    shards checked = random_host_shards(rng);
     shards unchecked = checked;
     REQUIRE_NOTHROW(run_solver(checked, plan, finite_check::every_step, true));
     run_solver(unchecked, plan, finite_check::off, true);
@@ -225,7 +207,7 @@ TEST_CASE("checked mode is off by default in the solver's execution: the same Na
     const std::string plan_name = name_of(how);
     CAPTURE(plan_name);
     const solver::plan plan = hand_plan(scenario_problem(), how);
-    shards x = random_shards(rng);
+    shards x = random_host_shards(rng);
     x.k[s::poisoned_rank][s::element(s::poisoned_token, s::poisoned_kv_head, s::heads_kv)] = nan_value;
     REQUIRE_NOTHROW(run_solver(x, plan, std::nullopt, false));
     // The NaN computed for rank 2's query chunk 5 (wherever the plan runs it) is in its output and
@@ -234,7 +216,7 @@ TEST_CASE("checked mode is off by default in the solver's execution: the same Na
     CHECK(is_nan(x.lse[2][3 * s::local_tokens + 64]));
     CHECK_FALSE(is_nan(x.out[2][s::element(64, 1, s::heads_q)]));  // head 1 of the same token: untouched
 
-    shards y = random_shards(rng);
+    shards y = random_host_shards(rng);
     y.d_out[s::d_out_rank][s::element(s::d_out_token, s::d_out_head, s::heads_q)] = nan_value;
     REQUIRE_NOTHROW(run_solver(y, plan, std::nullopt, true));
     CHECK_FALSE(any_nan(y.out));
