@@ -74,6 +74,7 @@ device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sh
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                               statistics_request request, cudaStream_t stream,
                                               statistics_timing* timing = nullptr) {
+  static_assert(check_host_collectives<Comm>());
   detail::phase_timer timer(timing != nullptr);
   const index_t world = comm.world_size(), rank = comm.rank();
   const shard_layout layout{seq_len / block_tokens, world};
@@ -223,6 +224,7 @@ template <index_estimator Estimator, class Comm, sharding_policy Sharding, class
 device_selection estimate_device(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                                  const T* q_local, const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                  cudaStream_t stream) {
+  static_assert(check_host_collectives<Comm>());
   estimator.validate(seq_len, heads_q);
   const statistics_request request = estimator.request(seq_len);
   if (request.window_rows == 0) return device_selection(detail::select_without_statistics(estimator, seq_len, heads_q, causal), stream);
