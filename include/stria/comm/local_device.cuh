@@ -21,8 +21,8 @@
 #include "stria/core/bounded_wait.cuh"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
-#include "stria/core/device_communicator.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 
 namespace stria::comm {
