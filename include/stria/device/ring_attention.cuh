@@ -26,14 +26,14 @@
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
-#include "stria/core/device_communicator.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/device/finite_check.cuh"
 #include "stria/device/sparse_attention_step.cuh"
-#include "stria/index/local_index.cuh"
+#include "stria/index/device_index.cuh"
 #include "stria/topology/ring_steps.hpp"
 
 namespace stria::device {
