@@ -132,9 +132,10 @@ concept tile_traits = requires {
 } && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
 
 // ---------------------------------------------------------------------------------------------
-// Host communicator: one rank's handle on the world (comm::host_threads; the host surface of the
-// device communicators, comm::local_device::host() and comm::nccl::host()). The device
-// communicator is in stria/core/device_communicator.cuh.
+// Host communicators: one rank's handle on the world, moving host arrays. comm::host_threads is a
+// host_communicator; the host surfaces of the device communicators (comm::local_device::host(),
+// comm::nccl::host()) are host_collectives, what the estimators need. The device communicator
+// concept is in stria/core/device_communicator.cuh.
 
 namespace comm {
 /// The element-wise reductions of all_reduce.
