@@ -5,7 +5,7 @@
 // caller's stream with the KV transfers on the object's own transfer stream. With topology::solver
 // (sequential sharding only) estimate() also solves the layer's task placement, and forward() and
 // backward() move query and KV chunks as the plan says (device/solver_attention.cuh). One object
-// per rank, over any device communicator (comm::local_device, comm::nccl).
+// per rank, over any device_communicator (comm::local_device, comm::nccl, or a user's own).
 //
 //   using attention = stria::sparse_attention<stria::estimator::vertical_slash_top_p,
 //                                             stria::sharding::striped<64>, stria::topology::flat_ring>;
@@ -25,6 +25,7 @@
 #include "stria/comm/host_threads.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_stream.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
@@ -57,18 +58,6 @@ struct attention_config {
   /// default.
   finite_check check = finite_check::off;
 };
-
-namespace detail {
-
-/// The host-surface handle an estimator's collectives use: a host_threads rank is one already;
-/// device communicators (local_device, nccl) give theirs with host().
-template <class Comm>
-decltype(auto) host_surface(Comm& c) {
-  if constexpr (requires { c.host(); }) return (c.host());
-  else return (c);
-}
-
-}  // namespace detail
 
 template <index_estimator Estimator, sharding_policy Sharding, class Topology, tile_traits Tile = tile<64, 64, 128>>
   requires ring_topology<Topology> || topology::is_dynamic_solver<Topology>
@@ -122,6 +111,8 @@ class sparse_attention {
   /// (identical on every rank) and builds the rank's index for every ring step, on `stream`.
   template <class Comm, class T>
   void estimate(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, cudaStream_t stream) {
+    static_assert(check_device_communicator<Comm>());
+    static_assert(check_host_surface<Comm>());
     check_comm(comm);
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
@@ -135,6 +126,7 @@ class sparse_attention {
   /// Uses a given global selection instead of estimating one (a user block mask, a recorded index).
   template <class Comm>
   void use_selection(Comm& comm, const global_selection& g, cudaStream_t stream) {
+    static_assert(check_device_communicator<Comm>());
     check_comm(comm);
     if (g.seq_len != config_.seq_len || g.num_heads() != config_.heads_q || g.causal != config_.causal)
       throw invalid_argument("selection", "(seq_len " + std::to_string(g.seq_len) + ", " + std::to_string(g.num_heads()) + " heads)",
@@ -148,6 +140,7 @@ class sparse_attention {
   template <class Comm, class T>
   void forward(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<T, 3> out,
                tensor_view<float, 2> lse, cudaStream_t stream) {
+    static_assert(check_device_communicator<Comm>());
     check_ready(comm);
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
@@ -166,6 +159,7 @@ class sparse_attention {
   void backward(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out,
                 tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
                 tensor_view<T, 3> dv, cudaStream_t stream) {
+    static_assert(check_device_communicator<Comm>());
     check_ready(comm);
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");

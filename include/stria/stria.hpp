@@ -40,7 +40,8 @@
 #include "stria/topology/solver.hpp"
 #include "stria/version.hpp"
 
-// Under nvcc the device layer comes too; NCCL parts only where nccl.h is reachable.
+// Under nvcc the CUDA error checks come too (NCCL's only where nccl.h is reachable); the device
+// layer is stria/sparse_attention.cuh (the front template) and the .cuh headers it includes.
 #if defined(__CUDACC__)
 #include "stria/core/cuda_check.cuh"
 #if __has_include(<nccl.h>)

@@ -24,12 +24,11 @@
 #include <typeinfo>
 #include <vector>
 
+#include "stria/core/concepts.hpp"
 #include "stria/core/config.hpp"
 #include "stria/core/error.hpp"
 
 namespace stria::comm {
-
-enum class reduce_op { sum, max, min };
 
 class host_threads;
 
@@ -348,6 +347,7 @@ class host_threads {
   int group_depth_ = 0;
   std::vector<queued> queue_;
 };
+static_assert(stria::host_communicator<host_threads>);
 
 template <class Body>
 void host_world::run(Body&& body) {

@@ -22,6 +22,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 
 namespace stria::comm {
@@ -241,6 +242,7 @@ class local_device {
   std::vector<queued> queue_;
   cuda_event ready_;
 };
+static_assert(stria::device_communicator<local_device>);
 
 /// W ranks on one GPU. run() starts one thread per rank on `device` and rethrows the first failure
 /// (as host_world does); a peer that never arrives raises comm_error after the timeout.

@@ -35,6 +35,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/nccl_check.cuh"
 #include "stria/topology/ring_steps.hpp"
@@ -102,6 +103,7 @@ class nccl_host_surface {
 
   nccl* owner_;
 };
+static_assert(stria::host_collectives<nccl_host_surface>);
 
 class nccl {
  public:
@@ -329,6 +331,7 @@ class nccl {
   std::string aborted_;  // why wait() aborted the communicator ("": it was not)
   nccl_host_surface host_;
 };
+static_assert(stria::device_communicator<nccl>);
 
 inline index_t nccl_host_surface::rank() const { return owner_->rank(); }
 inline index_t nccl_host_surface::world_size() const { return owner_->world_size(); }
@@ -455,6 +458,7 @@ class nccl_hierarchy {
   index_t cards_;
   nccl inner_, outer_;
 };
+static_assert(stria::device_communicator<nccl_hierarchy>);
 
 /// One process driving the GPUs `devices`: creates their communicators (ncclCommInitAll), runs
 /// body(comm) on one thread per GPU (rank r on devices[r], made current), joins them, and rethrows

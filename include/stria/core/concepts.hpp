@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// The four policy kinds a user composes (sharding, ring topology, index estimator, tile) as C++20 concepts.
+// The four policy kinds a user composes (sharding, ring topology, index estimator, tile) and the
+// host communicator the host backend and the estimators run on, as C++20 concepts.
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <string_view>
 
 #include "stria/core/config.hpp"
@@ -128,5 +130,80 @@ concept tile_traits = requires {
   { T::block_kv } -> std::convertible_to<index_t>;
   { T::head_dim } -> std::convertible_to<index_t>;
 } && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
+
+// ---------------------------------------------------------------------------------------------
+// Host communicators: one rank's handle on the world, moving host arrays. comm::host_threads is a
+// host_communicator; the host surfaces of the device communicators (comm::local_device::host(),
+// comm::nccl::host()) are host_collectives, what the estimators need. The device communicator
+// concept is in stria/core/device_communicator.cuh.
+
+namespace comm {
+/// The element-wise reductions of all_reduce.
+enum class reduce_op { sum, max, min };
+}  // namespace comm
+
+namespace detail {
+// One concept per requirement, so that check_host_communicator names the one that is missing.
+// Member templates are probed with float arrays, the element type the engines move.
+template <class C>
+concept comm_rank = requires(const C& c) {
+  { c.rank() } -> std::convertible_to<index_t>;
+};
+template <class C>
+concept comm_world_size = requires(const C& c) {
+  { c.world_size() } -> std::convertible_to<index_t>;
+};
+template <class C>
+concept comm_host_broadcast = requires(C& c, float* data, std::size_t count, index_t root) { c.broadcast(data, count, root); };
+template <class C>
+concept comm_host_all_reduce = requires(C& c, const float* send, float* recv, std::size_t count, comm::reduce_op op) {
+  c.all_reduce(send, recv, count, op);
+};
+template <class C>
+concept comm_host_all_gather = requires(C& c, const float* send, float* recv, std::size_t count) { c.all_gather(send, recv, count); };
+template <class C>
+concept comm_host_send = requires(C& c, const float* data, std::size_t count, index_t peer, int tag) { c.send(data, count, peer, tag); };
+template <class C>
+concept comm_host_recv = requires(C& c, float* data, std::size_t count, index_t peer, int tag) { c.recv(data, count, peer, tag); };
+}  // namespace detail
+
+/// What the estimators need of a communicator (window statistics, the exact distributed top-k):
+/// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
+/// - collectives of host arrays, called by every rank in the same order: `c.broadcast(data, count,
+///   root)`, `c.all_reduce(send, recv, count, comm::reduce_op)` (send and recv may alias; identical
+///   results on every rank) and `c.all_gather(send, recv, count)` (rank r's part at r * count).
+template <class C>
+concept host_collectives = detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_host_broadcast<C> &&
+                           detail::comm_host_all_reduce<C> && detail::comm_host_all_gather<C>;
+
+/// What the host backend (host ring and solver execution, and its estimators) needs of a
+/// communicator (built-in: comm::host_threads): host_collectives, and point-to-point messages of
+/// host arrays, `c.send(data, count, peer, tag)` (never blocks) and `c.recv(data, count, peer, tag)`
+/// (returns with the data; messages between two ranks match in order per tag).
+template <class C>
+concept host_communicator = host_collectives<C> && detail::comm_host_send<C> && detail::comm_host_recv<C>;
+
+/// host_collectives<C> as one static_assert per requirement, each naming the missing member.
+/// Use as `static_assert(check_host_collectives<Comm>());` (true once the asserts pass).
+template <class C>
+constexpr bool check_host_collectives() {
+  static_assert(detail::comm_rank<C>, "stria: Comm must have rank() const returning stria::index_t (this rank)");
+  static_assert(detail::comm_world_size<C>, "stria: Comm must have world_size() const returning stria::index_t (the number of ranks)");
+  static_assert(detail::comm_host_broadcast<C>, "stria: Comm must have broadcast(T* data, std::size_t count, index_t root) of host arrays");
+  static_assert(detail::comm_host_all_reduce<C>,
+                "stria: Comm must have all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op) of host arrays");
+  static_assert(detail::comm_host_all_gather<C>,
+                "stria: Comm must have all_gather(const T* send, T* recv, std::size_t count) of host arrays");
+  return true;
+}
+
+/// host_communicator<C> as one static_assert per requirement, each naming the missing member.
+template <class C>
+constexpr bool check_host_communicator() {
+  static_assert(check_host_collectives<C>());
+  static_assert(detail::comm_host_send<C>, "stria: Comm must have send(const T* data, std::size_t count, index_t peer, int tag) of host arrays");
+  static_assert(detail::comm_host_recv<C>, "stria: Comm must have recv(T* data, std::size_t count, index_t peer, int tag) of host arrays");
+  return true;
+}
 
 }  // namespace stria

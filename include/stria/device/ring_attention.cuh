@@ -27,12 +27,13 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/device/finite_check.cuh"
 #include "stria/device/sparse_attention_step.cuh"
-#include "stria/index/local_index.cuh"
+#include "stria/index/device_index.cuh"
 #include "stria/topology/ring_steps.hpp"
 
 namespace stria::device {
@@ -187,6 +188,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
                   tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out,
                   tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
                   forward_kernel which = forward_kernel::automatic, finite_check check = finite_check::off) {
+  static_assert(check_device_communicator<Comm>());
   check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -228,6 +230,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
                    tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
                    tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
                    finite_check check = finite_check::off) {
+  static_assert(check_device_communicator<Comm>());
   check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);

@@ -31,6 +31,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
@@ -125,6 +126,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
                     tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale,
                     tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
                     finite_check check = finite_check::off) {
+  static_assert(check_device_communicator<Comm>());
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
@@ -294,6 +296,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq,
                      tensor_view<T, 3> dk, tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
                      finite_check check = finite_check::off) {
+  static_assert(check_device_communicator<Comm>());
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);

@@ -86,6 +86,7 @@ template <class Comm, sharding_policy Sharding, class T>
 vs_statistics gather_window_statistics(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                                        tensor_view<const T, 3> q_local, tensor_view<const T, 3> k_local, double softmax_scale,
                                        statistics_request request) {
+  static_assert(check_host_collectives<Comm>());
   const index_t world = comm.world_size(), rank = comm.rank();
   const attention_shape shape{q_local.extent(0), k_local.extent(0), q_local.extent(1), k_local.extent(1), q_local.extent(2)};
   shape.validate();
@@ -203,6 +204,7 @@ vs_statistics gather_window_statistics(Comm& comm, const Sharding& sharding, ind
 template <index_estimator Estimator, class Comm, sharding_policy Sharding, class T>
 global_selection estimate(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                           tensor_view<const T, 3> q_local, tensor_view<const T, 3> k_local, double softmax_scale) {
+  static_assert(check_host_collectives<Comm>());
   estimator.validate(seq_len, q_local.extent(1));
   const statistics_request request = estimator.request(seq_len);
   if (request.window_rows == 0) return detail::select_without_statistics(estimator, seq_len, q_local.extent(1), causal);

@@ -104,6 +104,7 @@ template <class Comm, ring_topology Topology, class T>
 void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
                   tensor_view<const T, 3> v, std::span<const step_index> indices, double softmax_scale,
                   tensor_view<T, 3> out, tensor_view<float, 2> lse, finite_check check = finite_check::off) {
+  static_assert(check_host_communicator<Comm>());
   check_ring_world(comm.world_size(), topology);
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
@@ -158,6 +159,7 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
                    tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, std::span<const step_index> indices, double softmax_scale,
                    tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv, finite_check check = finite_check::off) {
+  static_assert(check_host_communicator<Comm>());
   check_ring_world(comm.world_size(), topology);
   const index_t rank = comm.rank();
   check_ring_indices(topology, rank, indices);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
+#include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
@@ -126,6 +127,7 @@ template <class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, tensor_view<const T, 3> q,
                     tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out, tensor_view<float, 2> lse,
                     finite_check check = finite_check::off) {
+  static_assert(check_host_communicator<Comm>());
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2);
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), rank, comm.world_size(), q.extent(0), k.extent(0), hq, hkv);
@@ -249,6 +251,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
                      tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                      tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv,
                      finite_check check = finite_check::off) {
+  static_assert(check_host_communicator<Comm>());
   using solver::message;
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2);
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), rank, comm.world_size(), q.extent(0), k.extent(0), hq, hkv);

@@ -1,71 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // Device dispatch/undispatch for any sharding policy: one rank's shard of a token-major global
 // tensor in device memory ([S, ...] -> [S / W, ...]), and back, by a gather of whole 64-token blocks
-// on a stream (the device counterpart of dispatch.hpp).
+// on a stream (the device counterpart of dispatch.hpp); device/dispatch.cuh launches the copy.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <span>
-#include <string>
-#include <utility>
-#include <vector>
+#include <cstddef>
 
 #include "stria/core/concepts.hpp"
-#include "stria/core/cuda_check.cuh"
-#include "stria/core/device_buffer.cuh"
-#include "stria/core/error.hpp"
-#include "stria/core/tile.hpp"
-#include "stria/kernel/dispatch.cuh"
+#include "stria/core/config.hpp"
+#include "stria/device/dispatch.cuh"
 
 namespace stria::sharding {
-
-namespace detail {
-
-/// Checks the call and moves `rank`'s blocks: to_shard copies global -> shard, else shard -> global.
-template <sharding_policy P, class T>
-void move_rank_blocks(const P& policy, const T* from, T* to, index_t seq_len, std::size_t row_elements, index_t world_size,
-                      index_t rank, bool to_shard, cudaStream_t stream) {
-  if (seq_len <= 0 || seq_len % block_tokens != 0)
-    throw invalid_argument("seq_len", seq_len, "must be a positive multiple of 64 (the block size)");
-  if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
-  if (rank < 0 || rank >= world_size) throw invalid_argument("rank", rank, "must lie in [0, world_size = " + std::to_string(world_size) + ")");
-  const shard_layout layout{seq_len / block_tokens, world_size};
-  policy.validate(layout);
-  const std::size_t block_bytes = static_cast<std::size_t>(block_tokens) * row_elements * sizeof(T);
-  if (row_elements == 0 || block_bytes % 16 != 0)
-    throw invalid_argument("row_elements", row_elements, "must make a 64-token block a multiple of 16 bytes (the copy's vector)");
-  for (const auto& [name, pointer] : {std::pair{"global", static_cast<const void*>(to_shard ? from : to)},
-                                      std::pair{"shard", static_cast<const void*>(to_shard ? to : from)}}) {
-    if (pointer == nullptr) throw invalid_argument(name, "nullptr", "must point to device memory");
-    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0) throw invalid_argument(name, pointer, "must be 16-byte aligned");
-  }
-  const index_t local = policy.local_blocks(layout);
-  std::vector<index_t> global_block(static_cast<std::size_t>(local)), local_block(global_block.size());
-  for (index_t b = 0; b < local; ++b) {
-    global_block[static_cast<std::size_t>(b)] = policy.global_block(layout, {rank, b});
-    local_block[static_cast<std::size_t>(b)] = b;
-  }
-  const device_buffer<index_t> global_d{std::span<const index_t>(global_block), stream}, local_d{std::span<const index_t>(local_block), stream};
-  const std::int64_t block_vectors = static_cast<std::int64_t>(block_bytes / 16);
-  const std::int64_t total = static_cast<std::int64_t>(local) * block_vectors;
-  const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>((total + 255) / 256, 1, 65535));
-  kernel::copy_token_blocks<><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint4*>(from), reinterpret_cast<uint4*>(to),
-                                                        to_shard ? global_d.data() : local_d.data(), to_shard ? local_d.data() : global_d.data(),
-                                                        local, block_vectors);
-  STRIA_CUDA_CHECK_LAUNCH("copy_token_blocks");
-}
-
-}  // namespace detail
 
 /// Writes rank `rank`'s shard [S / W, ...] of the global tensor [S, ...] (`row_elements` elements per
 /// token, e.g. heads x head_dim), both contiguous in device memory, queued on `stream`.
 template <sharding_policy P, class T>
 void dispatch_device(const P& policy, const T* global, T* shard, index_t seq_len, std::size_t row_elements, index_t world_size,
                      index_t rank, cudaStream_t stream) {
-  detail::move_rank_blocks(policy, global, shard, seq_len, row_elements, world_size, rank, true, stream);
+  device::move_rank_blocks(policy, global, shard, seq_len, row_elements, world_size, rank, true, stream);
 }
 
 /// The inverse: writes rank `rank`'s shard into its blocks of the global tensor (the other ranks'
@@ -73,7 +27,7 @@ void dispatch_device(const P& policy, const T* global, T* shard, index_t seq_len
 template <sharding_policy P, class T>
 void undispatch_device(const P& policy, const T* shard, T* global, index_t seq_len, std::size_t row_elements, index_t world_size,
                        index_t rank, cudaStream_t stream) {
-  detail::move_rank_blocks(policy, shard, global, seq_len, row_elements, world_size, rank, false, stream);
+  device::move_rank_blocks(policy, shard, global, seq_len, row_elements, world_size, rank, false, stream);
 }
 
 }  // namespace stria::sharding

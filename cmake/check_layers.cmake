@@ -1,0 +1,28 @@
+# SPDX-License-Identifier: Apache-2.0
+# cmake -DROOT=<source dir> -P check_layers.cmake
+# The one launch layer (DESIGN 3): every kernel launch (`<<<`) is in include/stria/device/, and only
+# kernel/ and device/ include stria/kernel/. Fails naming every file that breaks a rule.
+get_filename_component(ROOT "${ROOT}" ABSOLUTE)
+file(GLOB_RECURSE headers RELATIVE "${ROOT}/include" "${ROOT}/include/*.hpp" "${ROOT}/include/*.cuh" "${ROOT}/include/*.h")
+list(LENGTH headers count)
+if(count EQUAL 0)
+  message(FATAL_ERROR "no headers under ${ROOT}/include")
+endif()
+set(broken "")
+foreach(header IN LISTS headers)
+  if(header MATCHES "^stria/device/")
+    continue()
+  endif()
+  file(READ "${ROOT}/include/${header}" text)
+  string(FIND "${text}" "<<<" launch)
+  if(NOT launch EQUAL -1)
+    string(APPEND broken "\n  include/${header}: launches a kernel (<<<) outside include/stria/device/")
+  endif()
+  if(NOT header MATCHES "^stria/kernel/" AND text MATCHES "#[ \t]*include[ \t]*[<\"]stria/kernel/")
+    string(APPEND broken "\n  include/${header}: includes stria/kernel/ outside kernel/ and device/")
+  endif()
+endforeach()
+if(broken)
+  message(FATAL_ERROR "the launch layer is include/stria/device/:${broken}")
+endif()
+message(STATUS "${count} headers: every launch in device/, kernel/ included only from kernel/ and device/")

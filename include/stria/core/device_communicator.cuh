@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+// The device communicator as a C++20 concept: what the device ring engine, the solver executor and
+// the front template need of one rank's handle (built-ins: comm::local_device, comm::nccl,
+// comm::nccl_hierarchy), with check_device_communicator naming a missing member.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "stria/core/concepts.hpp"
+
+namespace stria {
+
+namespace detail {
+// One concept per requirement (rank and world_size are the host ones); member templates are probed
+// with float arrays, the element type the engines move.
+template <class C>
+concept comm_group_start = requires(C& c) { c.group_start(); };
+template <class C>
+concept comm_group_end = requires(C& c) { c.group_end(); };
+template <class C>
+concept comm_device_send = requires(C& c, const float* data, std::size_t count, index_t peer, cudaStream_t stream, int tag) {
+  c.send(data, count, peer, stream, tag);
+};
+template <class C>
+concept comm_device_recv = requires(C& c, float* data, std::size_t count, index_t peer, cudaStream_t stream, int tag) {
+  c.recv(data, count, peer, stream, tag);
+};
+template <class C>
+concept comm_bounded_wait = requires(C& c, cudaEvent_t done, const std::string& what) { c.wait(done, what); };
+
+/// The handle an estimator's collectives of host arrays use: `c.host()` where the communicator has
+/// one (local_device, nccl), else the communicator itself.
+template <class Comm>
+decltype(auto) host_surface(Comm& c) {
+  if constexpr (requires { c.host(); }) return (c.host());
+  else return (c);
+}
+template <class Comm>
+using host_surface_t = std::remove_cvref_t<decltype(host_surface(std::declval<Comm&>()))>;
+}  // namespace detail
+
+/// Requirements of a device communicator C:
+/// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
+/// - `c.send(data, count, peer, stream, tag)` and `c.recv(data, count, peer, stream, tag)` of device
+///   arrays, ordered on `stream`; inside `c.group_start()` ... `c.group_end()` they are posted
+///   together (as NCCL groups), so a ring step's send and receive cannot deadlock;
+/// - `c.wait(event, what)`: returns once the work `event` captured has completed, or raises
+///   (naming `what`) when a peer failed or a timeout passed, instead of hanging.
+template <class C>
+concept device_communicator = detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_group_start<C> &&
+                              detail::comm_group_end<C> && detail::comm_device_send<C> && detail::comm_device_recv<C> &&
+                              detail::comm_bounded_wait<C>;
+
+/// device_communicator<C> as one static_assert per requirement, each naming the missing member.
+/// Use as `static_assert(check_device_communicator<Comm>());` (true once the asserts pass).
+template <class C>
+constexpr bool check_device_communicator() {
+  static_assert(detail::comm_rank<C>, "stria: Comm must have rank() const returning stria::index_t (this rank)");
+  static_assert(detail::comm_world_size<C>, "stria: Comm must have world_size() const returning stria::index_t (the number of ranks)");
+  static_assert(detail::comm_group_start<C>, "stria: Comm must have group_start() (sends and receives posted together until group_end)");
+  static_assert(detail::comm_group_end<C>, "stria: Comm must have group_end() (posts the group's sends and receives)");
+  static_assert(detail::comm_device_send<C>,
+                "stria: Comm must have send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag) of device arrays");
+  static_assert(detail::comm_device_recv<C>,
+                "stria: Comm must have recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag) of device arrays");
+  static_assert(detail::comm_bounded_wait<C>,
+                "stria: Comm must have wait(cudaEvent_t done, const std::string& what), the bounded wait that confirms a transfer");
+  return true;
+}
+
+/// What the front template's estimate() needs besides a device communicator: the collectives of
+/// host arrays (host_collectives) through `c.host()`, or on the communicator itself.
+template <class C>
+constexpr bool check_host_surface() {
+  static_assert(host_collectives<detail::host_surface_t<C>>,
+                "stria: Comm must have host() returning a host_collectives handle (rank, world_size, broadcast, all_reduce, all_gather "
+                "of host arrays) for the estimator, or offer those collectives itself");
+  return true;
+}
+
+}  // namespace stria

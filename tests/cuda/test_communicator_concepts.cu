@@ -1,0 +1,121 @@
+// SPDX-License-Identifier: Apache-2.0
+// A device communicator written as a third party would satisfies stria::device_communicator and
+// instantiates the device ring, the solver executor and the front template under nvcc; the built-in
+// communicators satisfy their concepts and a host communicator is no device communicator. No GPU is
+// needed: the ring's first check (the world size) comes before any CUDA call.
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/comm/local_device.cuh"
+#include "stria/core/device_communicator.cuh"
+#include "stria/device/ring_attention.cuh"
+#include "stria/device/solver_attention.cuh"
+#include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sparse_attention.cuh"
+#include "stria/topology/flat_ring.hpp"
+#if defined(STRIA_TEST_NCCL)
+#include "stria/comm/nccl.cuh"
+#endif
+
+namespace third_party {
+
+using stria::index_t;
+
+/// The host surface of a world of one rank: nothing to exchange.
+struct alone {
+  index_t rank() const { return 0; }
+  index_t world_size() const { return 1; }
+  template <class T>
+  void broadcast(T*, std::size_t, index_t) {}
+  template <class T>
+  void all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op) {
+    for (std::size_t i = 0; i < count; ++i) recv[i] = send[i];
+  }
+  template <class T>
+  void all_gather(const T* send, T* recv, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) recv[i] = send[i];
+  }
+};
+
+/// Records what the engines ask of it (a transport of the user's own would move the bytes).
+struct recording_comm {
+  index_t ranks = 1;
+  int groups = 0;
+  std::vector<std::string> log;
+  alone surface;
+
+  index_t rank() const { return 0; }
+  index_t world_size() const { return ranks; }
+  void group_start() { ++groups; }
+  void group_end() {}
+  template <class T>
+  void send(const T*, std::size_t count, index_t peer, cudaStream_t, int tag) {
+    log.push_back("send " + std::to_string(count) + " to " + std::to_string(peer) + " tag " + std::to_string(tag));
+  }
+  template <class T>
+  void recv(T*, std::size_t count, index_t peer, cudaStream_t, int tag) {
+    log.push_back("recv " + std::to_string(count) + " from " + std::to_string(peer) + " tag " + std::to_string(tag));
+  }
+  void wait(cudaEvent_t, const std::string& what) { log.push_back("wait for " + what); }
+  alone& host() { return surface; }
+};
+static_assert(stria::device_communicator<recording_comm>);
+static_assert(stria::host_collectives<alone>);
+
+/// A device communicator from before bounded waits: no wait(event, what).
+struct without_wait {
+  index_t rank() const { return 0; }
+  index_t world_size() const { return 1; }
+  void group_start() {}
+  void group_end() {}
+  template <class T>
+  void send(const T*, std::size_t, index_t, cudaStream_t, int) {}
+  template <class T>
+  void recv(T*, std::size_t, index_t, cudaStream_t, int) {}
+};
+static_assert(!stria::device_communicator<without_wait>);
+
+}  // namespace third_party
+
+static_assert(stria::device_communicator<stria::comm::local_device>);
+static_assert(!stria::device_communicator<stria::comm::host_threads>);  // host arrays, no streams
+#if defined(STRIA_TEST_NCCL)
+static_assert(stria::device_communicator<stria::comm::nccl>);
+static_assert(stria::device_communicator<stria::comm::nccl_hierarchy>);
+static_assert(stria::host_collectives<stria::comm::nccl_host_surface>);
+#endif
+
+using namespace stria;
+using T = __nv_bfloat16;
+using attention = sparse_attention<estimator::vertical_slash_top_p, sharding::striped<64>, topology::flat_ring, tile<64, 64, 64>>;
+using solver_attention = sparse_attention<estimator::vertical_slash_top_p, sharding::sequential, topology::solver, tile<64, 64, 64>>;
+
+// The front template's members over the third-party communicator, instantiated (not run: they need a GPU).
+[[maybe_unused]] constexpr auto front_estimate = &attention::estimate<third_party::recording_comm, T>;
+[[maybe_unused]] constexpr auto front_forward = &attention::forward<third_party::recording_comm, T>;
+[[maybe_unused]] constexpr auto front_backward = &attention::backward<third_party::recording_comm, T>;
+[[maybe_unused]] constexpr auto front_solver_forward = &solver_attention::forward<third_party::recording_comm, T>;
+[[maybe_unused]] constexpr auto front_solver_backward = &solver_attention::backward<third_party::recording_comm, T>;
+
+TEST_CASE("a third-party device communicator drives the device ring: refused for another world size before any CUDA call") {
+  third_party::recording_comm comm;
+  comm.ranks = 2;
+  const tensor_view<const T, 3> x(nullptr, {0, 0, 0});
+  const tensor_view<T, 3> y(nullptr, {0, 0, 0});
+  const std::string rule = "comm.world_size() = 2: must equal the topology's world size 3";
+  CHECK_THROWS_WITH_AS(device::ring_forward(comm, topology::flat_ring(3), {}, x, x, x, 0.125, y, tensor_view<float, 2>(nullptr, {0, 0}), nullptr,
+                                            nullptr),
+                       doctest::Contains(rule.c_str()), invalid_argument);
+  CHECK_THROWS_WITH_AS(device::ring_backward(comm, topology::flat_ring(3), {}, x, x, x, x, x, tensor_view<const float, 2>(nullptr, {0, 0}), 0.125,
+                                             y, y, y, device::determinism::atomic, nullptr, nullptr),
+                       doctest::Contains(rule.c_str()), invalid_argument);
+  CHECK(comm.log.empty());  // nothing was sent before the check
+  CHECK(comm.groups == 0);
+}
