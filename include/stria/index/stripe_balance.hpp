@@ -136,6 +136,12 @@ class stripe_tiles {
   static constexpr index_t max_heads = (index_t{1} << 30) / (block_tokens * block_tokens);
 
   [[nodiscard]] index_t num_blocks() const { return nb_; }
+  /// Tiles on the union's diagonals and explicit tiles: what one gathering of all rows visits.
+  [[nodiscard]] std::int64_t active_tiles() const {
+    std::int64_t n = static_cast<std::int64_t>(explicit_by_query_.size());
+    for (const index_t delta : deltas_) n += nb_ - (delta < 0 ? -delta : delta);
+    return n;
+  }
   [[nodiscard]] bool causal() const { return causal_; }
   /// Vertical tokens of key block k over all heads.
   [[nodiscard]] std::int64_t vertical_tokens(index_t k) const { return tokens_all_[static_cast<std::size_t>(k)]; }
@@ -525,12 +531,15 @@ inline double swap_lines(const double* row_a, const double* row_b, const double*
   return part(row_a, row_b, m_ra, m_rb) + part(column_a, column_b, mt_ra, mt_rb);
 }
 
-/// When refinement stops early (bounded sweeps with early exit): once no pair load exceeds the
-/// mean pair load by more than settled_pair_load (a fifth of a 5% imbalance target; a sweep costs
-/// about what the greedy pass does and would gain a few tenths of a percent), or once a sweep
-/// lowers the pair loads' sum of squared deviations by less than stalled_sweep of it.
-inline constexpr double settled_pair_load = 0.01;
+/// When refinement stops early (bounded sweeps with early exit): once a sweep lowers the pair
+/// loads' sum of squared deviations by less than stalled_sweep of it; and, once the sweeps have
+/// cost more than free_sweep_tiles tile visits (a few milliseconds), as soon as no pair load
+/// exceeds the mean pair load by more than settled_pair_load: a fifth of a 5% imbalance target,
+/// where a sweep costs about what the greedy pass does and gains a few tenths of a percent.
+/// These are functions of the input alone, so the placement stays deterministic.
 inline constexpr double stalled_sweep = 0.1;
+inline constexpr double settled_pair_load = 0.01;
+inline constexpr std::int64_t free_sweep_tiles = std::int64_t{1} << 22;
 
 /// Second pass: within each round, swaps two blocks' ranks wherever that lowers the sum of
 /// squares of the exact pair loads `loads` (kept up to date); stops after `passes` sweeps, a
@@ -563,8 +572,9 @@ inline void refine_placement(const stripe_tiles& tiles, index_t world, std::vect
     for (const double x : m) sum += (x - mean_load) * (x - mean_load);
     return sum;
   };
+  const std::int64_t sweep_tiles = 2 * tiles.active_tiles();  // each active tile as a row's and as a column's
   for (int pass = 0; pass < passes; ++pass) {
-    if (*std::max_element(m.begin(), m.end()) <= (1.0 + settled_pair_load) * mean_load) break;
+    if (sweep_tiles * (pass + 1) > free_sweep_tiles && *std::max_element(m.begin(), m.end()) <= (1.0 + settled_pair_load) * mean_load) break;
     const double deviation_before = deviation();
     bool swapped = false;
     std::fill(tokens_before.begin(), tokens_before.end(), 0);
