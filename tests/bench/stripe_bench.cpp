@@ -7,12 +7,15 @@
 // (--pattern: comma-separated of rope, power_law_slash, periodic_slash, clustered_vertical, mixture;
 // default the four heavy-tailed ones. Each row places N times, default 3: placement_ms is the
 // median of the placing thread's CPU time (the cores may be shared), placement_min_ms the least,
-// wall_ms the median wall time. Imbalance as measure_imbalance reports it: mean and max over the ring's steps (worker)
-// and ranks (step).)
+// wall_ms the median wall time. Imbalance as measure_imbalance reports it: mean and max over the
+// ring's steps (worker) and ranks (step); round_bound: the least busiest-rank KV-side or query-side load / mean of any
+// placement with one block per rank in each round of W blocks, as balance_stripes places them.)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -39,7 +42,30 @@ struct row {
   index_t seq_len, world;
   double placement_ms, min_ms, wall_ms;
   imbalance_degrees placed, striped;
+  double round_bound;
 };
+
+/// The least busiest-rank load / mean load, on the KV side or the query side, of any placement
+/// that gives every rank one block of each round of W blocks (balance_stripes' shape): the rank
+/// holding block b also holds at least the lightest block of every other round. A flat ring's
+/// worker imbalance is about at least this (each step meets the busiest KV rank once).
+double round_bound(const block_costs& costs, index_t world) {
+  double bound = 0.0;
+  for (const auto* side : {&costs.key_entries, &costs.query_entries}) {
+    const std::vector<std::int64_t>& cost = *side;
+    const auto rounds = static_cast<std::size_t>(cost.size() / static_cast<std::size_t>(world));
+    std::vector<double> lightest(rounds, std::numeric_limits<double>::infinity());
+    double total = 0.0;
+    for (std::size_t b = 0; b < cost.size(); ++b) {
+      lightest[b / static_cast<std::size_t>(world)] = std::min(lightest[b / static_cast<std::size_t>(world)], double(cost[b]));
+      total += double(cost[b]);
+    }
+    const double lightest_sum = std::accumulate(lightest.begin(), lightest.end(), 0.0);
+    for (std::size_t b = 0; b < cost.size(); ++b)
+      bound = std::max(bound, (double(cost[b]) + lightest_sum - lightest[b / static_cast<std::size_t>(world)]) / (total / double(world)));
+  }
+  return bound;
+}
 
 }  // namespace
 
@@ -69,9 +95,10 @@ int main(int argc, char** argv) try {
   const auto wanted = [&](const std::string& p) { return ("," + patterns + ",").find("," + p + ",") != std::string::npos; };
   std::vector<row> rows;
   if (!json)
-    std::printf("stripe_bench: heads %d/%d, density %.3f, flat ring (%d placements: thread CPU ms median and min, wall ms median)\n%-19s %8s %5s %9s %7s %8s   %-27s   %s\n",
+    std::printf("stripe_bench: heads %d/%d, density %.3f, flat ring (%d placements: thread CPU ms median and min, wall ms median; bound: least "
+                "busiest-rank load / mean of any one-block-per-round placement)\n%-19s %8s %5s %9s %7s %8s   %-27s   %-13s   %s\n",
                 heads_q, heads_kv, 1.0 - sparsity, runs, "pattern", "seq_len", "world", "cpu ms", "min", "wall ms", "placed: worker mean/max, step mean/max",
-                "striped: worker, step");
+                "striped: w, s", "bound");
   for (const host::vs_pattern pattern : {host::vs_pattern::rope, host::vs_pattern::power_law_slash, host::vs_pattern::periodic_slash,
                                          host::vs_pattern::clustered_vertical, host::vs_pattern::mixture}) {
     if (!wanted(host::pattern_name(pattern))) continue;
@@ -101,11 +128,11 @@ int main(int argc, char** argv) try {
         const topology::flat_ring ring(world);
         rows.push_back({host::pattern_name(pattern), seq_len, world, times[times.size() / 2], times.front(), walls[walls.size() / 2],
                         measure_imbalance(count_ring_workload(g, placement, ring)),
-                        measure_imbalance(count_ring_workload(g, sharding::striped<64>{}, ring))});
+                        measure_imbalance(count_ring_workload(g, sharding::striped<64>{}, ring)), round_bound(count_block_costs(g), world)});
         if (!json) {
           const row& r = rows.back();
-          std::printf("%-19s %8d %5d %9.2f %7.2f %8.2f   %6.3f %6.3f %6.3f %6.3f   %6.3f %6.3f\n", r.pattern.c_str(), r.seq_len, r.world, r.placement_ms, r.min_ms, r.wall_ms,
-                      r.placed.worker_mean, r.placed.worker_max, r.placed.step_mean, r.placed.step_max, r.striped.worker_mean, r.striped.step_mean);
+          std::printf("%-19s %8d %5d %9.2f %7.2f %8.2f   %6.3f %6.3f %6.3f %6.3f   %6.3f %6.3f   %6.3f\n", r.pattern.c_str(), r.seq_len, r.world, r.placement_ms, r.min_ms,
+                      r.wall_ms, r.placed.worker_mean, r.placed.worker_max, r.placed.step_mean, r.placed.step_max, r.striped.worker_mean, r.striped.step_mean, r.round_bound);
           std::fflush(stdout);
         }
       }
@@ -117,9 +144,9 @@ int main(int argc, char** argv) try {
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const row& r = rows[i];
       std::printf("%s\n  {\"pattern\": \"%s\", \"seq_len\": %d, \"world\": %d, \"placement_ms\": %.3f, \"placement_min_ms\": %.3f, \"wall_ms\": %.3f, \"worker_mean\": %.4f, \"worker_max\": %.4f, "
-                  "\"step_mean\": %.4f, \"step_max\": %.4f, \"striped_worker_mean\": %.4f, \"striped_step_mean\": %.4f}",
+                  "\"step_mean\": %.4f, \"step_max\": %.4f, \"striped_worker_mean\": %.4f, \"striped_step_mean\": %.4f, \"round_bound\": %.4f}",
                   i ? "," : "", r.pattern.c_str(), r.seq_len, r.world, r.placement_ms, r.min_ms, r.wall_ms, r.placed.worker_mean, r.placed.worker_max, r.placed.step_mean,
-                  r.placed.step_max, r.striped.worker_mean, r.striped.step_mean);
+                  r.placed.step_max, r.striped.worker_mean, r.striped.step_mean, r.round_bound);
     }
     std::printf("\n ]\n}\n");
   }
