@@ -38,14 +38,15 @@ namespace detail {
 /// entries there; the second part is summed over heads once per diagonal, not per head.
 ///
 /// Heads with equal vertical token lists form one class (the heads of a KV group, often), so that
-/// correcting a tile for its heads' vertical entries costs one term per class with tokens in the
-/// key block, not one per head.
+/// correcting a diagonal's tiles for their heads' vertical entries is one contiguous pass per class
+/// that selects the diagonal, not one per head.
 class stripe_tiles {
  public:
   explicit stripe_tiles(const global_selection& selection) : nb_(selection.num_blocks()), causal_(selection.causal) {
     selection.validate();
     if (selection.num_heads() > max_heads)
-      throw invalid_argument("selection.heads.size()", selection.num_heads(), "balance_stripes takes at most " + std::to_string(max_heads) + " heads (a tile's entries over heads are 32-bit)");
+      throw invalid_argument("selection.heads.size()", selection.num_heads(),
+                             "balance_stripes takes at most " + std::to_string(max_heads) + " heads (a tile's entries over heads are 32-bit)");
     const auto nb = static_cast<std::size_t>(nb_);
     const auto heads = static_cast<std::size_t>(selection.num_heads());
     // Classes of heads with equal vertical tokens.
@@ -75,21 +76,21 @@ class stripe_tiles {
     }
 
     // The union of the slash diagonals, and per diagonal how many heads of each class select it.
-    delta_index_.assign(2 * nb - 1, -1);
+    std::vector<index_t> delta_index(2 * nb - 1, -1);  // [delta + nb - 1] index into deltas_, or -1
     for (const head_selection& head : selection.heads)
-      for (const index_t delta : head.slash_deltas) delta_index_[static_cast<std::size_t>(delta + nb_ - 1)] = 0;
+      for (const index_t delta : head.slash_deltas) delta_index[static_cast<std::size_t>(delta + nb_ - 1)] = 0;
     for (index_t d = -(nb_ - 1); d < nb_; ++d)
-      if (delta_index_[static_cast<std::size_t>(d + nb_ - 1)] == 0) {
-        delta_index_[static_cast<std::size_t>(d + nb_ - 1)] = static_cast<index_t>(deltas_.size());
+      if (delta_index[static_cast<std::size_t>(d + nb_ - 1)] == 0) {
+        delta_index[static_cast<std::size_t>(d + nb_ - 1)] = static_cast<index_t>(deltas_.size());
         deltas_.push_back(d);
       }
     const std::size_t u = deltas_.size();
-    class_heads_.assign(u * classes_, 0);
+    std::vector<std::int32_t> class_heads(u * classes_, 0);  // [diagonal, class] heads of the class that select it
     std::vector<std::int64_t> heads_on(u, 0);
     for (std::size_t h = 0; h < heads; ++h)
       for (const index_t delta : selection.heads[h].slash_deltas) {
-        const auto i = static_cast<std::size_t>(delta_index_[static_cast<std::size_t>(delta + nb_ - 1)]);
-        ++class_heads_[i * classes_ + class_of[h]];
+        const auto i = static_cast<std::size_t>(delta_index[static_cast<std::size_t>(delta + nb_ - 1)]);
+        ++class_heads[i * classes_ + class_of[h]];
         ++heads_on[i];
       }
     whole_.resize(u);
@@ -99,11 +100,11 @@ class stripe_tiles {
     heads_before_.assign((u + 1) * classes_, 0);
     for (std::size_t i = 0; i < u; ++i) {
       for (std::size_t c = 0; c < classes_; ++c)
-        if (const std::int32_t n = class_heads_[i * classes_ + c]; n != 0) delta_classes_.push_back({static_cast<std::int32_t>(c), block_tokens * n});
+        if (const std::int32_t n = class_heads[i * classes_ + c]; n != 0) delta_classes_.push_back({static_cast<std::int32_t>(c), block_tokens * n});
       delta_class_begin_[i + 1] = delta_classes_.size();
       whole_before_[i + 1] = whole_before_[i] + whole_[i];
       for (std::size_t c = 0; c < classes_; ++c)
-        heads_before_[(i + 1) * classes_ + c] = heads_before_[i * classes_ + c] + (corrected(i) ? class_heads_[i * classes_ + c] : 0);
+        heads_before_[(i + 1) * classes_ + c] = heads_before_[i * classes_ + c] + (corrected(i) ? class_heads[i * classes_ + c] : 0);
     }
 
     // Explicit tiles off the head's own selected diagonals (those count once, as diagonal tiles),
@@ -112,7 +113,8 @@ class stripe_tiles {
       const head_selection& head = selection.heads[h];
       for (const block_pair& b : head.blocks) {
         if (std::binary_search(head.slash_deltas.begin(), head.slash_deltas.end(), b.query_block - b.key_block)) continue;
-        const std::int64_t vertical = in_range(b.query_block, b.key_block) ? block_tokens * std::int64_t{class_tokens_[class_of[h] * nb + static_cast<std::size_t>(b.key_block)]} : 0;
+        const std::int32_t tokens = class_tokens_[class_of[h] * nb + static_cast<std::size_t>(b.key_block)];
+        const std::int64_t vertical = in_range(b.query_block, b.key_block) ? block_tokens * std::int64_t{tokens} : 0;
         explicit_by_query_.push_back({b.query_block, b.key_block, tile(b.query_block, b.key_block) - vertical});
       }
     }
@@ -121,8 +123,9 @@ class stripe_tiles {
     });
     std::size_t kept = 0;  // one entry per tile
     for (std::size_t i = 0; i < explicit_by_query_.size(); ++i) {
-      if (kept > 0 && explicit_by_query_[kept - 1].query_block == explicit_by_query_[i].query_block && explicit_by_query_[kept - 1].key_block == explicit_by_query_[i].key_block)
-        explicit_by_query_[kept - 1].entries += explicit_by_query_[i].entries;
+      const weighted_tile& t = explicit_by_query_[i];
+      if (kept > 0 && explicit_by_query_[kept - 1].query_block == t.query_block && explicit_by_query_[kept - 1].key_block == t.key_block)
+        explicit_by_query_[kept - 1].entries += t.entries;
       else explicit_by_query_[kept++] = explicit_by_query_[i];
     }
     explicit_by_query_.resize(kept);
@@ -151,17 +154,6 @@ class stripe_tiles {
 
   [[nodiscard]] std::int64_t tile(index_t q_block, index_t k_block) const {
     return causal_ && q_block == k_block ? std::int64_t{block_tokens} * (block_tokens + 1) / 2 : std::int64_t{block_tokens} * block_tokens;
-  }
-
-  /// Entries of the tile (query block, key block) over all heads.
-  [[nodiscard]] std::int64_t operator()(index_t q_block, index_t k_block) const {
-    std::int64_t sum = in_range(q_block, k_block) ? block_tokens * tokens_all_[static_cast<std::size_t>(k_block)] : 0;
-    if (const index_t i = delta_index_[static_cast<std::size_t>(q_block - k_block + nb_ - 1)]; i >= 0) sum += on_diagonal(static_cast<std::size_t>(i), k_block);
-    if (!explicit_by_query_.empty()) {
-      const auto it = std::lower_bound(explicit_by_query_.begin(), explicit_by_query_.end(), block_pair{q_block, k_block}, by_query);
-      if (it != explicit_by_query_.end() && it->query_block == q_block && it->key_block == k_block) sum += it->entries;
-    }
-    return sum;
   }
 
   /// For the query blocks first + j (j < count), adds to rows[j * w + owner[k]] what their active
@@ -298,8 +290,12 @@ class stripe_tiles {
     index_t query_block, key_block;
     std::int64_t entries;  // over the heads for which it is explicit, less their vertical entries
   };
-  static bool by_query(const weighted_tile& x, const block_pair& y) { return x.query_block != y.query_block ? x.query_block < y.query_block : x.key_block < y.key_block; }
-  static bool by_key(const weighted_tile& x, const block_pair& y) { return x.key_block != y.key_block ? x.key_block < y.key_block : x.query_block < y.query_block; }
+  static bool by_query(const weighted_tile& x, const block_pair& y) {
+    return x.query_block != y.query_block ? x.query_block < y.query_block : x.key_block < y.key_block;
+  }
+  static bool by_key(const weighted_tile& x, const block_pair& y) {
+    return x.key_block != y.key_block ? x.key_block < y.key_block : x.query_block < y.query_block;
+  }
 
   template <class Block, class F>
   static void for_explicit(const std::vector<weighted_tile>& tiles, index_t b, Block block, F&& f) {
@@ -309,16 +305,6 @@ class stripe_tiles {
 
   /// Whether the tiles of diagonal i cover vertical entries (causal: not on the block diagonal).
   [[nodiscard]] bool corrected(std::size_t i) const { return !causal_ || deltas_[i] > 0; }
-
-  /// What the heads selecting diagonal i add on its tile with key block k, over the tile's vertical entries.
-  [[nodiscard]] std::int64_t on_diagonal(std::size_t i, index_t k) const {
-    std::int64_t n = whole_[i];
-    if (!corrected(i)) return n;
-    const auto kb = static_cast<std::size_t>(k);
-    for (std::size_t p = token_begin_[kb]; p < token_begin_[kb + 1]; ++p)
-      n -= block_tokens * std::int64_t{block_tokens_[p].second} * class_heads_[i * classes_ + static_cast<std::size_t>(block_tokens_[p].first)];
-    return n;
-  }
 
   /// What the heads selecting diagonal i add on its tiles with key blocks k0 + j, j in
   /// [j_begin, j_end), over the tiles' vertical entries: at index j - j_begin of a scratch row.
@@ -349,12 +335,10 @@ class stripe_tiles {
   std::vector<std::size_t> token_begin_;                      // [num_blocks + 1] into block_tokens_
   std::vector<std::int64_t> tokens_all_;                      // [key block] over all heads
   std::vector<index_t> deltas_;                               // [diagonals] the union of the heads' slash deltas, ascending
-  std::vector<index_t> delta_index_;                          // [delta + nb - 1] index into deltas_, or -1
-  std::vector<std::int32_t> class_heads_;                     // [diagonal, class] heads of the class that select it
   std::vector<std::int64_t> whole_;                           // [diagonal] its whole tiles' entries over the heads that select it
   std::vector<std::pair<std::int32_t, std::int32_t>> delta_classes_;  // per diagonal (CSR): (class, 64 x its heads that select it)
   std::vector<std::size_t> delta_class_begin_;                // [diagonals + 1] into delta_classes_
-  std::vector<std::int64_t> whole_before_, heads_before_;     // prefix sums over the diagonals: whole_, in-range class_heads_ [diagonal, class]
+  std::vector<std::int64_t> whole_before_, heads_before_;     // prefix sums over the diagonals: whole_, in-range heads per class [diagonal, class]
   std::vector<weighted_tile> explicit_by_query_, explicit_by_key_;
 };
 
@@ -417,94 +401,94 @@ inline std::vector<index_t> greedy_placement(const stripe_tiles& tiles, index_t 
   const auto owner_of = [&](index_t b) { return static_cast<std::size_t>(owner[static_cast<std::size_t>(b)]); };
 
   for (index_t batch_begin = 0; batch_begin < nb; batch_begin += batch) {
-   const index_t batch_end = std::min(nb, batch_begin + batch);
-   std::fill(rows_before.begin(), rows_before.end(), 0);
-   std::fill(columns_before.begin(), columns_before.end(), 0);
-   tiles.add_rows(batch_begin, batch_end - batch_begin, 0, batch_begin, owner, rows_before.data(), w, scratch);
-   if (!causal) tiles.add_columns(batch_begin, batch_end - batch_begin, 0, batch_begin, owner, columns_before.data(), w, scratch);
-   for (index_t round_begin = batch_begin; round_begin < batch_end; round_begin += world) {
-    // The batch's rounds before this one are placed now.
-    std::int64_t* round_rows = rows_before.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
-    std::int64_t* round_columns = columns_before.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
-    tiles.add_rows(round_begin, world, batch_begin, round_begin, owner, round_rows, w, scratch);
-    if (!causal) tiles.add_columns(round_begin, world, batch_begin, round_begin, owner, round_columns, w, scratch);
-    tiles.round_tiles(round_begin, w, among.data(), scratch);
-    for (std::size_t i = 0; i < w; ++i) {
-      const index_t b = round_begin + static_cast<index_t>(i);
-      key_cost[i] = key_cost_all[static_cast<std::size_t>(b)];
-      query_cost[i] = causal ? block_tokens * tokens_done_all + std::accumulate(round_rows + i * w, round_rows + (i + 1) * w, std::int64_t{0}) +
-                                   std::accumulate(among.begin() + static_cast<std::ptrdiff_t>(i * w), among.begin() + static_cast<std::ptrdiff_t>((i + 1) * w), std::int64_t{0})
-                             : query_cost_all[static_cast<std::size_t>(b)];
-    }
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return query_cost[a] + key_cost[a] > query_cost[b] + key_cost[b]; });
-    std::fill(taken.begin(), taken.end(), 0);
-    placed_in_round.clear();
-    for (const std::size_t i : order) {
-      const index_t b = round_begin + static_cast<index_t>(i);
-      // Entries with the blocks of finished rounds (all below round_begin) ...
-      const std::int64_t b_tokens = tiles.vertical_tokens(b);
-      for (std::size_t r = 0; r < w; ++r) {
-        known_row[r] = block_tokens * tokens_done[r] + round_rows[i * w + r];
-        known_column[r] = causal ? 0 : block_tokens * b_tokens * blocks_done[r] + round_columns[i * w + r];
+    const index_t batch_end = std::min(nb, batch_begin + batch);
+    std::fill(rows_before.begin(), rows_before.end(), 0);
+    std::fill(columns_before.begin(), columns_before.end(), 0);
+    tiles.add_rows(batch_begin, batch_end - batch_begin, 0, batch_begin, owner, rows_before.data(), w, scratch);
+    if (!causal) tiles.add_columns(batch_begin, batch_end - batch_begin, 0, batch_begin, owner, columns_before.data(), w, scratch);
+    for (index_t round_begin = batch_begin; round_begin < batch_end; round_begin += world) {
+      // The batch's rounds before this one are placed now.
+      std::int64_t* round_rows = rows_before.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
+      std::int64_t* round_columns = columns_before.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
+      tiles.add_rows(round_begin, world, batch_begin, round_begin, owner, round_rows, w, scratch);
+      if (!causal) tiles.add_columns(round_begin, world, batch_begin, round_begin, owner, round_columns, w, scratch);
+      tiles.round_tiles(round_begin, w, among.data(), scratch);
+      for (std::size_t i = 0; i < w; ++i) {
+        const index_t b = round_begin + static_cast<index_t>(i);
+        key_cost[i] = key_cost_all[static_cast<std::size_t>(b)];
+        query_cost[i] = causal ? block_tokens * tokens_done_all + std::accumulate(round_rows + i * w, round_rows + (i + 1) * w, std::int64_t{0}) +
+                                     std::accumulate(among.begin() + static_cast<std::ptrdiff_t>(i * w), among.begin() + static_cast<std::ptrdiff_t>((i + 1) * w), std::int64_t{0})
+                               : query_cost_all[static_cast<std::size_t>(b)];
       }
-      // ... and with the blocks of this round placed so far.
-      for (const std::size_t o : placed_in_round) {
-        const std::size_t r = owner_of(round_begin + static_cast<index_t>(o));
-        known_row[r] += among[i * w + o];
-        known_column[r] += among[o * w + i];
-      }
-      const std::int64_t self = among[i * w + i];
-      // The rest, with blocks not placed yet, spread evenly.
-      const std::int64_t known_row_sum = std::accumulate(known_row.begin(), known_row.end(), std::int64_t{0});
-      const std::int64_t known_column_sum = std::accumulate(known_column.begin(), known_column.end(), std::int64_t{0});
-      const double future_row = double(std::max<std::int64_t>(0, query_cost[i] - known_row_sum - self)) / double(w);
-      const double future_column = double(std::max<std::int64_t>(0, key_cost[i] - known_column_sum - self)) / double(w);
-      for (std::size_t r = 0; r < w; ++r) row[r] = double(known_row[r]) + future_row, column[r] = double(known_column[r]) + future_column;
-      const double row_sum = double(known_row_sum) + future_row * double(w), column_sum = double(known_column_sum) + future_column * double(w);
-      const double row_mean = row_sum / double(w), column_mean = column_sum / double(w);
-      // X^T column = future_column X^T 1 + X^T known_column (causal: nonzero only for the round's placed blocks).
-      for (std::size_t r = 0; r < w; ++r) x_column[r] = future_column * x_column_sum[r];
-      for (std::size_t j = 0; j < w; ++j) {
-        if (known_column[j] == 0) continue;
-        const double c = double(known_column[j]);
-        const double* xj = x.data() + j * w;
-        for (std::size_t r = 0; r < w; ++r) x_column[r] += c * xj[r];
-      }
+      std::iota(order.begin(), order.end(), std::size_t{0});
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return query_cost[a] + key_cost[a] > query_cost[b] + key_cost[b]; });
+      std::fill(taken.begin(), taken.end(), 0);
+      placed_in_round.clear();
+      for (const std::size_t i : order) {
+        const index_t b = round_begin + static_cast<index_t>(i);
+        // Entries with the blocks of finished rounds (all below round_begin) ...
+        const std::int64_t b_tokens = tiles.vertical_tokens(b);
+        for (std::size_t r = 0; r < w; ++r) {
+          known_row[r] = block_tokens * tokens_done[r] + round_rows[i * w + r];
+          known_column[r] = causal ? 0 : block_tokens * b_tokens * blocks_done[r] + round_columns[i * w + r];
+        }
+        // ... and with the blocks of this round placed so far.
+        for (const std::size_t o : placed_in_round) {
+          const std::size_t r = owner_of(round_begin + static_cast<index_t>(o));
+          known_row[r] += among[i * w + o];
+          known_column[r] += among[o * w + i];
+        }
+        const std::int64_t self = among[i * w + i];
+        // The rest, with blocks not placed yet, spread evenly.
+        const std::int64_t known_row_sum = std::accumulate(known_row.begin(), known_row.end(), std::int64_t{0});
+        const std::int64_t known_column_sum = std::accumulate(known_column.begin(), known_column.end(), std::int64_t{0});
+        const double future_row = double(std::max<std::int64_t>(0, query_cost[i] - known_row_sum - self)) / double(w);
+        const double future_column = double(std::max<std::int64_t>(0, key_cost[i] - known_column_sum - self)) / double(w);
+        for (std::size_t r = 0; r < w; ++r) row[r] = double(known_row[r]) + future_row, column[r] = double(known_column[r]) + future_column;
+        const double row_sum = double(known_row_sum) + future_row * double(w), column_sum = double(known_column_sum) + future_column * double(w);
+        const double row_mean = row_sum / double(w), column_mean = column_sum / double(w);
+        // X^T column = future_column X^T 1 + X^T known_column (causal: nonzero only for the round's placed blocks).
+        for (std::size_t r = 0; r < w; ++r) x_column[r] = future_column * x_column_sum[r];
+        for (std::size_t j = 0; j < w; ++j) {
+          if (known_column[j] == 0) continue;
+          const double c = double(known_column[j]);
+          const double* xj = x.data() + j * w;
+          for (std::size_t r = 0; r < w; ++r) x_column[r] += c * xj[r];
+        }
 
-      // Half the rise of sum(M^2) when b goes to rank r, less what is the same for every r.
-      std::size_t best = w;
-      double best_score = std::numeric_limits<double>::infinity();
-      for (std::size_t r = 0; r < w; ++r) {
-        if (taken[r]) continue;
-        const double* xr = x.data() + r * w;
-        const double x_row = dot(xr, row.data(), w);
-        double score = row_shift[r] * row_sum + column_shift[r] * column_sum + (column[r] - column_mean) * (row[r] - row_mean) + x_row + x_column[r];
-        score += double(self) * (xr[r] + row_shift[r] + column_shift[r] + row[r] + column[r]);
-        if (score < best_score) best_score = score, best = r;
+        // Half the rise of sum(M^2) when b goes to rank r, less what is the same for every r.
+        std::size_t best = w;
+        double best_score = std::numeric_limits<double>::infinity();
+        for (std::size_t r = 0; r < w; ++r) {
+          if (taken[r]) continue;
+          const double* xr = x.data() + r * w;
+          const double x_row = dot(xr, row.data(), w);
+          double score = row_shift[r] * row_sum + column_shift[r] * column_sum + (column[r] - column_mean) * (row[r] - row_mean) + x_row + x_column[r];
+          score += double(self) * (xr[r] + row_shift[r] + column_shift[r] + row[r] + column[r]);
+          if (score < best_score) best_score = score, best = r;
+        }
+        taken[best] = 1;
+        owner[static_cast<std::size_t>(b)] = static_cast<index_t>(best);
+        placed_in_round.push_back(i);
+        for (std::size_t j = 0; j < w; ++j) {
+          x[best * w + j] += row[j];
+          x[j * w + best] += column[j];
+          x_column_sum[j] += row[j];
+          column_shift[j] -= row[j] / double(w);
+          row_shift[j] -= column[j] / double(w);
+          loads[best * w + j] += known_row[j];
+          loads[j * w + best] += known_column[j];
+        }
+        x[best * w + best] += double(self);
+        x_column_sum[best] += column_sum + double(self);
+        loads[best * w + best] += self;
       }
-      taken[best] = 1;
-      owner[static_cast<std::size_t>(b)] = static_cast<index_t>(best);
-      placed_in_round.push_back(i);
-      for (std::size_t j = 0; j < w; ++j) {
-        x[best * w + j] += row[j];
-        x[j * w + best] += column[j];
-        x_column_sum[j] += row[j];
-        column_shift[j] -= row[j] / double(w);
-        row_shift[j] -= column[j] / double(w);
-        loads[best * w + j] += known_row[j];
-        loads[j * w + best] += known_column[j];
+      for (index_t b = round_begin; b < round_begin + world; ++b) {
+        tokens_done[owner_of(b)] += tiles.vertical_tokens(b);
+        tokens_done_all += tiles.vertical_tokens(b);
+        ++blocks_done[owner_of(b)];
       }
-      x[best * w + best] += double(self);
-      x_column_sum[best] += column_sum + double(self);
-      loads[best * w + best] += self;
     }
-    for (index_t b = round_begin; b < round_begin + world; ++b) {
-      tokens_done[owner_of(b)] += tiles.vertical_tokens(b);
-      tokens_done_all += tiles.vertical_tokens(b);
-      ++blocks_done[owner_of(b)];
-    }
-   }
   }
   return owner;
 }
@@ -579,109 +563,109 @@ inline void refine_placement(const stripe_tiles& tiles, index_t world, std::vect
     bool swapped = false;
     std::fill(tokens_before.begin(), tokens_before.end(), 0);
     for (index_t batch_begin = 0; batch_begin < nb; batch_begin += batch) {
-     const index_t batch_end = std::min(nb, batch_begin + batch), count = batch_end - batch_begin;
-     std::fill(outside_row.begin(), outside_row.end(), 0);
-     std::fill(outside_column.begin(), outside_column.end(), 0);
-     tiles.add_rows(batch_begin, count, 0, batch_begin, owner, outside_row.data(), w, scratch);
-     tiles.add_rows(batch_begin, count, batch_end, nb, owner, outside_row.data(), w, scratch);
-     tiles.add_columns(batch_begin, count, 0, batch_begin, owner, outside_column.data(), w, scratch);
-     tiles.add_columns(batch_begin, count, batch_end, nb, owner, outside_column.data(), w, scratch);
-     for (index_t round_begin = batch_begin; round_begin < batch_end; round_begin += world) {
-      const index_t round_end = round_begin + world;
-      std::int64_t* round_row = outside_row.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
-      std::int64_t* round_column = outside_column.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
-      tiles.add_rows(round_begin, world, batch_begin, round_begin, owner, round_row, w, scratch);
-      tiles.add_rows(round_begin, world, round_end, batch_end, owner, round_row, w, scratch);
-      tiles.add_columns(round_begin, world, batch_begin, round_begin, owner, round_column, w, scratch);
-      tiles.add_columns(round_begin, world, round_end, batch_end, owner, round_column, w, scratch);
-      const std::int64_t later_blocks = nb / world - round_begin / world - 1;  // per rank: one block per round
-      for (std::size_t i = 0; i < w; ++i) position[rank_of(round_begin, i)] = i;
-      for (std::size_t i = 0; i < w; ++i) {
-        const index_t b = round_begin + static_cast<index_t>(i);
-        const std::int64_t b_tokens = tiles.vertical_tokens(b);
-        for (std::size_t k = 0; k < w; ++k) {
-          // Vertical entries outside the round, as if no tile were active (each rank has one block in it).
-          const std::int64_t tokens = tiles.causal() ? tokens_before[k] : tokens_all[k] - tiles.vertical_tokens(round_begin + static_cast<index_t>(position[k]));
-          row[i * w + k] = double(round_row[i * w + k] + block_tokens * tokens);
-          column[i * w + k] = double(round_column[i * w + k] + block_tokens * b_tokens * (tiles.causal() ? later_blocks : nb / world - 1));
+      const index_t batch_end = std::min(nb, batch_begin + batch), count = batch_end - batch_begin;
+      std::fill(outside_row.begin(), outside_row.end(), 0);
+      std::fill(outside_column.begin(), outside_column.end(), 0);
+      tiles.add_rows(batch_begin, count, 0, batch_begin, owner, outside_row.data(), w, scratch);
+      tiles.add_rows(batch_begin, count, batch_end, nb, owner, outside_row.data(), w, scratch);
+      tiles.add_columns(batch_begin, count, 0, batch_begin, owner, outside_column.data(), w, scratch);
+      tiles.add_columns(batch_begin, count, batch_end, nb, owner, outside_column.data(), w, scratch);
+      for (index_t round_begin = batch_begin; round_begin < batch_end; round_begin += world) {
+        const index_t round_end = round_begin + world;
+        std::int64_t* round_row = outside_row.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
+        std::int64_t* round_column = outside_column.data() + static_cast<std::size_t>(round_begin - batch_begin) * w;
+        tiles.add_rows(round_begin, world, batch_begin, round_begin, owner, round_row, w, scratch);
+        tiles.add_rows(round_begin, world, round_end, batch_end, owner, round_row, w, scratch);
+        tiles.add_columns(round_begin, world, batch_begin, round_begin, owner, round_column, w, scratch);
+        tiles.add_columns(round_begin, world, round_end, batch_end, owner, round_column, w, scratch);
+        const std::int64_t later_blocks = nb / world - round_begin / world - 1;  // per rank: one block per round
+        for (std::size_t i = 0; i < w; ++i) position[rank_of(round_begin, i)] = i;
+        for (std::size_t i = 0; i < w; ++i) {
+          const index_t b = round_begin + static_cast<index_t>(i);
+          const std::int64_t b_tokens = tiles.vertical_tokens(b);
+          for (std::size_t k = 0; k < w; ++k) {
+            // Vertical entries outside the round, as if no tile were active (each rank has one block in it).
+            const std::int64_t tokens = tiles.causal() ? tokens_before[k] : tokens_all[k] - tiles.vertical_tokens(round_begin + static_cast<index_t>(position[k]));
+            row[i * w + k] = double(round_row[i * w + k] + block_tokens * tokens);
+            column[i * w + k] = double(round_column[i * w + k] + block_tokens * b_tokens * (tiles.causal() ? later_blocks : nb / world - 1));
+          }
         }
-      }
-      tiles.round_tiles(round_begin, w, round_among.data(), scratch);
-      for (std::size_t i = 0; i < w * w; ++i) among[i] = double(round_among[i]);
-      for (std::size_t i = 0; i < w; ++i)
-        for (std::size_t j = 0; j < w; ++j) {
-          row[i * w + rank_of(round_begin, j)] += among[i * w + j];
-          column[j * w + rank_of(round_begin, i)] += among[i * w + j];
-        }
+        tiles.round_tiles(round_begin, w, round_among.data(), scratch);
+        for (std::size_t i = 0; i < w * w; ++i) among[i] = double(round_among[i]);
+        for (std::size_t i = 0; i < w; ++i)
+          for (std::size_t j = 0; j < w; ++j) {
+            row[i * w + rank_of(round_begin, j)] += among[i * w + j];
+            column[j * w + rank_of(round_begin, i)] += among[i * w + j];
+          }
 
-      for (std::size_t a = 0; a < w; ++a)
-        for (std::size_t b = a + 1; b < w; ++b) {
-          const std::size_t ra = rank_of(round_begin, a), rb = rank_of(round_begin, b);
-          // Block a's entries by rank minus block b's (d_row, d_column), the pair (a, b) and the
-          // blocks themselves apart: the round's rows hold them at ra and rb.
-          const double* row_a = row.data() + a * w;
-          const double* row_b = row.data() + b * w;
-          const double* column_a = column.data() + a * w;
-          const double* column_b = column.data() + b * w;
-          const double aa = among[a * w + a], ab = among[a * w + b], ba = among[b * w + a], bb = among[b * w + b];
-          const double self = aa - bb, pair = ab - ba;
-          const double d_row_ra = row_a[ra] - row_b[ra] - (aa - ba), d_row_rb = row_a[rb] - row_b[rb] - (ab - bb);
-          const double d_column_ra = column_a[ra] - column_b[ra] - (aa - ab), d_column_rb = column_a[rb] - column_b[rb] - (ba - bb);
-          // Swapping moves a's row and column from ra to rb and b's the other way:
-          // dM = u (x) d_row + d_column (x) u + self (E_bb - E_aa) + pair (E_ba - E_ab), u = e_rb - e_ra.
-          const auto change = [&](std::size_t i, std::size_t j, double row_j, double column_i) {
-            const double ui = i == rb ? 1.0 : i == ra ? -1.0 : 0.0, uj = j == rb ? 1.0 : j == ra ? -1.0 : 0.0;
-            double d = ui * row_j + column_i * uj;
-            if (i == j) d += self * ui;  // +self at (rb, rb), -self at (ra, ra)
-            else if (i == rb && j == ra) d += pair;
-            else if (i == ra && j == rb) d -= pair;
-            return d;
-          };
-          // Rows ra and rb and columns ra and rb change: sum of d (2 m + d) over their cells (the
-          // lines' terms at ra and rb replaced by the four crossings).
-          const double* m_ra = m.data() + ra * w;
-          const double* m_rb = m.data() + rb * w;
-          const double* mt_ra = mt.data() + ra * w;
-          const double* mt_rb = mt.data() + rb * w;
-          double rise = 2.0 * swap_lines(row_a, row_b, m_ra, m_rb, column_a, column_b, mt_ra, mt_rb, w);
-          for (const std::size_t j : {ra, rb}) {
-            const double r = row_a[j] - row_b[j], c = column_a[j] - column_b[j];
-            rise -= 2.0 * (r * (m_rb[j] - m_ra[j] + r) + c * (mt_rb[j] - mt_ra[j] + c));
-          }
-          for (const std::size_t i : {ra, rb})
+        for (std::size_t a = 0; a < w; ++a)
+          for (std::size_t b = a + 1; b < w; ++b) {
+            const std::size_t ra = rank_of(round_begin, a), rb = rank_of(round_begin, b);
+            // Block a's entries by rank minus block b's (d_row, d_column), the pair (a, b) and the
+            // blocks themselves apart: the round's rows hold them at ra and rb.
+            const double* row_a = row.data() + a * w;
+            const double* row_b = row.data() + b * w;
+            const double* column_a = column.data() + a * w;
+            const double* column_b = column.data() + b * w;
+            const double aa = among[a * w + a], ab = among[a * w + b], ba = among[b * w + a], bb = among[b * w + b];
+            const double self = aa - bb, pair = ab - ba;
+            const double d_row_ra = row_a[ra] - row_b[ra] - (aa - ba), d_row_rb = row_a[rb] - row_b[rb] - (ab - bb);
+            const double d_column_ra = column_a[ra] - column_b[ra] - (aa - ab), d_column_rb = column_a[rb] - column_b[rb] - (ba - bb);
+            // Swapping moves a's row and column from ra to rb and b's the other way:
+            // dM = u (x) d_row + d_column (x) u + self (E_bb - E_aa) + pair (E_ba - E_ab), u = e_rb - e_ra.
+            const auto change = [&](std::size_t i, std::size_t j, double row_j, double column_i) {
+              const double ui = i == rb ? 1.0 : i == ra ? -1.0 : 0.0, uj = j == rb ? 1.0 : j == ra ? -1.0 : 0.0;
+              double d = ui * row_j + column_i * uj;
+              if (i == j) d += self * ui;  // +self at (rb, rb), -self at (ra, ra)
+              else if (i == rb && j == ra) d += pair;
+              else if (i == ra && j == rb) d -= pair;
+              return d;
+            };
+            // Rows ra and rb and columns ra and rb change: sum of d (2 m + d) over their cells (the
+            // lines' terms at ra and rb replaced by the four crossings).
+            const double* m_ra = m.data() + ra * w;
+            const double* m_rb = m.data() + rb * w;
+            const double* mt_ra = mt.data() + ra * w;
+            const double* mt_rb = mt.data() + rb * w;
+            double rise = 2.0 * swap_lines(row_a, row_b, m_ra, m_rb, column_a, column_b, mt_ra, mt_rb, w);
             for (const std::size_t j : {ra, rb}) {
-              const double d = change(i, j, j == ra ? d_row_ra : d_row_rb, i == ra ? d_column_ra : d_column_rb);
-              rise += d * (2.0 * m[i * w + j] + d);
+              const double r = row_a[j] - row_b[j], c = column_a[j] - column_b[j];
+              rise -= 2.0 * (r * (m_rb[j] - m_ra[j] + r) + c * (mt_rb[j] - mt_ra[j] + c));
             }
-          if (rise >= -1e-9 * std::abs(m[ra * w + rb] + 1.0)) continue;
-          for (std::size_t k = 0; k < w; ++k) d_row[k] = row_a[k] - row_b[k], d_column[k] = column_a[k] - column_b[k];
-          d_row[ra] = d_row_ra, d_row[rb] = d_row_rb, d_column[ra] = d_column_ra, d_column[rb] = d_column_rb;
-          const auto apply = [&](std::size_t i, std::size_t j) {
-            const double d = change(i, j, d_row[j], d_column[i]);
-            m[i * w + j] += d;
-            mt[j * w + i] += d;
-          };
-          for (std::size_t j = 0; j < w; ++j) apply(ra, j), apply(rb, j);
-          for (std::size_t i = 0; i < w; ++i)
-            if (i != ra && i != rb) apply(i, ra), apply(i, rb);
-          // The round's rows and columns by rank: a's and b's entries trade ranks.
-          for (std::size_t i = 0; i < w; ++i) {
-            const double to_a = among[i * w + a], to_b = among[i * w + b];
-            row[i * w + ra] += to_b - to_a;
-            row[i * w + rb] += to_a - to_b;
-            const double from_a = among[a * w + i], from_b = among[b * w + i];
-            column[i * w + ra] += from_b - from_a;
-            column[i * w + rb] += from_a - from_b;
+            for (const std::size_t i : {ra, rb})
+              for (const std::size_t j : {ra, rb}) {
+                const double d = change(i, j, j == ra ? d_row_ra : d_row_rb, i == ra ? d_column_ra : d_column_rb);
+                rise += d * (2.0 * m[i * w + j] + d);
+              }
+            if (rise >= -1e-9 * std::abs(m[ra * w + rb] + 1.0)) continue;
+            for (std::size_t k = 0; k < w; ++k) d_row[k] = row_a[k] - row_b[k], d_column[k] = column_a[k] - column_b[k];
+            d_row[ra] = d_row_ra, d_row[rb] = d_row_rb, d_column[ra] = d_column_ra, d_column[rb] = d_column_rb;
+            const auto apply = [&](std::size_t i, std::size_t j) {
+              const double d = change(i, j, d_row[j], d_column[i]);
+              m[i * w + j] += d;
+              mt[j * w + i] += d;
+            };
+            for (std::size_t j = 0; j < w; ++j) apply(ra, j), apply(rb, j);
+            for (std::size_t i = 0; i < w; ++i)
+              if (i != ra && i != rb) apply(i, ra), apply(i, rb);
+            // The round's rows and columns by rank: a's and b's entries trade ranks.
+            for (std::size_t i = 0; i < w; ++i) {
+              const double to_a = among[i * w + a], to_b = among[i * w + b];
+              row[i * w + ra] += to_b - to_a;
+              row[i * w + rb] += to_a - to_b;
+              const double from_a = among[a * w + i], from_b = among[b * w + i];
+              column[i * w + ra] += from_b - from_a;
+              column[i * w + rb] += from_a - from_b;
+            }
+            std::swap(owner[static_cast<std::size_t>(round_begin) + a], owner[static_cast<std::size_t>(round_begin) + b]);
+            std::swap(position[ra], position[rb]);
+            const std::int64_t a_tokens = tiles.vertical_tokens(round_begin + static_cast<index_t>(a)), b_tokens = tiles.vertical_tokens(round_begin + static_cast<index_t>(b));
+            tokens_all[ra] += b_tokens - a_tokens;
+            tokens_all[rb] += a_tokens - b_tokens;
+            swapped = true;
           }
-          std::swap(owner[static_cast<std::size_t>(round_begin) + a], owner[static_cast<std::size_t>(round_begin) + b]);
-          std::swap(position[ra], position[rb]);
-          const std::int64_t a_tokens = tiles.vertical_tokens(round_begin + static_cast<index_t>(a)), b_tokens = tiles.vertical_tokens(round_begin + static_cast<index_t>(b));
-          tokens_all[ra] += b_tokens - a_tokens;
-          tokens_all[rb] += a_tokens - b_tokens;
-          swapped = true;
-        }
-      for (std::size_t i = 0; i < w; ++i) tokens_before[rank_of(round_begin, i)] += tiles.vertical_tokens(round_begin + static_cast<index_t>(i));
-     }
+        for (std::size_t i = 0; i < w; ++i) tokens_before[rank_of(round_begin, i)] += tiles.vertical_tokens(round_begin + static_cast<index_t>(i));
+      }
     }
     if (!swapped || deviation() > (1.0 - stalled_sweep) * deviation_before) break;
   }
