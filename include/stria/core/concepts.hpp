@@ -183,12 +183,21 @@ concept host_collectives = detail::comm_rank<C> && detail::comm_world_size<C> &&
 template <class C>
 concept host_communicator = host_collectives<C> && detail::comm_host_send<C> && detail::comm_host_recv<C>;
 
+namespace detail {
+/// The requirements every communicator shares (host and device), one static_assert each.
+template <class C>
+constexpr bool check_rank_and_world_size() {
+  static_assert(comm_rank<C>, "stria: Comm must have rank() const returning stria::index_t (this rank)");
+  static_assert(comm_world_size<C>, "stria: Comm must have world_size() const returning stria::index_t (the number of ranks)");
+  return true;
+}
+}  // namespace detail
+
 /// host_collectives<C> as one static_assert per requirement, each naming the missing member.
 /// Use as `static_assert(check_host_collectives<Comm>());` (true once the asserts pass).
 template <class C>
 constexpr bool check_host_collectives() {
-  static_assert(detail::comm_rank<C>, "stria: Comm must have rank() const returning stria::index_t (this rank)");
-  static_assert(detail::comm_world_size<C>, "stria: Comm must have world_size() const returning stria::index_t (the number of ranks)");
+  static_assert(detail::check_rank_and_world_size<C>());
   static_assert(detail::comm_host_broadcast<C>, "stria: Comm must have broadcast(T* data, std::size_t count, index_t root) of host arrays");
   static_assert(detail::comm_host_all_reduce<C>,
                 "stria: Comm must have all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op) of host arrays");

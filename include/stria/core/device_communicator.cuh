@@ -60,8 +60,7 @@ concept device_communicator = detail::comm_rank<C> && detail::comm_world_size<C>
 /// Use as `static_assert(check_device_communicator<Comm>());` (true once the asserts pass).
 template <class C>
 constexpr bool check_device_communicator() {
-  static_assert(detail::comm_rank<C>, "stria: Comm must have rank() const returning stria::index_t (this rank)");
-  static_assert(detail::comm_world_size<C>, "stria: Comm must have world_size() const returning stria::index_t (the number of ranks)");
+  static_assert(detail::check_rank_and_world_size<C>());
   static_assert(detail::comm_group_start<C>, "stria: Comm must have group_start() (sends and receives posted together until group_end)");
   static_assert(detail::comm_group_end<C>, "stria: Comm must have group_end() (posts the group's sends and receives)");
   static_assert(detail::comm_device_send<C>,
