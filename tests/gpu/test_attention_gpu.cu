@@ -101,7 +101,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   delta.fill_bytes(0xff);
   device::backward_delta<T>(tensor_view<const T, 3>(out_device.data(), {sq, hq, dim}), d_out_view, tensor_view<float, 2>(delta.data(), {hq, sq}),
                             nullptr);
-  auto run_backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic) {
+  auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source) {
     struct gradients {
       std::vector<float> dq, dk, dv;
     };
@@ -111,20 +111,26 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dv.fill_bytes(0);
     device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
                                tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, dq_view(dq), dk_view(dk), dk_view(dv), mode,
-                               nullptr, which);
+                               nullptr, which, source);
     return gradients{dq.download(), dk.download(), dv.download()};
   };
-  // Every backward kernel family (mma.sync, and wgmma on Hopper) in both modes: the deterministic
-  // mode repeats bit for bit, the atomic mode agrees to rounding.
-  std::vector<device::backward_kernel> backward_kernels{device::backward_kernel::mma_sync};
-  if (device::hopper_kernels_available()) backward_kernels.push_back(device::backward_kernel::wgmma);
-  for (const device::backward_kernel which : backward_kernels) {
-    const std::string kernel_name = which == device::backward_kernel::wgmma ? "wgmma" : "mma.sync";
+  // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in
+  // both modes: the deterministic mode repeats bit for bit, the atomic mode agrees to rounding.
+  std::vector<std::pair<device::backward_kernel, device::dq_source>> backward_kernels{
+      {device::backward_kernel::mma_sync, device::dq_source::automatic}};
+  if (device::hopper_kernels_available()) {
+    backward_kernels.emplace_back(device::backward_kernel::wgmma, device::dq_source::stored);
+    backward_kernels.emplace_back(device::backward_kernel::wgmma, device::dq_source::recomputed);
+  }
+  for (const auto& [which, source] : backward_kernels) {
+    const std::string kernel_name = which == device::backward_kernel::mma_sync         ? "mma.sync"
+                                    : source == device::dq_source::stored ? "wgmma, dS stored"
+                                                                          : "wgmma, dS recomputed";
     CAPTURE(kernel_name);
     for (const device::determinism mode : {device::determinism::deterministic, device::determinism::atomic}) {
       const bool deterministic = mode == device::determinism::deterministic;
       CAPTURE(deterministic);
-      const auto grads = run_backward(mode, which);
+      const auto grads = run_backward(mode, which, source);
       const double dq_error = max_relative_error(grads.dq, dq_ref), dk_error = max_relative_error(grads.dk, dk_ref),
                    dv_error = max_relative_error(grads.dv, dv_ref);
       MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, deterministic ? " deterministic" : " atomic",
@@ -133,7 +139,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
       CHECK(dk_error < 2 * tolerance<T>());
       CHECK(dv_error < 2 * tolerance<T>());
       if (deterministic) {
-        const auto again = run_backward(mode, which);
+        const auto again = run_backward(mode, which, source);
         CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);

@@ -46,6 +46,14 @@ enum class forward_kernel { automatic, mma_sync, wgmma };
 /// support them, else the mma.sync ones (sm80+); or one of them by name (tests compare both).
 enum class backward_kernel { automatic, mma_sync, wgmma };
 
+/// Where the Hopper backward's dQ pass gets dS from. `stored`: the dK/dV passes write each active
+/// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
+/// instead of three. `recomputed`: the dQ pass forms S, dP and dS again from Q, K, V and dO (no
+/// workspace). `automatic` stores at head dim 128 where the workspace is at most a quarter of the
+/// device's memory: the stored dS costs DRAM traffic (2 bytes per entry out and back) that only the
+/// larger head dim's recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
+enum class dq_source { automatic, stored, recomputed };
+
 /// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
 /// sm_90a (probed once per device with a one-thread kernel).
 inline bool hopper_kernels_available() {
@@ -70,6 +78,20 @@ inline bool hopper_kernels_available() {
 }
 
 namespace detail {
+
+/// The current device's global memory in bytes (asked once per device).
+inline std::size_t device_memory_bytes() {
+  static std::mutex mutex;
+  static std::map<int, std::size_t> known;
+  int device = 0;
+  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard lock(mutex);
+  if (auto it = known.find(device); it != known.end()) return it->second;
+  std::size_t free_bytes = 0, total_bytes = 0;
+  STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  known.emplace(device, total_bytes);
+  return total_bytes;
+}
 
 /// The layout rules every tensor of a kernel call obeys: contiguous, and aligned for the kernel's
 /// vector accesses. Pure argument checks, so they run (and are tested) without a GPU.
@@ -224,7 +246,8 @@ template <class T>
 void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
                      double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
-                     determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic) {
+                     determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic,
+                     dq_source source = dq_source::automatic) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
@@ -262,7 +285,32 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
     kernel::log2_lse<<<std::min(stria::detail::blocks_for(lse_count, 256), 65535u), 256, 0, stream>>>(lse.data(), lse_log2.data(), lse_count);
     STRIA_CUDA_CHECK_LAUNCH("log2_lse");
   }
-  const kernel::backward_params<T> params{index.view(),
+  // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry.
+  const std::size_t block_entries = index.block_col.size(), vertical_entries = index.col_token.size();
+  const std::size_t ds_rows = block_entries * block_tokens + vertical_entries;
+  const std::size_t ds_bytes = ds_rows * block_tokens * sizeof(T);
+  const bool store_ds = hopper && source != dq_source::recomputed && ds_rows > 0 &&
+                        (source == dq_source::stored || (shape.head_dim == 128 && ds_bytes <= detail::device_memory_bytes() / 4));
+  device_buffer<T> ds(store_ds ? ds_rows * block_tokens : 0, stream);
+  device_buffer<index_t> kv_query_entry(store_ds ? block_entries : 0, stream);
+  const std::int64_t group_ids = kernel::detail::vertical_group::id_bound(static_cast<std::int64_t>(index.vtoken.size()), shape.heads_q);
+  device_buffer<index_t> vertical_group_entry(store_ds && vertical_entries > 0 ? static_cast<std::size_t>(group_ids * index.shape.num_query_blocks) : 0,
+                                              stream);
+  if (store_ds) {
+    const step_index_view view = index.view();
+    if (block_entries > 0) {
+      kernel::transposed_block_entries<><<<std::min(stria::detail::blocks_for(static_cast<std::int64_t>(block_entries), 256), 65535u), 256, 0,
+                                           stream>>>(view, static_cast<index_t>(block_entries), kv_query_entry.data());
+      STRIA_CUDA_CHECK_LAUNCH("transposed_block_entries");
+    }
+    if (vertical_entries > 0) {
+      const dim3 grid(stria::detail::blocks_for(index.shape.num_query_blocks, 128), static_cast<unsigned>(shape.heads_q),
+                      static_cast<unsigned>(std::min<std::int64_t>(static_cast<std::int64_t>(index.vtoken.size()) / block_tokens + 1, 65535)));
+      kernel::vertical_group_entries<><<<grid, 128, 0, stream>>>(view, vertical_group_entry.data());
+      STRIA_CUDA_CHECK_LAUNCH("vertical_group_entries");
+    }
+  }
+  kernel::backward_params<T> params{index.view(),
                                           q.data(),
                                           k.data(),
                                           v.data(),
@@ -279,6 +327,12 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           shape.query_tokens,
                                           static_cast<float>(softmax_scale),
                                           static_cast<float>(softmax_scale * kernel::detail::log2e)};
+  if (store_ds) {
+    params.ds_blocks = ds.data();
+    params.ds_vertical = ds.data() + block_entries * block_tokens * block_tokens;
+    params.kv_query_entry = kv_query_entry.data();
+    params.vertical_group_entry = vertical_group_entry.data();
+  }
   detail::with_head_dim(shape.head_dim, [&]<int D>() {
     // The passes (DESIGN 8): a dQ pass (mma.sync: unless the atomic mode fuses dQ into the dK/dV
     // passes), the dK/dV block pass, and the vertical-token pass.
@@ -294,23 +348,32 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
         // On Hopper dQ has its own pass in both modes: a dQ fused into the dK/dV passes goes to global
         // memory by fp32 reductions, and those made the fused passes L2-bound (RESULTS, 2026-12-01).
         // The atomic mode differs only in the vertical tokens' dK/dV: reductions, query ranges split.
-        constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
-        detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
-        kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+        if (!store_ds) {
+          constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
+          detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
+          kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+        }
         constexpr std::size_t bytes = kernel::backward_wgmma_shared_bytes<D>();
         detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
         kernel::sparse_backward_dkdv_wgmma<T, D><<<columns, kernel::attention_threads, bytes, stream>>>(params);
         STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
-        if (entries == 0) return;
-        // Deterministic: (head, group of 64 entries) with the head fastest, as many groups as any
-        // head could have (a head's list holds at most one entry per KV token; the kernel returns
-        // past a head's last group).
-        const auto groups = std::min<std::int64_t>((entries + block_tokens - 1) / block_tokens, index.shape.num_kv_blocks);
-        const dim3 grid = Atomic ? tokens : dim3(static_cast<unsigned>(shape.heads_q), static_cast<unsigned>(groups));
-        detail::allow_shared_bytes(kernel::sparse_backward_vertical_wgmma<T, D>, bytes);
-        kernel::sparse_backward_vertical_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical_wgmma");
+        if (entries > 0) {
+          // Deterministic: (head, group of 64 entries) with the head fastest, as many groups as any
+          // head could have (a head's list holds at most one entry per KV token; the kernel returns
+          // past a head's last group).
+          const auto groups = std::min<std::int64_t>((entries + block_tokens - 1) / block_tokens, index.shape.num_kv_blocks);
+          const dim3 grid = Atomic ? tokens : dim3(static_cast<unsigned>(shape.heads_q), static_cast<unsigned>(groups));
+          detail::allow_shared_bytes(kernel::sparse_backward_vertical_wgmma<T, D>, bytes);
+          kernel::sparse_backward_vertical_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical_wgmma");
+        }
+        if (store_ds) {  // after both dK/dV passes, which wrote every dS it reads
+          constexpr std::size_t dq_bytes = kernel::backward_dq_stored_shared_bytes<D>();
+          detail::allow_shared_bytes(kernel::sparse_backward_dq_stored_wgmma<T, D>, dq_bytes);
+          kernel::sparse_backward_dq_stored_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
+        }
         return;
       }
       if constexpr (!Atomic) {

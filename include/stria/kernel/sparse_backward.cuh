@@ -44,6 +44,16 @@ struct backward_params {
   index_t query_tokens;
   float scale;       // softmax scale
   float scale_log2;  // softmax scale * log2(e)
+  // The Hopper backward with stored dS (all null: its dQ pass recomputes dS). The dK/dV passes write
+  // each tile's dS^T as rows [key][64 queries] of T: block tile e of the forward form (its CSR entry)
+  // at rows 64 e .. 64 e + 63 of ds_blocks, vertical entry c (the forward form's col_token entry) at
+  // row c of ds_vertical; the dQ pass reads them back in each row's tile order.
+  T* ds_blocks = nullptr;                   // [block entries * 64, 64]
+  T* ds_vertical = nullptr;                 // [vertical entries, 64]
+  const index_t* kv_query_entry = nullptr;  // [kv_query entries]  the forward-form entry of each transposed tile
+  // [vertical groups, num_query_blocks]: for vertical group G (vertical_group::index) and query block q,
+  // the col_token entry of row (head, q)'s first token at or after the group's first token.
+  const index_t* vertical_group_entry = nullptr;
 };
 
 /// Dynamic shared memory of each pass.
@@ -241,6 +251,12 @@ struct kv_column {
 /// tokens reach nearly every query block) starts first.
 struct vertical_group {
   index_t h = 0, first = 0, last = 0, begin = 0, end_block = 0;
+  index_t index = 0;  // of the group among all heads' groups: id(h, group) below
+
+  /// A number for group k of head h, distinct across heads and below (vertical tokens) / 64 + heads:
+  /// a head's groups start at its first entry / 64 + h (the previous head's end at most).
+  __host__ __device__ static constexpr index_t id(index_t head_first_entry, index_t h, index_t k) { return head_first_entry / block_tokens + h + k; }
+  static constexpr std::int64_t id_bound(std::int64_t vertical_tokens, index_t heads) { return vertical_tokens / block_tokens + heads; }
 
   /// This CTA's group; false where it has none (past the last group, or past its head's).
   __device__ static bool of(const step_index_view& index, bool head_fastest, vertical_group& g) {
@@ -259,6 +275,7 @@ struct vertical_group {
     }
     g.first = index.vtoken_head_ptr[g.h] + group * block_tokens;
     g.last = min(index.vtoken_head_ptr[g.h + 1], g.first + block_tokens);
+    g.index = id(index.vtoken_head_ptr[g.h], g.h, group);
     const index_t span = (index.shape.num_query_blocks + ranges - 1) / ranges;
     g.begin = range * span;
     g.end_block = g.begin + span;
@@ -268,10 +285,14 @@ struct vertical_group {
 
 /// The walk of a vertical group's columns over their query blocks: thread c < 64 follows column c's
 /// ascending query list within [begin, end_block); each round takes the smallest query block still
-/// ahead of any column, and the columns whose cursor is on it.
+/// ahead of any column, and the columns whose cursor is on it. With `ranked` (for the stored dS), a
+/// column on the round's block reports 1 + the number of such columns before it, instead of 1: the
+/// row's tokens within the group's span are exactly those columns, in order, so this is the
+/// column's place in the row's vertical list after the group's base entry.
 class vertical_walk {
  public:
-  __device__ vertical_walk(const step_index_view& index, const vertical_group& g) : list_(index.vtoken_query) {
+  __device__ vertical_walk(const step_index_view& index, const vertical_group& g, bool ranked = false)
+      : list_(index.vtoken_query), ranked_(ranked) {
     const int tid = static_cast<int>(threadIdx.x);
     if (tid < block_tokens && g.first + tid < g.last) {
       const index_t from = index.vtoken_query_ptr[g.first + tid], to = index.vtoken_query_ptr[g.first + tid + 1];
@@ -280,21 +301,28 @@ class vertical_walk {
     }
   }
 
-  /// The next round's query block, INT_MAX once every column is done; then used[c] is 1 for the
-  /// columns on it and 0 for the others. Every thread of the CTA calls it (it holds a barrier).
-  __device__ index_t next(index_t (&used)[block_tokens], index_t (&warp_min)[2]) {
-    const int tid = static_cast<int>(threadIdx.x);
+  /// The next round's query block, INT_MAX once every column is done; then used[c] is nonzero (1, or
+  /// the rank) for the columns on it and 0 for the others. `warps` holds each column warp's minimum and
+  /// how many of its columns are on it. Every thread of the CTA calls it (it holds a barrier).
+  __device__ index_t next(index_t (&used)[block_tokens], index_t (&warps)[4]) {
+    const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
     index_t candidate = INT_MAX;
     if (tid < block_tokens) {
       candidate = position_ < end_ ? list_[position_] : INT_MAX;
       index_t m = candidate;
       for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
-      if (tid % 32 == 0) warp_min[tid / 32] = m;
+      const int on_min = __popc(__ballot_sync(0xffffffffu, candidate == m));
+      if (lane == 0) {
+        warps[tid / 32] = m;
+        warps[2 + tid / 32] = on_min;
+      }
     }
     __syncthreads();
-    const index_t q_block = min(warp_min[0], warp_min[1]);
+    const index_t q_block = min(warps[0], warps[1]);
     if (q_block != INT_MAX && tid < block_tokens) {
-      used[tid] = candidate == q_block ? 1 : 0;
+      const unsigned on = __ballot_sync(0xffffffffu, candidate == q_block);
+      const index_t before = __popc(on & ((1u << lane) - 1u)) + (tid >= 32 && warps[0] == q_block ? warps[2] : 0);
+      used[tid] = candidate == q_block ? (ranked_ ? before + 1 : 1) : 0;
       if (candidate == q_block) ++position_;
     }
     return q_block;
@@ -312,6 +340,7 @@ class vertical_walk {
   }
 
   const index_t* list_;
+  bool ranked_;
   index_t position_ = 0, end_ = 0;
 };
 
@@ -518,7 +547,7 @@ __global__ void __launch_bounds__(attention_threads) sparse_backward_vertical(ba
   float* delta = lse + block_tokens;
   T* ds = reinterpret_cast<T*>(delta + block_tokens);  // [64 keys][64 + 8] when FusedDq
   __shared__ index_t used[block_tokens];  // 1 where the token of the column uses the current query block
-  __shared__ index_t warp_min[2];
+  __shared__ index_t warp_min[4];
 
   detail::vertical_group g;
   if (!detail::vertical_group::of(p.index, false, g)) return;

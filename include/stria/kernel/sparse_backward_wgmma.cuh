@@ -41,7 +41,8 @@ struct backward_wgmma_layout {
   static constexpr int tile = swizzled_tile<D>::bytes;
   static constexpr int stages = 2 * tile;          // stage s: Q at stages + 2 s tile, dO right after it
   static constexpr int stats = stages + 4 * tile;  // stage s: lse at stats + 2 s 64 floats, delta after it
-  static constexpr std::size_t bytes = stats + 2 * 2 * block_tokens * sizeof(float) + 1024;  // + slack to align the base
+  static constexpr int staging = stats + 2 * 2 * block_tokens * static_cast<int>(sizeof(float));  // the stored dS rows, 2 KiB per warp
+  static constexpr std::size_t bytes = staging + block_tokens * 128 + 1024;  // + slack to align the base
 
   unsigned char* base;
   __device__ unsigned char* keys() const { return base; }
@@ -50,6 +51,7 @@ struct backward_wgmma_layout {
   __device__ unsigned char* d_out(int stage) const { return queries(stage) + tile; }
   __device__ float* lse(int stage) const { return reinterpret_cast<float*>(base + stats) + 2 * stage * block_tokens; }
   __device__ float* delta(int stage) const { return lse(stage) + block_tokens; }
+  __device__ unsigned char* ds_staging() const { return base + staging; }
 };
 
 template <int D>
@@ -67,11 +69,12 @@ namespace detail {
 
 /// One tile of a Hopper dK/dV pass (see the file comment): the warpgroup's keys `ks`, `vs` against
 /// the queries `qs`, `dos` (swizzled tiles) with their row statistics; `masked(key, query)` drops
-/// entries (positions within the tile). Ends with every product complete.
-template <class T, int D, class Masked>
+/// entries (positions within the tile). With `staging` (2 KiB of shared memory per warp), `ds_row(key)`
+/// is where the key's 64 dS values go for the dQ pass (null: nowhere). Ends with every product complete.
+template <class T, int D, class Masked, class DsRow>
 __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const unsigned char* ks, const unsigned char* vs,
                                 const unsigned char* qs, const unsigned char* dos, const float* lse, const float* delta, float scale,
-                                float scale_log2, Masked masked) {
+                                float scale_log2, Masked masked, unsigned char* staging, DsRow ds_row) {
   float s[8][4], dp[8][4];  // S^T and dP^T: rows are this thread's keys, columns queries
   wgmma_fence();
 #pragma unroll
@@ -129,6 +132,32 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
   fence_registers(reinterpret_cast<float(&)[D / 2]>(dk));
   fence_registers(pf);
   fence_registers(dsf);
+  // dS^T as the dQ pass will read it, rounded to T as its product rounds it, after the products (a
+  // branch between a wgmma and its wait serializes them). A lane holds 4 bytes of a row per 16-byte
+  // chunk: each warp stages its 16 rows in shared memory (chunks swizzled by row, so that neither
+  // side conflicts) and writes whole 128-byte rows back, 16 bytes per lane (4-byte stores of
+  // quarter sectors slowed the pass by a third).
+  if (staging) {
+    const int warp = static_cast<int>((threadIdx.x / 32) % 4);
+    unsigned char* rows = staging + warp * 16 * 128;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lane / 4 + 8 * half;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][half];
+        *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k + 1) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][2 + half];
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * i + lane / 8, chunk = lane % 8;
+      T* row = ds_row(16 * warp + r);
+      if (row) *reinterpret_cast<uint4*>(row + 8 * chunk) = *reinterpret_cast<const uint4*>(rows + r * 128 + ((chunk ^ (r % 8)) * 16));
+    }
+    __syncwarp();  // the next tile's rows go to the same place
+  }
 }
 
 }  // namespace detail
@@ -170,9 +199,12 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_async_shared();
     __syncthreads();
     const index_t q_block = column.query_block(current);
+    // This tile's dS rows: its forward-form entry's 64 rows (read here, used after the products).
+    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{p.kv_query_entry[current.e]} * block_tokens * block_tokens : nullptr;
     auto tile = [&](auto masked) {
       detail::dkdv_tile_wgmma<T, D>(dk, dv, shared.keys(), shared.values(), shared.queries(stage), shared.d_out(stage), shared.lse(stage),
-                                    shared.delta(stage), p.scale, p.scale_log2, masked);
+                                    shared.delta(stage), p.scale, p.scale_log2, masked, ds ? shared.ds_staging() : nullptr,
+                                    [&](int key) { return ds + key * block_tokens; });
     };
     if (p.index.needs_causal_mask(q_block, kv_block)) tile([](int key, int query) { return query < key; });
     else tile([](int, int) { return false; });  // most tiles: no mask arithmetic
@@ -195,8 +227,12 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
   unsigned char *ks = shared.keys(), *vs = shared.values();
-  __shared__ index_t used[2][block_tokens];  // per stage: 1 where the token of the column uses its query block
-  __shared__ index_t warp_min[2][2];  // per stage, as `used`: the walk runs a round ahead of the barriers
+  // Per stage (the walk runs a round ahead of the barriers): nonzero where the column's token uses the
+  // round's query block (with stored dS: its rank, 1-based, among those columns), the walk's per-warp
+  // minima and counts, and the round's first vertical entry of that query block's row in the group.
+  __shared__ index_t used[2][block_tokens];
+  __shared__ index_t warp_min[2][4];
+  __shared__ index_t round_entry[2];
 
   // The deterministic launch (one CTA per group, queries unsplit) is head-fastest, so that the
   // groups with the longest walks start first.
@@ -207,9 +243,11 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   auto load = [&](index_t q_block, int stage) {
     detail::load_query_tiles<tile_layout, T, D>(p, q_block, g.h, shared.queries(stage), shared.d_out(stage));
     detail::load_row_statistics(p, q_block, g.h, shared.lse(stage), shared.delta(stage));
+    if (p.ds_vertical && threadIdx.x == 0)
+      detail::cp_async_4(&round_entry[stage], p.vertical_group_entry + std::int64_t{g.index} * p.index.shape.num_query_blocks + q_block);
   };
 
-  detail::vertical_walk walk(p.index, g);
+  detail::vertical_walk walk(p.index, g, p.ds_vertical != nullptr);
   index_t q_block = walk.next(used[0], warp_min[0]);
   if (q_block == INT_MAX) {  // no query block of the range uses a column
     detail::cp_async_wait<0>();
@@ -233,8 +271,13 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_async_shared();
     __syncthreads();
     const index_t* round_used = used[stage];
+    const index_t round_first = p.ds_vertical ? round_entry[stage] - 1 : 0;
     detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, shared.queries(stage), shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale,
-                                  p.scale_log2, [&](int key, int) { return round_used[key] == 0; });
+                                  p.scale_log2, [&](int key, int) { return round_used[key] == 0; },
+                                  p.ds_vertical ? shared.ds_staging() : nullptr, [&](int key) -> T* {
+                                    const index_t rank = round_used[key];
+                                    return rank > 0 ? p.ds_vertical + std::int64_t{round_first + rank} * block_tokens : nullptr;
+                                  });
     __syncthreads();  // every warp is done with this stage and its `used`
     q_block = next;
   }
@@ -340,6 +383,147 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   }
   detail::add_rows<D>(dq, 1.0f, [&](int r) {  // the scale is in dS already
     return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
+  });
+}
+
+/// Stages of (dS^T, K) tiles in flight in the dQ pass from stored dS: 73 KiB per CTA at D 128 and
+/// 65 KiB at D 64, so that three CTAs share an SM (its reads come from DRAM: more of them in flight).
+template <int D>
+inline constexpr int stored_dq_stages = D == 128 ? 3 : 4;
+inline constexpr int stored_dq_ctas_per_sm = 3;
+
+/// Shared memory of the dQ pass from stored dS: its stages of one dS^T tile (64 keys x 64 queries)
+/// and one K tile each.
+template <int D>
+constexpr std::size_t backward_dq_stored_shared_bytes() {
+  return stored_dq_stages<D> * (swizzled_tile<64>::bytes + swizzled_tile<D>::bytes) + 1024;
+}
+
+namespace detail {
+
+/// Queues cp.async copies of `count` (<= 64) stored dS^T rows [key][64 queries] into a swizzled tile,
+/// zeros after (the last vertical gather's missing keys add nothing to dQ).
+template <class T>
+__device__ void load_ds_rows_async(unsigned char* tile, const T* rows, index_t count) {
+  using plan = tile_copy_plan<T, 64>;
+  const plan at;
+  unsigned char* to = tile + swizzled_tile<64>::offset(at.row0, at.chunk);
+#pragma unroll
+  for (int pass = 0; pass < plan::passes; ++pass) {
+    const int key = at.row0 + pass * plan::rows_per_pass;
+    const bool valid = key < count;
+    cp_async_16(to + pass * plan::rows_per_pass * swizzled_tile<64>::row_pitch, rows + (valid ? key : 0) * block_tokens + at.chunk * 8, valid);
+  }
+}
+
+/// The first position in [lo, hi) of an ascending list whose value is >= x.
+__device__ inline index_t lower_bound_in(const index_t* list, index_t lo, index_t hi, index_t x) {
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (list[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// The row of CSR entry `entry`: the last row r with ptr[r] <= entry (ptr ascending, rows + 1 long).
+__device__ inline index_t row_of_entry(const index_t* ptr, index_t rows, index_t entry) {
+  index_t lo = 0, hi = rows;  // ptr[lo] <= entry < ptr[hi]
+  while (hi - lo > 1) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (ptr[mid] <= entry) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+}  // namespace detail
+
+/// For the stored dS: entry[e] = the forward-form entry (block_col position) of the tile at position e
+/// of the transposed form (kv_query), one thread per forward-form entry.
+template <int Unused = 0>
+__global__ void transposed_block_entries(step_index_view index, index_t entries, index_t* __restrict__ entry) {
+  const index_t nq = index.shape.num_query_blocks, nk = index.shape.num_kv_blocks, rows = index.shape.num_heads * nq;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < entries; i += std::int64_t{gridDim.x} * blockDim.x) {
+    const auto e = static_cast<index_t>(i);
+    const index_t r = detail::row_of_entry(index.block_ptr, rows, e);
+    const index_t column = (r / nq) * nk + index.block_col[e];
+    entry[detail::lower_bound_in(index.kv_query, index.kv_query_ptr[column], index.kv_query_ptr[column + 1], r % nq)] = e;
+  }
+}
+
+/// For the stored dS: entry[G, q] = the col_token entry of row (h, q)'s first vertical token at or after
+/// the first token of head h's group k (G = vertical_group::id(h, k)); where the row uses tokens of the
+/// group, they follow it in the order of the group's columns. One thread per (query block, head, group).
+template <int Unused = 0>
+__global__ void vertical_group_entries(step_index_view index, index_t* __restrict__ entry) {
+  const index_t nq = index.shape.num_query_blocks, q = static_cast<index_t>(blockIdx.x * blockDim.x + threadIdx.x), h = blockIdx.y;
+  if (q >= nq) return;
+  const index_t head_first = index.vtoken_head_ptr[h], head_tokens = index.vtoken_head_ptr[h + 1] - head_first;
+  const index_t r = h * nq + q, row_first = index.col_ptr[r], row_end = index.col_ptr[r + 1];
+  for (index_t k = blockIdx.z; k * block_tokens < head_tokens; k += gridDim.z) {
+    const index_t first_token = index.vtoken[head_first + k * block_tokens];
+    entry[std::int64_t{detail::vertical_group::id(head_first, h, k)} * nq + q] = detail::lower_bound_in(index.col_token, row_first, row_end, first_token);
+  }
+}
+
+/// The dQ pass from stored dS (both modes): one CTA per (local query block, query head) over the
+/// row's tiles, the sole writer of its dq rows: dQ += dS K, one product per tile, with dS^T [key][query]
+/// read back from what the dK/dV passes stored (A = dS, MN-major) and K MN-major. Every thread copies:
+/// `stored_dq_stages` tiles in flight, the products synchronous (the accumulation is one chain).
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) sparse_backward_dq_stored_wgmma(backward_params<T> p) {
+  constexpr int stages = stored_dq_stages<D>, ds_bytes = swizzled_tile<64>::bytes, k_bytes = swizzled_tile<D>::bytes;
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  unsigned char* const shared = detail::align_1024(shared_raw);
+  auto ds_tile = [&](index_t t) { return shared + static_cast<int>(t % stages) * ds_bytes; };
+  auto k_tile = [&](index_t t) { return shared + stages * ds_bytes + static_cast<int>(t % stages) * k_bytes; };
+
+  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const index_t hk = h / (p.heads_q / p.heads_kv);
+  const index_t r = p.index.row(h, q_block);
+  const detail::row_tiles row = detail::row_tiles::of(p.index, r);
+  const index_t tiles = row.count();
+  if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
+  const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r]} * block_tokens * block_tokens;
+  const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r]} * block_tokens;
+
+  auto load = [&](index_t t) {
+    if (row.is_block(t)) {
+      detail::load_ds_rows_async(ds_tile(t), block_rows + std::int64_t{t} * block_tokens * block_tokens, block_tokens);
+    } else {
+      const index_t first = (t - row.num_blocks) * block_tokens;
+      detail::load_ds_rows_async(ds_tile(t), vertical_rows + std::int64_t{first} * block_tokens, row.num_tokens - first);
+    }
+    detail::load_row_tile_async<swizzled_tile<D>, T, D>(k_tile(t), p.k, row, t, p.heads_kv, hk);
+  };
+  // One copy group per tile, empty past the end, so that the count of groups in flight is fixed.
+#pragma unroll 1
+  for (index_t t = 0; t < stages - 1; ++t) {
+    if (t < tiles) load(t);
+    detail::cp_async_commit();
+  }
+
+  float dq[D / 8][4] = {};
+  for (index_t t = 0; t < tiles; ++t) {
+    detail::cp_async_wait<stages - 2>();  // tile t has landed
+    detail::fence_async_shared();
+    // Every warp's copies of tile t are visible, and every warp is done with tile t - 1, whose
+    // stage tile t + stages - 1 refills.
+    __syncthreads();
+    if (t + stages - 1 < tiles) load(t + stages - 1);
+    detail::cp_async_commit();
+    detail::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      detail::wgmma_ss<T, D, 1, 1>(reinterpret_cast<float(&)[D / 2]>(dq), detail::mn_major_operand<64>(ds_tile(t), k),
+                                   detail::mn_major_operand<D>(k_tile(t), k), true);
+    detail::wgmma_commit();
+    detail::wgmma_wait<0>();
+    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
+  }
+  detail::add_rows<D>(dq, 1.0f, [&](int row_in_block) {  // the scale is in dS already
+    return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + row_in_block) * p.heads_q + h) * D;
   });
 }
 
