@@ -511,14 +511,16 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
     // Every warp's copies of tile t are visible, and every warp is done with tile t - 1, whose
     // stage tile t + stages - 1 refills.
     __syncthreads();
-    if (t + stages - 1 < tiles) load(t + stages - 1);
-    detail::cp_async_commit();
     detail::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       detail::wgmma_ss<T, D, 1, 1>(reinterpret_cast<float(&)[D / 2]>(dq), detail::mn_major_operand<64>(ds_tile(t), k),
                                    detail::mn_major_operand<D>(k_tile(t), k), true);
     detail::wgmma_commit();
+    // The copies of tile t + stages - 1 are queued while the product runs (a gather's token reads
+    // are global-memory round trips).
+    if (t + stages - 1 < tiles) load(t + stages - 1);
+    detail::cp_async_commit();
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
   }
