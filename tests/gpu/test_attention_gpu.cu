@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -101,7 +102,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   delta.fill_bytes(0xff);
   device::backward_delta<T>(tensor_view<const T, 3>(out_device.data(), {sq, hq, dim}), d_out_view, tensor_view<float, 2>(delta.data(), {hq, sq}),
                             nullptr);
-  auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source) {
+  auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit) {
     struct gradients {
       std::vector<float> dq, dk, dv;
     };
@@ -111,26 +112,39 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dv.fill_bytes(0);
     device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
                                tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, dq_view(dq), dk_view(dk), dk_view(dv), mode,
-                               nullptr, which, source);
+                               nullptr, which, source, ds_limit);
     return gradients{dq.download(), dk.download(), dv.download()};
   };
   // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in
   // both modes: the deterministic mode repeats bit for bit, the atomic mode agrees to rounding.
-  std::vector<std::pair<device::backward_kernel, device::dq_source>> backward_kernels{
-      {device::backward_kernel::mma_sync, device::dq_source::automatic}};
-  if (device::hopper_kernels_available()) {
-    backward_kernels.emplace_back(device::backward_kernel::wgmma, device::dq_source::stored);
-    backward_kernels.emplace_back(device::backward_kernel::wgmma, device::dq_source::recomputed);
+  // The stored dS also over ranges of heads: a workspace limit of the largest head's dS.
+  std::size_t largest_head = 0;
+  for (index_t h = 0; h < index.shape.num_heads; ++h) {
+    const auto row = [&](index_t head) { return static_cast<std::size_t>(head * index.shape.num_query_blocks); };
+    const std::size_t rows = static_cast<std::size_t>(index.block_ptr[row(h + 1)] - index.block_ptr[row(h)]) * block_tokens +
+                             static_cast<std::size_t>(index.col_ptr[row(h + 1)] - index.col_ptr[row(h)]);
+    largest_head = std::max(largest_head, rows * block_tokens * sizeof(T));
   }
-  for (const auto& [which, source] : backward_kernels) {
-    const std::string kernel_name = which == device::backward_kernel::mma_sync         ? "mma.sync"
-                                    : source == device::dq_source::stored ? "wgmma, dS stored"
-                                                                          : "wgmma, dS recomputed";
+  struct backward_variant {
+    device::backward_kernel which;
+    device::dq_source source;
+    std::size_t ds_limit;
+    const char* name;
+  };
+  std::vector<backward_variant> backward_kernels{{device::backward_kernel::mma_sync, device::dq_source::automatic, 0, "mma.sync"}};
+  if (device::hopper_kernels_available()) {
+    backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::stored, 0, "wgmma, dS stored"});
+    backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::stored, std::max<std::size_t>(largest_head, 1),
+                                "wgmma, dS stored by ranges of heads"});
+    backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::recomputed, 0, "wgmma, dS recomputed"});
+  }
+  for (const auto& [which, source, ds_limit, name] : backward_kernels) {
+    const std::string kernel_name = name;
     CAPTURE(kernel_name);
     for (const device::determinism mode : {device::determinism::deterministic, device::determinism::atomic}) {
       const bool deterministic = mode == device::determinism::deterministic;
       CAPTURE(deterministic);
-      const auto grads = run_backward(mode, which, source);
+      const auto grads = run_backward(mode, which, source, ds_limit);
       const double dq_error = max_relative_error(grads.dq, dq_ref), dk_error = max_relative_error(grads.dk, dk_ref),
                    dv_error = max_relative_error(grads.dv, dv_ref);
       MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, deterministic ? " deterministic" : " atomic",
@@ -139,7 +153,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
       CHECK(dk_error < 2 * tolerance<T>());
       CHECK(dv_error < 2 * tolerance<T>());
       if (deterministic) {
-        const auto again = run_backward(mode, which, source);
+        const auto again = run_backward(mode, which, source, ds_limit);
         CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);

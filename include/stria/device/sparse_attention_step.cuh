@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <vector>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -48,10 +49,12 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 
 /// Where the Hopper backward's dQ pass gets dS from. `stored`: the dK/dV passes write each active
 /// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
-/// instead of three. `recomputed`: the dQ pass forms S, dP and dS again from Q, K, V and dO (no
-/// workspace). `automatic` stores at head dim 128 where the workspace is at most a quarter of the
-/// device's memory: the stored dS costs DRAM traffic (2 bytes per entry out and back) that only the
-/// larger head dim's recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
+/// instead of three; the passes run over ranges of query heads whose workspace fits
+/// sparse_backward's `ds_workspace_limit` (0: no limit for `stored`, a quarter of the device's memory
+/// for `automatic`), and a head alone past it leaves dS recomputed. `recomputed`: the dQ pass forms
+/// S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
+/// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
+/// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
 enum class dq_source { automatic, stored, recomputed };
 
 /// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
@@ -247,7 +250,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
                      double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
                      determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic,
-                     dq_source source = dq_source::automatic) {
+                     dq_source source = dq_source::automatic, std::size_t ds_workspace_limit = 0) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
@@ -285,13 +288,56 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
     kernel::log2_lse<<<std::min(stria::detail::blocks_for(lse_count, 256), 65535u), 256, 0, stream>>>(lse.data(), lse_log2.data(), lse_count);
     STRIA_CUDA_CHECK_LAUNCH("log2_lse");
   }
-  // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry.
+  // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry, for a
+  // range of query heads at a time, each range's within the workspace limit (automatic: a quarter of
+  // the device's memory). No range: the dQ pass recomputes dS.
+  struct head_range {
+    index_t begin, end;                      // query heads
+    std::size_t first_block, first_vertical;  // their first forward-form entries
+    std::size_t block_rows, rows;             // dS rows of their block tiles, and in all
+  };
+  std::vector<head_range> head_ranges;
   const std::size_t block_entries = index.block_col.size(), vertical_entries = index.col_token.size();
-  const std::size_t ds_rows = block_entries * block_tokens + vertical_entries;
-  const std::size_t ds_bytes = ds_rows * block_tokens * sizeof(T);
-  const bool store_ds = hopper && source != dq_source::recomputed && ds_rows > 0 &&
-                        (source == dq_source::stored || (shape.head_dim == 128 && ds_bytes <= detail::device_memory_bytes() / 4));
-  device_buffer<T> ds(store_ds ? ds_rows * block_tokens : 0, stream);
+  const std::size_t total_rows = block_entries * block_tokens + vertical_entries;
+  const std::size_t row_bytes = block_tokens * sizeof(T);
+  if (hopper && total_rows > 0 && (source == dq_source::stored || (source == dq_source::automatic && shape.head_dim == 128))) {
+    const std::size_t limit = ds_workspace_limit != 0             ? ds_workspace_limit
+                              : source == dq_source::stored ? SIZE_MAX
+                                                            : detail::device_memory_bytes() / 4;
+    if (total_rows * row_bytes <= limit) {
+      head_ranges.push_back({0, shape.heads_q, 0, 0, block_entries * block_tokens, total_rows});
+    } else {
+      // Each head's first entries (one synchronisation, only where the whole does not fit): heads
+      // gathered greedily while their rows fit; a head alone past the limit leaves dS recomputed.
+      const auto heads = static_cast<std::size_t>(shape.heads_q), pitch = static_cast<std::size_t>(index.shape.num_query_blocks) * sizeof(index_t);
+      std::vector<index_t> block_at(heads + 1), vertical_at(heads + 1);
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(block_at.data(), sizeof(index_t), index.block_ptr.data(), pitch, sizeof(index_t), heads + 1,
+                                         cudaMemcpyDeviceToHost, stream));
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(vertical_at.data(), sizeof(index_t), index.col_ptr.data(), pitch, sizeof(index_t), heads + 1,
+                                         cudaMemcpyDeviceToHost, stream));
+      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      auto range_of = [&](std::size_t begin, std::size_t end) {
+        const std::size_t blocks = static_cast<std::size_t>(block_at[end] - block_at[begin]) * block_tokens;
+        return head_range{static_cast<index_t>(begin), static_cast<index_t>(end), static_cast<std::size_t>(block_at[begin]),
+                          static_cast<std::size_t>(vertical_at[begin]), blocks,
+                          blocks + static_cast<std::size_t>(vertical_at[end] - vertical_at[begin])};
+      };
+      for (std::size_t begin = 0; begin < heads;) {
+        std::size_t end = begin + 1;
+        if (range_of(begin, end).rows * row_bytes > limit) {
+          head_ranges.clear();
+          break;
+        }
+        while (end < heads && range_of(begin, end + 1).rows * row_bytes <= limit) ++end;
+        head_ranges.push_back(range_of(begin, end));
+        begin = end;
+      }
+    }
+  }
+  const bool store_ds = !head_ranges.empty();
+  std::size_t workspace_rows = 0;
+  for (const head_range& r : head_ranges) workspace_rows = std::max(workspace_rows, r.rows);
+  device_buffer<T> ds(workspace_rows * block_tokens, stream);
   device_buffer<index_t> kv_query_entry(store_ds ? block_entries : 0, stream);
   const std::int64_t group_ids = kernel::detail::vertical_group::id_bound(static_cast<std::int64_t>(index.vtoken.size()), shape.heads_q);
   device_buffer<index_t> vertical_group_entry(store_ds && vertical_entries > 0 ? static_cast<std::size_t>(group_ids * index.shape.num_query_blocks) : 0,
@@ -328,8 +374,6 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           static_cast<float>(softmax_scale),
                                           static_cast<float>(softmax_scale * kernel::detail::log2e)};
   if (store_ds) {
-    params.ds_blocks = ds.data();
-    params.ds_vertical = ds.data() + block_entries * block_tokens * block_tokens;
     params.kv_query_entry = kv_query_entry.data();
     params.vertical_group_entry = vertical_group_entry.data();
   }
@@ -348,17 +392,12 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
         // On Hopper dQ has its own pass in both modes: a dQ fused into the dK/dV passes goes to global
         // memory by fp32 reductions, and those made the fused passes L2-bound (RESULTS, 2026-12-01).
         // The atomic mode differs only in the vertical tokens' dK/dV: reductions, query ranges split.
-        if (!store_ds) {
-          constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
-          detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
-          kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
-        }
         constexpr std::size_t bytes = kernel::backward_wgmma_shared_bytes<D>();
-        detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
-        kernel::sparse_backward_dkdv_wgmma<T, D><<<columns, kernel::attention_threads, bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
-        if (entries > 0) {
+        auto dkdv_passes = [&] {  // over the heads of params.head_begin .. head_end
+          detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
+          kernel::sparse_backward_dkdv_wgmma<T, D><<<columns, kernel::attention_threads, bytes, stream>>>(params);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
+          if (entries == 0) return;
           // Deterministic: (head, group of 64 entries) with the head fastest, as many groups as any
           // head could have (a head's list holds at most one entry per KV token; the kernel returns
           // past a head's last group).
@@ -367,11 +406,28 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
           detail::allow_shared_bytes(kernel::sparse_backward_vertical_wgmma<T, D>, bytes);
           kernel::sparse_backward_vertical_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical_wgmma");
+        };
+        if (!store_ds) {
+          constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
+          detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
+          kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+          dkdv_passes();
+          return;
         }
-        if (store_ds) {  // after both dK/dV passes, which wrote every dS it reads
+        for (const head_range& range : head_ranges) {  // dK/dV accumulate over the ranges; each dq row has one
+          params.head_begin = range.begin;
+          params.head_end = range.end;
+          params.ds_first_block = static_cast<index_t>(range.first_block);
+          params.ds_first_vertical = static_cast<index_t>(range.first_vertical);
+          params.ds_blocks = ds.data();
+          params.ds_vertical = ds.data() + range.block_rows * block_tokens;
+          dkdv_passes();
+          // After both dK/dV passes, which wrote every dS it reads.
           constexpr std::size_t dq_bytes = kernel::backward_dq_stored_shared_bytes<D>();
           detail::allow_shared_bytes(kernel::sparse_backward_dq_stored_wgmma<T, D>, dq_bytes);
-          kernel::sparse_backward_dq_stored_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
+          const dim3 range_rows(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(range.end - range.begin));
+          kernel::sparse_backward_dq_stored_wgmma<T, D><<<range_rows, kernel::attention_threads, dq_bytes, stream>>>(params);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
         }
         return;

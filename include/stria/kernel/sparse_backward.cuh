@@ -54,6 +54,10 @@ struct backward_params {
   // [vertical groups, num_query_blocks]: for vertical group G (vertical_group::index) and query block q,
   // the col_token entry of row (head, q)'s first token at or after the group's first token.
   const index_t* vertical_group_entry = nullptr;
+  // The Hopper passes work on query heads [head_begin, head_end) (the stored dS, a range of heads at a
+  // time); ds_blocks and ds_vertical then hold the range's entries, from these forward-form entries on.
+  index_t head_begin = 0, head_end = INT_MAX;
+  index_t ds_first_block = 0, ds_first_vertical = 0;
 };
 
 /// Dynamic shared memory of each pass.
@@ -222,23 +226,30 @@ struct kv_column {
   };
   const step_index_view& index;
   index_t kv_block, hk, group;
+  index_t j_begin, j_end;  // the group's heads walked: hk * group + [j_begin, j_end), from [head_begin, head_end)
+
+  __device__ kv_column(const step_index_view& index, index_t kv_block, index_t hk, index_t group, index_t head_begin = 0,
+                       index_t head_end = INT_MAX)
+      : index(index), kv_block(kv_block), hk(hk), group(group), j_begin(max(0, min(group, head_begin - hk * group))),
+        j_end(max(0, min(group, head_end - hk * group))) {}
 
   __device__ index_t list_start(index_t j) const { return index.kv_query_ptr[(hk * group + j) * index.shape.num_kv_blocks + kv_block]; }
   __device__ index_t list_end(index_t j) const { return index.kv_query_ptr[(hk * group + j) * index.shape.num_kv_blocks + kv_block + 1]; }
   __device__ index_t tiles() const {
     index_t count = 0;
-    for (index_t j = 0; j < group; ++j) count += list_end(j) - list_start(j);
+    for (index_t j = j_begin; j < j_end; ++j) count += list_end(j) - list_start(j);
     return count;
   }
   /// c, moved past the heads whose lists are done.
   __device__ cursor settle(cursor c) const {
-    while (c.j < group && c.e == list_end(c.j)) {
+    while (c.j < j_end && c.e == list_end(c.j)) {
       ++c.j;
-      if (c.j < group) c.e = list_start(c.j);
+      if (c.j < j_end) c.e = list_start(c.j);
     }
     return c;
   }
-  __device__ cursor first() const { return settle({0, list_start(0)}); }
+  /// Only where tiles() > 0.
+  __device__ cursor first() const { return settle({j_begin, list_start(j_begin)}); }
   __device__ cursor next(cursor c) const { return settle({c.j, c.e + 1}); }
   __device__ index_t head(cursor c) const { return hk * group + c.j; }
   __device__ index_t query_block(cursor c) const { return index.kv_query[c.e]; }
@@ -259,7 +270,9 @@ struct vertical_group {
   static constexpr std::int64_t id_bound(std::int64_t vertical_tokens, index_t heads) { return vertical_tokens / block_tokens + heads; }
 
   /// This CTA's group; false where it has none (past the last group, or past its head's).
-  __device__ static bool of(const step_index_view& index, bool head_fastest, vertical_group& g) {
+  /// Groups of heads outside [head_begin, head_end) have none either.
+  __device__ static bool of(const step_index_view& index, bool head_fastest, vertical_group& g, index_t head_begin = 0,
+                            index_t head_end = INT_MAX) {
     auto groups_of = [&](index_t h) { return (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens; };
     index_t group = blockIdx.x, ranges = gridDim.y, range = blockIdx.y;
     if (head_fastest) {
@@ -273,6 +286,7 @@ struct vertical_group {
       }
       if (g.h == index.shape.num_heads) return false;
     }
+    if (g.h < head_begin || g.h >= head_end) return false;
     g.first = index.vtoken_head_ptr[g.h] + group * block_tokens;
     g.last = min(index.vtoken_head_ptr[g.h + 1], g.first + block_tokens);
     g.index = id(index.vtoken_head_ptr[g.h], g.h, group);

@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
 
   const index_t kv_block = blockIdx.x, hk = blockIdx.y;
-  const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv};
+  const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv, p.head_begin, p.head_end};
   const index_t tiles = column.tiles();
   if (tiles == 0) return;
   using tile_layout = swizzled_tile<D>;
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     __syncthreads();
     const index_t q_block = column.query_block(current);
     // This tile's dS rows: its forward-form entry's 64 rows (read here, used after the products).
-    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{p.kv_query_entry[current.e]} * block_tokens * block_tokens : nullptr;
+    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{p.kv_query_entry[current.e] - p.ds_first_block} * block_tokens * block_tokens : nullptr;
     auto tile = [&](auto masked) {
       detail::dkdv_tile_wgmma<T, D>(dk, dv, shared.keys(), shared.values(), shared.queries(stage), shared.d_out(stage), shared.lse(stage),
                                     shared.delta(stage), p.scale, p.scale_log2, masked, ds ? shared.ds_staging() : nullptr,
@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   // The deterministic launch (one CTA per group, queries unsplit) is head-fastest, so that the
   // groups with the longest walks start first.
   detail::vertical_group g;
-  if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g)) return;
+  if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g, p.head_begin, p.head_end)) return;
   using tile_layout = swizzled_tile<D>;
   detail::load_vertical_key_tiles<tile_layout, T, D>(p, g, ks, vs);
   auto load = [&](index_t q_block, int stage) {
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_async_shared();
     __syncthreads();
     const index_t* round_used = used[stage];
-    const index_t round_first = p.ds_vertical ? round_entry[stage] - 1 : 0;
+    const index_t round_first = p.ds_vertical ? round_entry[stage] - 1 - p.ds_first_vertical : 0;
     detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, shared.queries(stage), shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale,
                                   p.scale_log2, [&](int key, int) { return round_used[key] == 0; },
                                   p.ds_vertical ? shared.ds_staging() : nullptr, [&](int key) -> T* {
@@ -467,7 +467,7 @@ __global__ void vertical_group_entries(step_index_view index, index_t* __restric
   }
 }
 
-/// The dQ pass from stored dS (both modes): one CTA per (local query block, query head) over the
+/// The dQ pass from stored dS (both modes): one CTA per (local query block, query head of the range) over the
 /// row's tiles, the sole writer of its dq rows: dQ += dS K, one product per tile, with dS^T [key][query]
 /// read back from what the dK/dV passes stored (A = dS, MN-major) and K MN-major. Every thread copies:
 /// `stored_dq_stages` tiles in flight, the products synchronous (the accumulation is one chain).
@@ -479,14 +479,14 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
   auto ds_tile = [&](index_t t) { return shared + static_cast<int>(t % stages) * ds_bytes; };
   auto k_tile = [&](index_t t) { return shared + stages * ds_bytes + static_cast<int>(t % stages) * k_bytes; };
 
-  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const index_t q_block = detail::launched_query_block(), h = p.head_begin + static_cast<index_t>(blockIdx.y);
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const index_t r = p.index.row(h, q_block);
   const detail::row_tiles row = detail::row_tiles::of(p.index, r);
   const index_t tiles = row.count();
   if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
-  const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r]} * block_tokens * block_tokens;
-  const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r]} * block_tokens;
+  const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r] - p.ds_first_block} * block_tokens * block_tokens;
+  const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r] - p.ds_first_vertical} * block_tokens;
 
   auto load = [&](index_t t) {
     if (row.is_block(t)) {
