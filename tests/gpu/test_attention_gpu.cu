@@ -115,6 +115,18 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
                                nullptr, which, source, ds_limit);
     return gradients{dq.download(), dk.download(), dv.download()};
   };
+  // The same step as a layer's only one: no fp32 dq, dQ written out in T (poisoned first).
+  auto run_backward_dq_out = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit) {
+    device_buffer<float> dk(dk_ref.size()), dv(dv_ref.size());
+    dk.fill_bytes(0);
+    dv.fill_bytes(0);
+    device_buffer<T> dq_out(dq_ref.size());
+    dq_out.fill_bytes(0xff);
+    device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
+                               tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, tensor_view<float, 3>(nullptr, {sq, hq, dim}),
+                               dk_view(dk), dk_view(dv), mode, nullptr, which, source, ds_limit, dq_out.data());
+    return dq_out.download();
+  };
   // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in
   // both modes: the deterministic mode repeats bit for bit, the atomic mode agrees to rounding.
   // The stored dS also over ranges of heads: a workspace limit of the largest head's dS.
@@ -157,6 +169,11 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
         CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);
+        const std::vector<T> dq_out = run_backward_dq_out(mode, which, source, ds_limit);
+        std::size_t differing = 0;
+        for (std::size_t i = 0; i < dq_out.size(); ++i)
+          differing += to_float(dq_out[i]) != to_float(from_float<T>(grads.dq[i])) ? 1 : 0;
+        CHECK_MESSAGE(differing == 0, "dQ written out in T differs from the fp32 dQ rounded once");
       }
     }
   }

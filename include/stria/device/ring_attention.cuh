@@ -243,9 +243,15 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   const std::array<index_t, 3> kv_extents{shape.kv_tokens, shape.heads_kv, shape.head_dim};
   const auto kv_elems = static_cast<std::size_t>(k.size());
 
-  device_buffer<float> delta(static_cast<std::size_t>(shape.heads_q) * shape.query_tokens, stream), dq32(static_cast<std::size_t>(q.size()), stream);
+  // The last step writes dQ out in T itself (dq32 + its own), and a single step needs no fp32 dQ at
+  // all; with per-step checks, which read dq32 after every step, dQ is cast at the end instead.
+  const index_t steps = topology.num_steps();
+  const bool dq_out_by_last_step = check == finite_check::off;
+  const bool dq32_needed = steps > 1 || !dq_out_by_last_step;
+  device_buffer<float> delta(static_cast<std::size_t>(shape.heads_q) * shape.query_tokens, stream),
+      dq32(dq32_needed ? static_cast<std::size_t>(q.size()) : 0, stream);
   backward_delta(out, d_out, tensor_view<float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), stream);
-  dq32.fill_bytes(0, stream);
+  if (dq32_needed) dq32.fill_bytes(0, stream);
 
   // The travelling fp32 partial sums ([2, Sk, Hkv, D]: dK then dV), keyed by the chunk's owner.
   // Buffers that were sent stay alive until the end (their sends may still be reading them).
@@ -276,15 +282,17 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   std::optional<step_check> checks;
   if (check == finite_check::every_step) checks.emplace(stream);
   detail::kv_ring<Comm, Topology, T> ring(comm, topology, k, v, stream, transfer_stream);
-  for (index_t s = 0; s < topology.num_steps(); ++s) {
+  for (index_t s = 0; s < steps; ++s) {
     const T* chunk = ring.begin_step(s);
     device_buffer<float> working(2 * kv_elems, stream);
     working.fill_bytes(0, stream);
+    const bool last = s + 1 == steps;
     sparse_backward(indices[static_cast<std::size_t>(s)], q, tensor_view<const T, 3>(chunk, kv_extents),
                     tensor_view<const T, 3>(chunk + kv_elems, kv_extents), d_out, lse,
                     tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
                     tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
-                    tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream);
+                    tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
+                    dq_source::automatic, 0, last && dq_out_by_last_step ? dq.data() : nullptr);
     const index_t source = topology.kv_source_rank(rank, s);
     add_partial(source, std::move(working));
     if (checks) {
@@ -320,12 +328,12 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
     finish_receives(s);
   }
   ring.finish();
-  finish_receives(topology.num_steps());
+  finish_receives(steps);
   wait_for(stream, transfer_stream);  // every send is done before `sent` is released in compute order
   if (partial.size() != 1 || partial.begin()->first != rank)
     throw gradient_schedule_error(rank, "ended the backward ring without exactly its own dK/dV");
   const float* own = partial.begin()->second.data();
-  write_output(tensor_view<const float, 3>(dq32.data(), q_extents), dq, stream);
+  if (!dq_out_by_last_step) write_output(tensor_view<const float, 3>(dq32.data(), q_extents), dq, stream);
   write_output(tensor_view<const float, 3>(own, kv_extents), dk, stream);
   write_output(tensor_view<const float, 3>(own + kv_elems, kv_extents), dv, stream);
 }

@@ -58,6 +58,9 @@ struct backward_params {
   // time); ds_blocks and ds_vertical then hold the range's entries, from these forward-form entries on.
   index_t head_begin = 0, head_end = INT_MAX;
   index_t ds_first_block = 0, ds_first_vertical = 0;
+  // [Sq, Hq, D] or null: the Hopper dQ passes write T(dq + this step's dQ) here instead of adding to
+  // dq (the layer's last step; dq null: this step's alone), which saves dq's fp32 round trips.
+  T* final_dq = nullptr;
 };
 
 /// Dynamic shared memory of each pass.

@@ -284,6 +284,33 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
 }
 
+namespace detail {
+
+/// The end of a Hopper dQ pass: this warpgroup's rows of dq (query block, head h) += acc, or with
+/// final_dq, T(dq + acc) written there (acc alone where dq is null). The scale is in dS already.
+template <class T, int D>
+__device__ void finish_dq_rows(const backward_params<T>& p, index_t q_block, index_t h, const float (&acc)[D / 8][4]) {
+  const int row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t row = (static_cast<std::int64_t>(q_block) * block_tokens + row0 + fragment_row(2 * half)) * p.heads_q + h;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const std::int64_t at = row * D + fragment_col(j, 0);
+      float2 value = make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+      if (p.dq) {
+        const float2 old = *reinterpret_cast<const float2*>(p.dq + at);
+        value.x += old.x;
+        value.y += old.y;
+      }
+      if (p.final_dq) *reinterpret_cast<unsigned*>(p.final_dq + at) = pack_pair<T>(value.x, value.y);
+      else *reinterpret_cast<float2*>(p.dq + at) = value;
+    }
+  }
+}
+
+}  // namespace detail
+
 /// The dQ pass on Hopper (deterministic mode): one CTA per (local query block, query head) over the
 /// row's tiles (its blocks, then its vertical tokens 64 at a time), the sole writer of its dq rows:
 /// S = Q K^T and dP = dO V^T (shared-memory operands), dS = P (dP - delta) scale, dQ += dS K with dS
@@ -302,7 +329,10 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
-  if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
+  if (tiles == 0) {  // nothing of this step reaches the row: dq unchanged, or written out as it is
+    if (p.final_dq) detail::finish_dq_rows<T, D>(p, q_block, h, {});
+    return;
+  }
 
   using tile_layout = swizzled_tile<D>;
   auto load_kv = [&](index_t t, int stage) {
@@ -381,9 +411,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_registers(dsf);
     __syncthreads();  // every warp is done with this stage
   }
-  detail::add_rows<D>(dq, 1.0f, [&](int r) {  // the scale is in dS already
-    return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + r) * p.heads_q + h) * D;
-  });
+  detail::finish_dq_rows<T, D>(p, q_block, h, dq);
 }
 
 /// Stages of (dS^T, K) tiles in flight in the dQ pass from stored dS: 73 KiB per CTA at D 128 and
@@ -484,7 +512,10 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
   const index_t r = p.index.row(h, q_block);
   const detail::row_tiles row = detail::row_tiles::of(p.index, r);
   const index_t tiles = row.count();
-  if (tiles == 0) return;  // nothing of this step reaches the row: dq unchanged
+  if (tiles == 0) {  // nothing of this step reaches the row: dq unchanged, or written out as it is
+    if (p.final_dq) detail::finish_dq_rows<T, D>(p, q_block, h, {});
+    return;
+  }
   const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r] - p.ds_first_block} * block_tokens * block_tokens;
   const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r] - p.ds_first_vertical} * block_tokens;
 
@@ -524,9 +555,7 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
   }
-  detail::add_rows<D>(dq, 1.0f, [&](int row_in_block) {  // the scale is in dS already
-    return p.dq + ((static_cast<std::int64_t>(q_block) * block_tokens + row_in_block) * p.heads_q + h) * D;
-  });
+  detail::finish_dq_rows<T, D>(p, q_block, h, dq);
 }
 
 }  // namespace stria::kernel
