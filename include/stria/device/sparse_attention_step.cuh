@@ -256,14 +256,13 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
   check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
-  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
+  if (dq.data() || !dq_out) check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");  // null with dq_out: no fp32 dQ
   check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
   detail::check_layout(d_out, "d_out", 16);
   detail::check_layout(lse, "lse", 4);
   detail::check_layout(delta, "delta", 4);
   detail::check_layout(dq, "dq", 16);  // the Hopper passes add dQ by 16-byte reductions
-  if (!dq.data() && !dq_out) throw invalid_argument("dq.data()", "null", "may be null only with dq_out (a single step's dQ written out in T)");
   if (reinterpret_cast<std::uintptr_t>(dq_out) % 4 != 0)
     throw invalid_argument("dq_out", reinterpret_cast<std::uintptr_t>(dq_out), "must be aligned to 4 bytes");
   detail::check_layout(dk, "dk", 8);
