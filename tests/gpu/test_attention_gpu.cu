@@ -150,6 +150,10 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
                                 "wgmma, dS stored by ranges of heads"});
     backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::recomputed, 0, "wgmma, dS recomputed"});
   }
+  // dS stored by request with a limit below one head's workspace: an error naming the limit.
+  if (device::hopper_kernels_available() && largest_head > 1)
+    CHECK_THROWS_WITH_AS(run_backward(device::determinism::atomic, device::backward_kernel::wgmma, device::dq_source::stored, largest_head - 1),
+                         doctest::Contains("ds_workspace_limit"), stria::invalid_argument);
   for (const auto& [which, source, ds_limit, name] : backward_kernels) {
     const std::string kernel_name = name;
     CAPTURE(kernel_name);

@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <vector>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -16,6 +15,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/cuda_check.cuh"
@@ -50,8 +50,10 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// Where the Hopper backward's dQ pass gets dS from. `stored`: the dK/dV passes write each active
 /// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
 /// instead of three; the passes run over ranges of query heads whose workspace fits
-/// sparse_backward's `ds_workspace_limit` (0: no limit for `stored`, a quarter of the device's memory
-/// for `automatic`), and a head alone past it leaves dS recomputed. `recomputed`: the dQ pass forms
+/// sparse_backward's `ds_workspace_limit` (0: no limit for `stored`; for `automatic`, a quarter of the
+/// device's memory and at most half of what is available); a head alone past it is an error for
+/// `stored`, and `automatic` then recomputes (as it does where the workspace cannot be allocated after
+/// all). The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the dQ pass forms
 /// S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
 /// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
 /// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
@@ -82,18 +84,18 @@ inline bool hopper_kernels_available() {
 
 namespace detail {
 
-/// The current device's global memory in bytes (asked once per device).
-inline std::size_t device_memory_bytes() {
-  static std::mutex mutex;
-  static std::map<int, std::size_t> known;
-  int device = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard lock(mutex);
-  if (auto it = known.find(device); it != known.end()) return it->second;
+/// The stored dS's workspace limit under dq_source::automatic: a quarter of the device's memory, and
+/// at most half of what is available now (free, plus what stria's pool holds unused), so that the
+/// backward leaves the memory that the caller's own allocator (PyTorch's, say) holds alone.
+inline std::size_t automatic_ds_workspace_limit() {
   std::size_t free_bytes = 0, total_bytes = 0;
   STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  known.emplace(device, total_bytes);
-  return total_bytes;
+  std::uint64_t reserved = 0, used = 0;
+  const cudaMemPool_t pool = stria::detail::memory_pool();
+  STRIA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+  STRIA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  const std::size_t available = free_bytes + static_cast<std::size_t>(reserved > used ? reserved - used : 0);
+  return std::min(total_bytes / 4, available / 2);
 }
 
 /// The layout rules every tensor of a kernel call obeys: contiguous, and aligned for the kernel's
@@ -315,7 +317,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   if (hopper && total_rows > 0 && (source == dq_source::stored || (source == dq_source::automatic && shape.head_dim == 128))) {
     const std::size_t limit = ds_workspace_limit != 0             ? ds_workspace_limit
                               : source == dq_source::stored ? SIZE_MAX
-                                                            : detail::device_memory_bytes() / 4;
+                                                            : detail::automatic_ds_workspace_limit();
     if (total_rows * row_bytes <= limit) {
       head_ranges.push_back({0, shape.heads_q, 0, 0, block_entries * block_tokens, total_rows});
     } else {
@@ -334,22 +336,38 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                           static_cast<std::size_t>(vertical_at[begin]), blocks,
                           blocks + static_cast<std::size_t>(vertical_at[end] - vertical_at[begin])};
       };
+      // Ranges end on whole GQA groups where they can: a group split between ranges loads its K and
+      // V twice, and its dK/dV sums in a different order (deterministic bits that would depend on the
+      // device's memory).
+      const auto group = static_cast<std::size_t>(shape.group_size());
       for (std::size_t begin = 0; begin < heads;) {
         std::size_t end = begin + 1;
-        if (range_of(begin, end).rows * row_bytes > limit) {
+        if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
+          if (source == dq_source::stored)
+            throw invalid_argument("ds_workspace_limit", limit,
+                                   "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
+                                       " bytes): raise it, or let dq_source::automatic recompute dS");
           head_ranges.clear();
           break;
         }
         while (end < heads && range_of(begin, end + 1).rows * row_bytes <= limit) ++end;
+        if (end < heads && end % group != 0 && end - end % group > begin) end -= end % group;
         head_ranges.push_back(range_of(begin, end));
         begin = end;
       }
     }
   }
-  const bool store_ds = !head_ranges.empty();
   std::size_t workspace_rows = 0;
   for (const head_range& r : head_ranges) workspace_rows = std::max(workspace_rows, r.rows);
-  device_buffer<T> ds(workspace_rows * block_tokens, stream);
+  device_buffer<T> ds;
+  try {
+    ds = device_buffer<T>(workspace_rows * block_tokens, stream);
+  } catch (const cuda_error&) {  // out of memory after all: automatic recomputes, stored fails
+    if (source == dq_source::stored) throw;
+    static_cast<void>(cudaGetLastError());
+    head_ranges.clear();
+  }
+  const bool store_ds = !head_ranges.empty();
   device_buffer<index_t> kv_query_entry(store_ds ? block_entries : 0, stream);
   const std::int64_t group_ids = kernel::detail::vertical_group::id_bound(static_cast<std::int64_t>(index.vtoken.size()), shape.heads_q);
   device_buffer<index_t> vertical_group_entry(store_ds && vertical_entries > 0 ? static_cast<std::size_t>(group_ids * index.shape.num_query_blocks) : 0,
