@@ -16,7 +16,6 @@
 #include <thrust/transform.h>
 
 #include <array>
-#include <cstdint>
 #include <map>
 #include <optional>
 #include <span>
@@ -244,13 +243,10 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   const std::array<index_t, 3> kv_extents{shape.kv_tokens, shape.heads_kv, shape.head_dim};
   const auto kv_elems = static_cast<std::size_t>(k.size());
 
-  // On Hopper the last step writes dQ out in T itself (dq32 + its own), and a single step needs no
-  // fp32 dQ at all; with per-step checks, which read dq32 after every step, with the mma.sync kernels
-  // (which only add into fp32) or with a dq not aligned to 4 bytes (pairs are written), dQ is cast at
-  // the end instead.
+  // The last step writes dQ out in T (dq32 + its own), and a single step needs no fp32 dQ at all;
+  // with per-step checks, which read dq32 after every step, dQ is cast at the end instead.
   const index_t steps = topology.num_steps();
-  const bool dq_out_by_last_step = check == finite_check::off && hopper_kernels_available() &&
-                                   reinterpret_cast<std::uintptr_t>(dq.data()) % 4 == 0;
+  const bool dq_out_by_last_step = check == finite_check::off;
   const bool dq32_needed = steps > 1 || !dq_out_by_last_step;
   device_buffer<float> delta(static_cast<std::size_t>(shape.heads_q) * shape.query_tokens, stream),
       dq32(dq32_needed ? static_cast<std::size_t>(q.size()) : 0, stream);

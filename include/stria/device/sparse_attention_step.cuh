@@ -246,7 +246,9 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
 /// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
 /// dk, dv (fp32, the step's KV chunk, travelling with it). `lse` is the final forward LSE, `delta`
 /// comes from backward_delta. With `dq_out` (the layer's last step), dq + this step's dQ goes out there
-/// in T instead and dq is left as it was; dq's data may then be null (a single step: no fp32 dq at all).
+/// in T, and dq's contents are not needed afterwards (the Hopper dQ passes write dq_out directly and
+/// leave dq as it was; the mma.sync passes, or a dq_out not aligned to 4 bytes, add into dq and cast);
+/// dq's data may then be null (a single step: no fp32 dq at all).
 ///   d_out [Sq, Hq, D] (T)   lse, delta [Hq, Sq]   dq [Sq, Hq, D]   dk, dv [Sk, Hkv, D]
 template <class T>
 void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
@@ -265,8 +267,6 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   detail::check_layout(lse, "lse", 4);
   detail::check_layout(delta, "delta", 4);
   detail::check_layout(dq, "dq", 16);  // the Hopper passes add dQ by 16-byte reductions
-  if (reinterpret_cast<std::uintptr_t>(dq_out) % 4 != 0)
-    throw invalid_argument("dq_out", reinterpret_cast<std::uintptr_t>(dq_out), "must be aligned to 4 bytes");
   detail::check_layout(dk, "dk", 8);
   detail::check_layout(dv, "dv", 8);
   detail::check_on_device({{q.data(), "q"},
@@ -283,14 +283,13 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
   const bool hopper = which != backward_kernel::mma_sync && hopper_kernels_available();
   if (which == backward_kernel::wgmma && !hopper)
     throw invalid_argument("which", "backward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
-  // The mma.sync passes only add into fp32: with dq_out, into a copy of dq (zeros where dq is null),
-  // cast to dq_out after them.
-  const bool dq_scratch_needed = dq_out && !hopper;
-  device_buffer<float> dq_scratch(dq_scratch_needed ? static_cast<std::size_t>(q.size()) : 0, stream);
-  if (dq_scratch_needed && dq.data())
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(dq_scratch.data(), dq.data(), dq_scratch.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-  else if (dq_scratch_needed)
-    dq_scratch.fill_bytes(0, stream);
+  // dq_out written by the Hopper dQ passes themselves (pairs of T: 4-byte aligned); otherwise the
+  // passes add into dq (zeros in a scratch where dq is null) and it is cast to dq_out after them.
+  const bool dq_out_direct = dq_out && hopper && reinterpret_cast<std::uintptr_t>(dq_out) % 4 == 0;
+  const bool dq_cast_after = dq_out && !dq_out_direct;
+  device_buffer<float> dq_scratch(dq_cast_after && !dq.data() ? static_cast<std::size_t>(q.size()) : 0, stream);
+  if (dq_scratch.size() > 0) dq_scratch.fill_bytes(0, stream);
+  float* const dq_sum = dq.data() ? dq.data() : dq_scratch.data();  // null only with dq_out_direct
   const auto entries = static_cast<index_t>(index.vtoken.size());
   const bool deterministic = mode == determinism::deterministic && entries > 0;
   device_buffer<float> vertical_dk(deterministic ? static_cast<std::size_t>(entries) * shape.head_dim : 0, stream);
@@ -393,7 +392,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           d_out.data(),
                                           lse_log2.data(),
                                           delta.data(),
-                                          dq_scratch_needed ? dq_scratch.data() : dq.data(),
+                                          dq_sum,
                                           dk.data(),
                                           dv.data(),
                                           deterministic ? vertical_dk.data() : nullptr,
@@ -403,7 +402,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                                           shape.query_tokens,
                                           static_cast<float>(softmax_scale),
                                           static_cast<float>(softmax_scale * kernel::detail::log2e)};
-  if (!dq_scratch_needed) params.final_dq = dq_out;
+  if (dq_out_direct) params.final_dq = dq_out;
   if (store_ds) {
     params.kv_query_entry = kv_query_entry.data();
     params.vertical_group_entry = vertical_group_entry.data();
@@ -492,8 +491,8 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
       STRIA_CUDA_CHECK_LAUNCH("add_vertical_gradients");
     }
   });
-  if (dq_scratch_needed)
-    write_output<T>(tensor_view<const float, 3>(dq_scratch.data(), {shape.query_tokens, shape.heads_q, shape.head_dim}),
+  if (dq_cast_after)
+    write_output<T>(tensor_view<const float, 3>(dq_sum, {shape.query_tokens, shape.heads_q, shape.head_dim}),
                     tensor_view<T, 3>(dq_out, {shape.query_tokens, shape.heads_q, shape.head_dim}), stream);
 }
 

@@ -68,17 +68,21 @@ __device__ T* block_start(T* base, index_t block, index_t heads, index_t h, int 
   return base + (std::int64_t{block} * block_tokens * heads + h) * d;
 }
 
-/// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride.
+/// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride
+/// for j < count (1 .. 64), zeros after.
 template <class Layout, class T, int D>
-__device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride) {
+__device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride, index_t count = block_tokens) {
   using plan = tile_copy_plan<T, D>;
   static_assert(plan::template fits<Layout>(), "the tile layout must advance by whole row pitches between a thread's rows");
   const plan at;
   unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
-  const T* from = first + at.row0 * stride + at.chunk * (16 / static_cast<int>(sizeof(T)));
+  const T* column = first + at.chunk * (16 / static_cast<int>(sizeof(T)));
 #pragma unroll
-  for (int pass = 0; pass < plan::passes; ++pass)
-    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, from + pass * plan::rows_per_pass * stride, true);
+  for (int pass = 0; pass < plan::passes; ++pass) {
+    const int j = at.row0 + pass * plan::rows_per_pass;
+    const bool valid = j < count;  // past the end: zero-fill, still naming a readable address (row 0)
+    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, column + (valid ? j * stride : 0), valid);
+  }
 }
 
 /// Queues cp.async copies of gathered rows: row j from base + tokens[j] x stride for j < count,

@@ -300,6 +300,16 @@ struct vertical_group {
   }
 };
 
+/// The first position in [lo, hi) of an ascending list whose value is >= x.
+__device__ inline index_t lower_bound_in(const index_t* list, index_t lo, index_t hi, index_t x) {
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (list[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
 /// The walk of a vertical group's columns over their query blocks: thread c < 64 follows column c's
 /// ascending query list within [begin, end_block); each round takes the smallest query block still
 /// ahead of any column, and the columns whose cursor is on it. With `ranked` (for the stored dS), a
@@ -313,8 +323,8 @@ class vertical_walk {
     const int tid = static_cast<int>(threadIdx.x);
     if (tid < block_tokens && g.first + tid < g.last) {
       const index_t from = index.vtoken_query_ptr[g.first + tid], to = index.vtoken_query_ptr[g.first + tid + 1];
-      position_ = lower_bound(from, to, g.begin);
-      end_ = lower_bound(position_, to, g.end_block);
+      position_ = lower_bound_in(list_, from, to, g.begin);
+      end_ = lower_bound_in(list_, position_, to, g.end_block);
     }
   }
 
@@ -346,16 +356,6 @@ class vertical_walk {
   }
 
  private:
-  /// The first position in [lo, hi) of the ascending list whose query block is >= q_block.
-  __device__ index_t lower_bound(index_t lo, index_t hi, index_t q_block) const {
-    while (lo < hi) {
-      const index_t mid = lo + (hi - lo) / 2;
-      if (list_[mid] < q_block) lo = mid + 1;
-      else hi = mid;
-    }
-    return lo;
-  }
-
   const index_t* list_;
   bool ranked_;
   index_t position_ = 0, end_ = 0;

@@ -429,31 +429,6 @@ constexpr std::size_t backward_dq_stored_shared_bytes() {
 
 namespace detail {
 
-/// Queues cp.async copies of `count` (<= 64) stored dS^T rows [key][64 queries] into a swizzled tile,
-/// zeros after (the last vertical gather's missing keys add nothing to dQ).
-template <class T>
-__device__ void load_ds_rows_async(unsigned char* tile, const T* rows, index_t count) {
-  using plan = tile_copy_plan<T, 64>;
-  const plan at;
-  unsigned char* to = tile + swizzled_tile<64>::offset(at.row0, at.chunk);
-#pragma unroll
-  for (int pass = 0; pass < plan::passes; ++pass) {
-    const int key = at.row0 + pass * plan::rows_per_pass;
-    const bool valid = key < count;
-    cp_async_16(to + pass * plan::rows_per_pass * swizzled_tile<64>::row_pitch, rows + (valid ? key : 0) * block_tokens + at.chunk * 8, valid);
-  }
-}
-
-/// The first position in [lo, hi) of an ascending list whose value is >= x.
-__device__ inline index_t lower_bound_in(const index_t* list, index_t lo, index_t hi, index_t x) {
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (list[mid] < x) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
 /// The row of CSR entry `entry`: the last row r with ptr[r] <= entry (ptr ascending, rows + 1 long).
 __device__ inline index_t row_of_entry(const index_t* ptr, index_t rows, index_t entry) {
   index_t lo = 0, hi = rows;  // ptr[lo] <= entry < ptr[hi]
@@ -521,10 +496,12 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
 
   auto load = [&](index_t t) {
     if (row.is_block(t)) {
-      detail::load_ds_rows_async(ds_tile(t), block_rows + std::int64_t{t} * block_tokens * block_tokens, block_tokens);
+      detail::load_strided_rows_async<swizzled_tile<64>, T, 64>(ds_tile(t), block_rows + std::int64_t{t} * block_tokens * block_tokens, block_tokens);
     } else {
       const index_t first = (t - row.num_blocks) * block_tokens;
-      detail::load_ds_rows_async(ds_tile(t), vertical_rows + std::int64_t{first} * block_tokens, row.num_tokens - first);
+      // The last gather's missing keys: zero rows, which add nothing to dQ.
+      detail::load_strided_rows_async<swizzled_tile<64>, T, 64>(ds_tile(t), vertical_rows + std::int64_t{first} * block_tokens, block_tokens,
+                                                                row.num_tokens - first);
     }
     detail::load_row_tile_async<swizzled_tile<D>, T, D>(k_tile(t), p.k, row, t, p.heads_kv, hk);
   };
