@@ -41,29 +41,36 @@ struct forward_params {
 
 namespace detail {
 
-/// One tile of the online softmax (FlashAttention-2): masks this warp's raw scores `s` (the causal
-/// triangle of a diagonal tile; columns past `valid` of the last vertical gather), updates the running
-/// row statistics (log2 domain) and leaves P in `s`. The scale enters once per element, fused into the
-/// exponent's argument as s scale log2 e - max (the maximum is taken over raw scores: the scale is
-/// positive). The output must then be multiplied by `correction` (rescale_rows), which the Hopper
-/// kernel defers until its previous P V product has landed.
-__device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2], float scale_log2,
-                                    bool diagonal, int valid) {
-  if (diagonal || valid < block_tokens) {  // warp-uniform: most tiles skip the mask arithmetic
-    const int warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
+/// One step of the online softmax (FlashAttention-2) over N tiles of the row at once: masks this
+/// warp's raw scores `s` (the causal triangle of a diagonal tile; columns past `valid` of the last
+/// vertical gather), updates the running row statistics (log2 domain) and leaves P in `s`. The scale
+/// enters once per element, fused into the exponent's argument as s scale log2 e - max (the maximum is
+/// taken over raw scores: the scale is positive). The output must then be multiplied by `correction`
+/// (rescale_rows), which the Hopper kernel defers until its previous P V product has landed. Over two
+/// tiles the row maxima, the quad shuffles and the correction are paid once per 128 keys.
+template <int N>
+__device__ void softmax_tiles(float (&s)[N][8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2], float scale_log2,
+                              const bool (&diagonal)[N], const int (&valid)[N]) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int i = 0; i < N; ++i) {
+    if (diagonal[i] || valid[i] < block_tokens) {  // warp-uniform: most tiles skip the mask arithmetic
+      const int warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = warp_row0 + fragment_row(e), c = fragment_col(j, e);
-        if (c >= valid || (diagonal && c > r)) s[j][e] = -INFINITY;
-      }
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp_row0 + fragment_row(e), c = fragment_col(j, e);
+          if (c >= valid[i] || (diagonal[i] && c > r)) s[i][j][e] = -INFINITY;
+        }
+    }
   }
   float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]);
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) tile_max[e / 2] = fmaxf(tile_max[e / 2], s[i][j][e]);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float new_max = fmaxf(row_max[half], quad_max(tile_max[half]) * scale_log2);
@@ -72,12 +79,22 @@ __device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float
     row_max[half] = new_max;
     row_sum[half] *= correction[half];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j][2 * half] = exp2_ftz(fmaf(s[j][2 * half], scale_log2, -base));
-      s[j][2 * half + 1] = exp2_ftz(fmaf(s[j][2 * half + 1], scale_log2, -base));
-      row_sum[half] += s[j][2 * half] + s[j][2 * half + 1];
-    }
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        s[i][j][2 * half] = exp2_ftz(fmaf(s[i][j][2 * half], scale_log2, -base));
+        s[i][j][2 * half + 1] = exp2_ftz(fmaf(s[i][j][2 * half + 1], scale_log2, -base));
+        row_sum[half] += s[i][j][2 * half] + s[i][j][2 * half + 1];
+      }
   }
+}
+
+/// softmax_tiles over one tile.
+__device__ inline void softmax_tile(float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2], float scale_log2,
+                                    bool diagonal, int valid) {
+  const bool diagonals[1] = {diagonal};
+  const int valids[1] = {valid};
+  softmax_tiles<1>(reinterpret_cast<float(&)[1][8][4]>(s), row_max, row_sum, correction, scale_log2, diagonals, valids);
 }
 
 template <int D>
@@ -203,15 +220,24 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 }
 
 /// Tuning of the Hopper forward, per head dim. A CTA is a consumer warpgroup and a producer
-/// warpgroup; `setmaxnreg` moves registers from the producer to the consumer, which keeps S(t + 1),
-/// P(t), O and Q's fragments live while both products run. On each SM sub-partition every CTA places
-/// one warp of each; the CTA is launched with the registers its share of the SM allows (65536 /
-/// (256 x ctas_per_sm), rounded down to a multiple of 8), and the consumer can only take what the
-/// producer gives back, so the two counts sum to at most twice that (setmaxnreg would wait forever
-/// for more). `stages` K and V tiles are in flight. The producer's copies fill its registers: at
-/// D 64 it needs 32 (with 24 its gathers spill), which leaves the consumer 128.
+/// warpgroup; `setmaxnreg` moves registers from the producer to the consumer, which keeps the scores
+/// of the next step, P of this one, O and Q's fragments live while both products run. On each SM
+/// sub-partition every CTA places one warp of each; the CTA is launched with the registers its share
+/// of the SM allows (65536 / (256 x ctas_per_sm), rounded down to a multiple of 8), and the consumer can
+/// only take what the producer gives back, so the two counts sum to at most twice that (setmaxnreg
+/// would wait forever for more). The producer's copies fill its registers: it needs 32 (with 24 its
+/// gathers spill), which leaves the consumer 128 at D 64 and 224 at D 128.
+///
+/// A consumer step covers `tiles_per_step` tiles of the row (128 keys at D 128: one softmax, one set
+/// of shuffles and one rescale per two tiles, as FlashAttention-3's 128-key blocks); `k_stages` K and
+/// `v_stages` V tiles are in flight. At D 128 two-tile steps measured 1-3% faster than one-tile steps
+/// (RESULTS, 2026-12-02), with three stages of each ring: two K and four V stages (the V tiles are held
+/// longer) measured slower on vs95, whose gathered K tiles then had no stage to load ahead into. At
+/// D 64 two-tile steps would need more registers than three CTAs per SM leave the consumer.
 struct forward_wgmma_tuning {
-  int stages;
+  int k_stages;
+  int v_stages;
+  int tiles_per_step;
   int ctas_per_sm;
   int producer_registers;
   int consumer_registers;
@@ -220,16 +246,22 @@ struct forward_wgmma_tuning {
 };
 template <int D>
 inline constexpr forward_wgmma_tuning forward_wgmma_config =
-    D == 128 ? forward_wgmma_tuning{.stages = 3, .ctas_per_sm = 2, .producer_registers = 40, .consumer_registers = 216}   // 96 KiB
-             : forward_wgmma_tuning{.stages = 4, .ctas_per_sm = 3, .producer_registers = 32, .consumer_registers = 128};  // 64 KiB
+    D == 128 ? forward_wgmma_tuning{.k_stages = 3, .v_stages = 3, .tiles_per_step = 2, .ctas_per_sm = 2, .producer_registers = 32,
+                                    .consumer_registers = 224}  // 96 KiB
+             : forward_wgmma_tuning{.k_stages = 4, .v_stages = 4, .tiles_per_step = 1, .ctas_per_sm = 3, .producer_registers = 32,
+                                    .consumer_registers = 128};  // 64 KiB
 
 inline constexpr int forward_wgmma_threads = 2 * attention_threads;
+/// The kernel names its step size through this variable template: a local constexpr copy used as an
+/// array bound inside the kernel's lambdas crashes nvcc 13.0's front end (cudafe++).
+template <int D>
+inline constexpr int forward_step_tiles = forward_wgmma_config<D>.tiles_per_step;
 
 /// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, plus
 /// slack to align them to 1024 bytes.
 template <int D>
 constexpr std::size_t forward_wgmma_shared_bytes() {
-  return 2 * forward_wgmma_config<D>.stages * swizzled_tile<D>::bytes + 1024;
+  return (forward_wgmma_config<D>.k_stages + forward_wgmma_config<D>.v_stages) * swizzled_tile<D>::bytes + 1024;
 }
 
 namespace detail {
@@ -250,26 +282,43 @@ __device__ void load_query_fragments(unsigned (&qf)[D / 16][4], const T* block, 
   }
 }
 
+/// The consumer waits for K tiles t .. t + N - 1 and reads what their softmax needs (the first N
+/// entries of `diagonal` and `valid`).
+template <int N, class Rings, int Size>
+__device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t query_global, bool (&diagonal)[Size], int (&valid)[Size]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    rings.k.wait(t + i);
+    diagonal[i] = rings.diagonal(row, t + i, query_global);
+    valid[i] = row.valid_columns(t + i);
+  }
+}
+
 }  // namespace detail
 
 /// The forward on Hopper: the same walk, online softmax and epilogue as sparse_forward, with both
 /// products on wgmma and the loads in a warp of their own (warp specialization, as FlashAttention-3):
 /// a producer warpgroup copies the row's K and V tiles (blocks and vertical gathers alike) into two rings
-/// of stages guarded by mbarriers, running up to `stages` tiles ahead; the consumer
-/// warpgroup computes S = Q K^T with Q's fragments in registers and K from shared memory (K-major),
-/// O += P V with P in registers and V from shared memory (MN-major). The consumer is software
-/// pipelined (intra-warpgroup overlap): iteration t issues S(t + 1) and O += P(t) V(t) together, runs
-/// the softmax of tile t + 1 while the P V product is in flight, and rescales O once it has landed.
+/// of stages guarded by mbarriers, running ahead as far as the rings allow; the consumer warpgroup
+/// computes S = Q K^T with Q's fragments in registers and K from shared memory (K-major), O += P V
+/// with P in registers and V from shared memory (MN-major), `tiles_per_step` tiles per step. The
+/// consumer is software pipelined (intra-warpgroup overlap): step n issues the scores of step n + 1,
+/// rescales O by step n's correction, issues O += P(n) V(n), and runs the softmax of step n + 1 while
+/// that product is in flight. Where the row's tile count is not a multiple of the step, its first
+/// step takes the odd tile alone.
 template <class T, int D>
 __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>.ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
   constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D>;
   static_assert(tuning.producer_registers + tuning.consumer_registers <= 2 * tuning.launch_registers(forward_wgmma_threads),
                 "the consumer asks setmaxnreg for more registers than the producer gives back");
-  constexpr int stages = tuning.stages, tile = swizzled_tile<D>::bytes;
+  constexpr int tile = swizzled_tile<D>::bytes;
+  static_assert(forward_step_tiles<D> >= 1 && forward_step_tiles<D> <= 2 && tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>,
+                "a step's tiles must fit the rings at once");
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  __shared__ detail::row_tile_rings<stages, stages> rings;
-  unsigned char* ks = detail::align_1024(shared_raw);  // K(t) in ks + (t % stages) * tile
-  unsigned char* vs = ks + stages * tile;              // V(t) likewise
+  constexpr int k_stages = forward_wgmma_config<D>.k_stages, v_stages = forward_wgmma_config<D>.v_stages;
+  __shared__ detail::row_tile_rings<k_stages, v_stages> rings;
+  unsigned char* ks = detail::align_1024(shared_raw);  // K(t) in ks + k.stage(t) * tile
+  unsigned char* vs = ks + k_stages * tile;            // V(t) in vs + v.stage(t) * tile
 
   const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
@@ -285,83 +334,119 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   }
   detail::set_registers_increase<tuning.consumer_registers>();
 
-  auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {  // issue S(t), uncommitted
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + rings.k.stage(t) * tile, k), k > 0);
-  };
-  const index_t q_global = p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
-  auto softmax = [&](index_t t, bool diagonal, float (&s)[8][4], float (&row_max)[2], float (&row_sum)[2], float (&correction)[2]) {
-    detail::softmax_tile(s, row_max, row_sum, correction, p.scale_log2, diagonal, row.valid_columns(t));
-  };
-
   unsigned qf[D / 16][4];
   detail::load_query_fragments<T, D>(qf, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   float o[D / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
-  unsigned pf[4][4];    // P(t) as the A operand of P V
-  float correction[2];  // of tile t + 1, applied to O after P(t) V(t)
-  if (tiles > 0) {
-    float s[8][4];
-    rings.k.wait(0);
-    const bool first_diagonal = rings.diagonal(row, 0, q_global);
+  unsigned pf[forward_step_tiles<D>][4][4];  // P of the step's tiles as the A operand of P V
+  float correction[2];          // of the next step's softmax, applied to O before its P V
+  const index_t q_global = p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
+  using one = std::integral_constant<int, 1>;
+  using whole = std::integral_constant<int, forward_step_tiles<D>>;
+
+  // Issue S(t), uncommitted.
+  auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + rings.k.stage(t) * tile, k), k > 0);
+  };
+  auto to_operands = [&](float (&s)[forward_step_tiles<D>][8][4], auto count) {
+    constexpr int N = decltype(count)::value;
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[i][k], s[i][2 * k], s[i][2 * k + 1]);
+  };
+
+  // The first step's scores and softmax, alone: N tiles (fewer than a step where the count is odd).
+  auto first_scores = [&](auto count) {
+    constexpr int N = decltype(count)::value;
+    float s[forward_step_tiles<D>][8][4];
+    bool diagonal[forward_step_tiles<D>];
+    int valid[forward_step_tiles<D>];
+    detail::wait_keys<N>(rings, row, 0, q_global, diagonal, valid);
     detail::fence_async_shared();
     detail::wgmma_fence();
-    scores(0, s, qf);
+#pragma unroll
+    for (int i = 0; i < N; ++i) scores(i, s[i], qf);
     detail::wgmma_commit();
     detail::wgmma_wait<0>();
-    detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-    rings.k.release(0);
-    softmax(0, first_diagonal, s, row_max, row_sum, correction);
+    detail::fence_registers(reinterpret_cast<float(&)[forward_step_tiles<D> * 32]>(s));
 #pragma unroll
-    for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
-  }
+    for (int i = 0; i < N; ++i) rings.k.release(i);
+    detail::softmax_tiles<N>(reinterpret_cast<float(&)[N][8][4]>(s), row_max, row_sum, correction, p.scale_log2,
+                            reinterpret_cast<bool(&)[N]>(diagonal), reinterpret_cast<int(&)[N]>(valid));
+    to_operands(s, count);
+  };
 
-  // One tile: the body runs in two copies, with and without a next tile, so that no branch sits
-  // between the products in flight (ptxas serializes wgmma across one); both waits come first.
-  auto step = [&](index_t t, auto has_next) {
-    constexpr bool more = decltype(has_next)::value;
-    bool next_diagonal = false;
-    if constexpr (more) {
-      rings.k.wait(t + 1);
-      next_diagonal = rings.diagonal(row, t + 1, q_global);
-    }
-    rings.v.wait(t);
-    detail::fence_async_shared();
-
-    float s[8][4];  // S(t + 1), then P(t + 1): registers of their own, apart from the A operand pf
-    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
-    detail::wgmma_fence();
-    if constexpr (more) {
-      scores(t + 1, s, qf);
+  // The step over tiles t .. t + Cur - 1 (their P in pf), with or without a next whole step. The body
+  // runs in separate copies so that no branch on the count sits between the products in flight
+  // (ptxas serializes wgmma across one).
+  auto step = [&](index_t t, auto current, auto has_next) {
+    constexpr int Cur = decltype(current)::value;
+    constexpr bool More = decltype(has_next)::value;
+    float s[forward_step_tiles<D>][8][4];  // the next step's S, then P: registers of their own, apart from pf
+    bool diagonal[forward_step_tiles<D>];
+    int valid[forward_step_tiles<D>];
+    if constexpr (More) {
+      detail::wait_keys<forward_step_tiles<D>>(rings, row, t + Cur, q_global, diagonal, valid);
+      detail::fence_async_shared();
+      detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
+      detail::wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < forward_step_tiles<D>; ++i) scores(t + Cur + i, s[i], qf);
       detail::wgmma_commit();
     }
+    // This step's correction, while the scores run. Once the rows' maxima settle (most tiles of a
+    // long row), no row of the warp moves: skip the D / 2 multiplications by 1.
+    if (__any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) detail::rescale_rows<D>(o, correction);
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[k], detail::mn_major_operand<D>(vs + rings.v.stage(t) * tile, k), true);
+    for (int i = 0; i < Cur; ++i) rings.v.wait(t + i);
+    detail::fence_async_shared();
+    detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
+    detail::wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < Cur; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[i][k], detail::mn_major_operand<D>(vs + rings.v.stage(t + i) * tile, k),
+                                  true);
     detail::wgmma_commit();
-    if constexpr (more) {
-      detail::wgmma_wait<1>();  // S(t + 1); the P V product may still run
-      detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-      rings.k.release(t + 1);
-      softmax(t + 1, next_diagonal, s, row_max, row_sum, correction);
+    if constexpr (More) {
+      detail::wgmma_wait<1>();  // the next step's S; the P V product may still run
+      detail::fence_registers(reinterpret_cast<float(&)[forward_step_tiles<D> * 32]>(s));
+#pragma unroll
+      for (int i = 0; i < forward_step_tiles<D>; ++i) rings.k.release(t + Cur + i);
+      detail::softmax_tiles<forward_step_tiles<D>>(s, row_max, row_sum, correction, p.scale_log2, diagonal, valid);
     }
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
-    detail::fence_registers(pf);
-    rings.v.release(t);
-    if constexpr (more) {
-      // Once the rows' maxima settle (most tiles of a long row), no row of the warp moves: skip the
-      // D / 2 multiplications by 1.
-      if (__any_sync(0xffffffffu, correction[0] != 1.0f || correction[1] != 1.0f)) detail::rescale_rows<D>(o, correction);
+    detail::fence_registers(reinterpret_cast<unsigned(&)[forward_step_tiles<D> * 4][4]>(pf));
 #pragma unroll
-      for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[k], s[2 * k], s[2 * k + 1]);
-    }
+    for (int i = 0; i < Cur; ++i) rings.v.release(t + i);
+    if constexpr (More) to_operands(s, whole{});
   };
-  index_t t = 0;
-  for (; t + 1 < tiles; ++t) step(t, std::true_type{});
-  if (tiles > 0) step(t, std::false_type{});
+
+  if (tiles > 0) {
+    // Tiles in the first step: 1 .. forward_step_tiles<D>, so that every later step is whole.
+    const int first = static_cast<int>(tiles - forward_step_tiles<D> * ((tiles - 1) / forward_step_tiles<D>));
+    index_t t = 0;
+    if constexpr (forward_step_tiles<D> > 1) {
+      if (first < forward_step_tiles<D>) {
+        first_scores(one{});
+        if (tiles > 1) step(0, one{}, std::true_type{});
+        else step(0, one{}, std::false_type{});
+        t = 1;
+      } else {
+        first_scores(whole{});
+      }
+    } else {
+      first_scores(one{});
+    }
+    for (; t + forward_step_tiles<D> < tiles; t += forward_step_tiles<D>) step(t, whole{}, std::true_type{});
+    if (t < tiles) step(t, whole{}, std::false_type{});
+  }
   detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }
 
