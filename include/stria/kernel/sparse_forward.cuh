@@ -230,10 +230,11 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 ///
 /// A consumer step covers `tiles_per_step` tiles of the row (128 keys at D 128: one softmax, one set
 /// of shuffles and one rescale per two tiles, as FlashAttention-3's 128-key blocks); `k_stages` K and
-/// `v_stages` V tiles are in flight. At D 128 two-tile steps measured 1-3% faster than one-tile steps
-/// (RESULTS, 2026-12-02), with three stages of each ring: two K and four V stages (the V tiles are held
-/// longer) measured slower on vs95, whose gathered K tiles then had no stage to load ahead into. At
-/// D 64 two-tile steps would need more registers than three CTAs per SM leave the consumer.
+/// `v_stages` V tiles are in flight. A step holds its two K tiles until their scores land: with three K
+/// stages the consumer waited for K 15% of its time (ncu, vs95) while the V ring stayed full, so D 128
+/// has four K stages and three V (two K and four V measured slower still). Against one-tile steps over
+/// three stages of each: 2-3% faster on H200 (RESULTS, 2026-12-02). At D 64 two-tile steps would need
+/// more registers than three CTAs per SM leave the consumer.
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
@@ -246,8 +247,8 @@ struct forward_wgmma_tuning {
 };
 template <int D>
 inline constexpr forward_wgmma_tuning forward_wgmma_config =
-    D == 128 ? forward_wgmma_tuning{.k_stages = 3, .v_stages = 3, .tiles_per_step = 2, .ctas_per_sm = 2, .producer_registers = 32,
-                                    .consumer_registers = 224}  // 96 KiB
+    D == 128 ? forward_wgmma_tuning{.k_stages = 4, .v_stages = 3, .tiles_per_step = 2, .ctas_per_sm = 2, .producer_registers = 32,
+                                    .consumer_registers = 224}  // 112 KiB
              : forward_wgmma_tuning{.k_stages = 4, .v_stages = 4, .tiles_per_step = 1, .ctas_per_sm = 3, .producer_registers = 32,
                                     .consumer_registers = 128};  // 64 KiB
 
@@ -257,11 +258,17 @@ inline constexpr int forward_wgmma_threads = 2 * attention_threads;
 template <int D>
 inline constexpr int forward_step_tiles = forward_wgmma_config<D>.tiles_per_step;
 
-/// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, plus
-/// slack to align them to 1024 bytes.
+/// The forward's rings of stages: their barriers live in dynamic shared memory after the tiles.
+template <int D>
+using forward_rings = detail::row_tile_rings<forward_wgmma_config<D>.k_stages, forward_wgmma_config<D>.v_stages>;
+
+/// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, then their
+/// barriers. The kernel declares no static shared memory, so the dynamic block starts on a 1024-byte
+/// boundary (the swizzle's period; the kernel checks) and no alignment slack is asked for: at D 128,
+/// 4 + 3 stages of 16 KiB and two CTAs per SM fill the SM's 228 KiB to within 1.7 KiB.
 template <int D>
 constexpr std::size_t forward_wgmma_shared_bytes() {
-  return (forward_wgmma_config<D>.k_stages + forward_wgmma_config<D>.v_stages) * swizzled_tile<D>::bytes + 1024;
+  return (forward_wgmma_config<D>.k_stages + forward_wgmma_config<D>.v_stages) * swizzled_tile<D>::bytes + sizeof(forward_rings<D>);
 }
 
 namespace detail {
@@ -314,11 +321,13 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   constexpr int tile = swizzled_tile<D>::bytes;
   static_assert(forward_step_tiles<D> >= 1 && forward_step_tiles<D> <= 2 && tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>,
                 "a step's tiles must fit the rings at once");
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  constexpr int k_stages = forward_wgmma_config<D>.k_stages, v_stages = forward_wgmma_config<D>.v_stages;
-  __shared__ detail::row_tile_rings<k_stages, v_stages> rings;
-  unsigned char* ks = detail::align_1024(shared_raw);  // K(t) in ks + k.stage(t) * tile
-  unsigned char* vs = ks + k_stages * tile;            // V(t) in vs + v.stage(t) * tile
+  extern __shared__ __align__(1024) unsigned char shared_raw[];
+  unsigned char* ks = shared_raw;                                   // K(t) in ks + k.stage(t) * tile
+  unsigned char* vs = ks + forward_wgmma_config<D>.k_stages * tile;  // V(t) in vs + v.stage(t) * tile
+  auto& rings = *reinterpret_cast<forward_rings<D>*>(vs + forward_wgmma_config<D>.v_stages * tile);
+  // The swizzled tiles need a 1024-byte aligned base, which a dynamic block without static shared
+  // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
+  if (detail::shared_address(shared_raw) % 1024 != 0) __trap();
 
   const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
