@@ -103,14 +103,13 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 }
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
-/// tests/bench/results/attention_h200.json (commit 85b1438, 2026-12-02; bf16, Hq 16, Hkv 2, 95%
+/// tests/bench/results/attention_h200.json (commit ae7a308, 2026-12-02; bf16, Hq 16, Hkv 2, 95%
 /// sparse VS pattern, atomic backward, dS stored at D 128). D 128 has runs at 32K, 128K and 512K; D 64
-/// has one (128K), so its row cost is not known and counts as 0, and its backward is that file's raw
-/// call, which ran 1.6x slower than the front template over the same kernels (RESULTS, 2026-12-02).
+/// has one (128K), so its row cost is not known and counts as 0.
 /// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
-  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 418.4244, .row_ns = 15.3552}, .backward = {.tflops = 378.6295, .row_ns = 107.7971}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 317.9631, .row_ns = 0.0}, .backward = {.tflops = 162.3245, .row_ns = 0.0}};
+  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 437.3701, .row_ns = 17.3097}, .backward = {.tflops = 382.7633, .row_ns = 76.3286}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 332.0974, .row_ns = 0.0}, .backward = {.tflops = 262.2576, .row_ns = 0.0}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 

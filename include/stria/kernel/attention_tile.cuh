@@ -207,13 +207,26 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
   }
 }
 
+/// The token a copier thread (`thread` 0 .. 63) reads for gathered tile t of a row: lane L of warp w
+/// reads row 4 w + L % 4 + 8 (L / 4), exactly the rows its warp copies, so that every pass of
+/// load_row_tile_swizzled_async finds its token one shuffle away. 0 for a block tile or past the end.
+__device__ inline index_t gathered_token(const row_tiles& row, index_t t, int thread) {
+  if (t >= row.count() || row.is_block(t)) return 0;
+  const index_t first = (t - row.num_blocks) * block_tokens;
+  const int lane = thread % 32, warp = thread / 32;
+  const int read_row = 4 * warp + lane % 4 + 8 * (lane / 4);
+  return read_row < row.num_tokens - first ? row.tokens[first + read_row] : 0;
+}
+
 /// Queues cp.async copies of tile t of a row, as load_row_tile_async does, into a swizzled tile by
 /// 64 threads (`thread` 0 .. 63): thread (r, c) = (thread / 8, thread % 8) copies chunk c of every
 /// slab of rows r, r + 8, ..., so its rows keep one swizzle phase and its shared address advances by
 /// a constant. A warpgroup's K and V copies thus run as two independent streams of two warps each.
+/// `read_token`: gathered_token(row, t, thread), which the caller reads ahead (one global round trip
+/// that would otherwise sit before every gathered tile's copies).
 template <class T, int D>
 __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk,
-                                             int thread) {
+                                             int thread, index_t read_token) {
   static_assert(sizeof(T) == 2, "a 128-byte slab holds 64 elements of 2 bytes");
   using layout = swizzled_tile<D>;
   constexpr int slabs = D / 64, passes = block_tokens / 8;
@@ -229,14 +242,8 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
       for (int slab = 0; slab < slabs; ++slab)
         cp_async_16(to + pass * 8 * layout::row_pitch + slab * layout::slab_bytes, from + pass * 8 * stride + slab * 64, true);
   } else {
-    const index_t first = (t - row.num_blocks) * block_tokens;
-    const index_t count = row.num_tokens - first;
-    // One read of the token list per thread, then shuffles: lane L of the thread's warp reads row
-    // 4 w + L % 4 + 8 (L / 4) (w: which of the two warps), exactly the rows the warp copies, so
-    // every pass finds its token one shuffle away instead of one global round trip.
-    const int lane = thread % 32, warp = thread / 32;
-    const int read_row = 4 * warp + lane % 4 + 8 * (lane / 4);
-    const index_t read_token = read_row < count ? row.tokens[first + read_row] : 0;
+    const index_t count = row.num_tokens - (t - row.num_blocks) * block_tokens;
+    const int warp = thread / 32;
 #pragma unroll 1  // unrolled, the addresses of several passes stay live and spill the producer's registers
     for (int pass = 0; pass < passes; ++pass) {
       const int j = r + 8 * pass;
@@ -276,16 +283,22 @@ struct row_tile_rings {
     const int thread = static_cast<int>(threadIdx.x % attention_threads);
     const index_t tiles = row.count();
     if (thread < copier_threads) {
+      index_t token = gathered_token(row, 0, thread);
       for (index_t t = 0; t < tiles; ++t) {
+        const index_t next_token = gathered_token(row, t + 1, thread);  // in flight while the stage frees
         k.acquire(t);
-        load_row_tile_swizzled_async<T, D>(ks + k.stage(t) * bytes, keys, row, t, heads_kv, hk, thread);
+        load_row_tile_swizzled_async<T, D>(ks + k.stage(t) * bytes, keys, row, t, heads_kv, hk, thread, token);
+        token = next_token;
         if (thread == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
         k.commit(t);
       }
     } else {
+      index_t token = gathered_token(row, 0, thread - copier_threads);
       for (index_t t = 0; t < tiles; ++t) {
+        const index_t next_token = gathered_token(row, t + 1, thread - copier_threads);
         v.acquire(t);
-        load_row_tile_swizzled_async<T, D>(vs + v.stage(t) * bytes, values, row, t, heads_kv, hk, thread - copier_threads);
+        load_row_tile_swizzled_async<T, D>(vs + v.stage(t) * bytes, values, row, t, heads_kv, hk, thread - copier_threads, token);
+        token = next_token;
         v.commit(t);
       }
     }
