@@ -59,7 +59,8 @@ struct backward_params {
   index_t head_begin = 0, head_end = INT_MAX;
   index_t ds_first_block = 0, ds_first_vertical = 0;
   // [Sq, Hq, D] or null: the Hopper dQ passes write T(dq + this step's dQ) here instead of adding to
-  // dq (the layer's last step; dq null: this step's alone), which saves dq's fp32 round trips.
+  // dq (the layer's last step; dq null: this step's alone), which saves dq's fp32 round trips. The
+  // Hopper dQ passes need dq or final_dq (sparse_backward always sets one).
   T* final_dq = nullptr;
 };
 

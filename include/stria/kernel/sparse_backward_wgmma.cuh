@@ -287,10 +287,11 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
 namespace detail {
 
 /// The end of a Hopper dQ pass: this warpgroup's rows of dq (query block, head h) += acc, or with
-/// final_dq, T(dq + acc) written there (acc alone where dq is null). The scale is in dS already.
-/// Every old value is read (into acc) before the first store: a store through final_dq may alias dq
-/// as far as the compiler knows, and interleaved, each read waited for the store before it (sixteen
-/// dependent DRAM round trips per thread at D 64 made the pass 2.7x slower).
+/// final_dq, T(dq + acc) written there (acc alone where dq is null; one of the two is set). The scale
+/// is in dS already. acc is overwritten: every old value is added into it before the first store (a
+/// store through final_dq may alias dq as far as the compiler knows, and interleaved, each read waited
+/// for the store before it: sixteen dependent DRAM round trips per thread made the D 64 pass 2.7x
+/// slower).
 template <class T, int D>
 __device__ void finish_dq_rows(const backward_params<T>& p, index_t q_block, index_t h, float (&acc)[D / 8][4]) {
   const int row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);

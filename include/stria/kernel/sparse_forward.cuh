@@ -265,11 +265,16 @@ using forward_rings = detail::row_tile_rings<forward_wgmma_config<D>.k_stages, f
 /// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, then their
 /// barriers. The kernel declares no static shared memory, so the dynamic block starts on a 1024-byte
 /// boundary (the swizzle's period; the kernel checks) and no alignment slack is asked for: at D 128,
-/// 4 + 3 stages of 16 KiB and two CTAs per SM fill the SM's 228 KiB to within 1.7 KiB.
+/// 4 + 3 stages of 16 KiB and two CTAs per SM fill the SM's 228 KiB to within 1.75 KiB.
 template <int D>
 constexpr std::size_t forward_wgmma_shared_bytes() {
   return (forward_wgmma_config<D>.k_stages + forward_wgmma_config<D>.v_stages) * swizzled_tile<D>::bytes + sizeof(forward_rings<D>);
 }
+// The SM's 228 KiB hold ctas_per_sm blocks and the 1 KiB each reserves: a stage more would silently
+// leave one CTA per SM.
+static_assert(forward_wgmma_config<128>.ctas_per_sm * (forward_wgmma_shared_bytes<128>() + 1024) <= 228 * 1024 &&
+                  forward_wgmma_config<64>.ctas_per_sm * (forward_wgmma_shared_bytes<64>() + 1024) <= 228 * 1024,
+              "the forward's rings no longer fit ctas_per_sm CTAs on an SM");
 
 namespace detail {
 
@@ -319,12 +324,13 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   static_assert(tuning.producer_registers + tuning.consumer_registers <= 2 * tuning.launch_registers(forward_wgmma_threads),
                 "the consumer asks setmaxnreg for more registers than the producer gives back");
   constexpr int tile = swizzled_tile<D>::bytes;
-  static_assert(forward_step_tiles<D> >= 1 && forward_step_tiles<D> <= 2 && tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>,
-                "a step's tiles must fit the rings at once");
+  static_assert(forward_step_tiles<D> == 1 || forward_step_tiles<D> == 2,
+                "one or two tiles per step: the first step takes the one odd tile alone, nothing more");
+  static_assert(tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>, "a step's tiles must fit the rings at once");
   extern __shared__ __align__(1024) unsigned char shared_raw[];
   unsigned char* ks = shared_raw;                                   // K(t) in ks + k.stage(t) * tile
-  unsigned char* vs = ks + forward_wgmma_config<D>.k_stages * tile;  // V(t) in vs + v.stage(t) * tile
-  auto& rings = *reinterpret_cast<forward_rings<D>*>(vs + forward_wgmma_config<D>.v_stages * tile);
+  unsigned char* vs = ks + tuning.k_stages * tile;                  // V(t) in vs + v.stage(t) * tile
+  auto& rings = *reinterpret_cast<forward_rings<D>*>(vs + tuning.v_stages * tile);
   // The swizzled tiles need a 1024-byte aligned base, which a dynamic block without static shared
   // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
   if (detail::shared_address(shared_raw) % 1024 != 0) __trap();
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   };
 
   // The first step's scores and softmax, alone: N tiles (fewer than a step where the count is odd).
-  auto first_scores = [&](auto count) {
+  auto first_step = [&](auto count) {
     constexpr int N = decltype(count)::value;
     float s[forward_step_tiles<D>][8][4];
     bool diagonal[forward_step_tiles<D>];
@@ -390,8 +396,8 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   };
 
   // The step over tiles t .. t + Cur - 1 (their P in pf), with or without a next whole step. The body
-  // runs in separate copies so that no branch on the count sits between the products in flight
-  // (ptxas serializes wgmma across one).
+  // runs in separate copies, so that which products are in flight never depends on a branch (the
+  // barrier waits and the rescale test branch too, but around the same products on every path).
   auto step = [&](index_t t, auto current, auto has_next) {
     constexpr int Cur = decltype(current)::value;
     constexpr bool More = decltype(has_next)::value;
@@ -439,19 +445,19 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
 
   if (tiles > 0) {
     // Tiles in the first step: 1 .. forward_step_tiles<D>, so that every later step is whole.
-    const int first = static_cast<int>(tiles - forward_step_tiles<D> * ((tiles - 1) / forward_step_tiles<D>));
+    const int first = static_cast<int>((tiles - 1) % forward_step_tiles<D> + 1);
     index_t t = 0;
     if constexpr (forward_step_tiles<D> > 1) {
       if (first < forward_step_tiles<D>) {
-        first_scores(one{});
+        first_step(one{});
         if (tiles > 1) step(0, one{}, std::true_type{});
         else step(0, one{}, std::false_type{});
         t = 1;
       } else {
-        first_scores(whole{});
+        first_step(whole{});
       }
     } else {
-      first_scores(one{});
+      first_step(one{});
     }
     for (; t + forward_step_tiles<D> < tiles; t += forward_step_tiles<D>) step(t, whole{}, std::true_type{});
     if (t < tiles) step(t, whole{}, std::false_type{});
