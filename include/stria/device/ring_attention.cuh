@@ -183,7 +183,7 @@ inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t strea
 /// [Sq, Hq, D] and the fp32 lse [Hq, Sq] of the whole sequence's attention for the local queries.
 /// With finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked
 /// after every step.
-template <class Comm, ring_topology Topology, class T>
+template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
 void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
                   tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out,
                   tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
@@ -205,7 +205,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
     const tensor_view<const T, 3> v_step(chunk + ring.elements(), {shape.kv_tokens, shape.heads_kv, shape.head_dim});
     // The last step writes `out` itself (rounded to T), so the running output needs no final pass.
     const bool last = s + 1 == topology.num_steps();
-    sparse_forward(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
+    sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
                    s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
     if (checks) {
       checks->begin();
@@ -224,7 +224,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
 /// complete dk, dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 as they travel. With
 /// finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step,
 /// before that sum travels on.
-template <class Comm, ring_topology Topology, class T>
+template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
 void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
                    tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
@@ -287,7 +287,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
     device_buffer<float> working(2 * kv_elems, stream);
     working.fill_bytes(0, stream);
     const bool last = s + 1 == steps;
-    sparse_backward(indices[static_cast<std::size_t>(s)], q, tensor_view<const T, 3>(chunk, kv_extents),
+    sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, tensor_view<const T, 3>(chunk, kv_extents),
                     tensor_view<const T, 3>(chunk + kv_elems, kv_extents), d_out, lse,
                     tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
                     tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),

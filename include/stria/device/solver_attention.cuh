@@ -121,7 +121,7 @@ inline checked_tensor moved_chunk(const checked_tensor& t, const solver::problem
 /// left with nothing pending past the call). q [m x tokens, Hq, D], k, v [m x tokens, Hkv, D] are
 /// this rank's sequential shards (bf16 or fp16, device); writes out and the fp32 lse [Hq, m x tokens].
 /// With finite_check::every_step each stage's results are checked ("solver stage 0", "solver stage 1").
-template <class Comm, class T>
+template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
                     tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale,
                     tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
@@ -224,7 +224,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   for (std::size_t t = 0; t < local_tasks.size(); ++t) {
     const auto [kc, vc] = own_kv(local_tasks[t].kv_chunk);
     const auto [o, l] = own_state(local_tasks[t].query_chunk);
-    sparse_forward(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
+    sparse_forward<T, HeadDim>(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                    running_state::merge, stream);
   }
   if (checks) check_stage(0, false);
@@ -239,12 +239,12 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     const auto [kc, vc] = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : arrived_kv(task.kv_chunk);
     if (me.owns(task.query_chunk)) {
       const auto [o, l] = own_state(task.query_chunk);
-      sparse_forward(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
+      sparse_forward<T, HeadDim>(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
                      running_state::merge, stream);
     } else {
       const auto it = moved_q.find(task.query_chunk);
       if (it == moved_q.end()) throw me.missing_move("query", task.query_chunk);
-      sparse_forward(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
+      sparse_forward<T, HeadDim>(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
                      tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}), tensor_view<float, 2>(it->second.lse.data(), {hq, ct}),
                      running_state::merge, stream);
     }
@@ -290,7 +290,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
 /// the incoming gradient (local shards). Writes dq and the complete dk, dv of this rank's chunks;
 /// the gradients of moved chunks are summed in fp32 at their owners. With finite_check::every_step
 /// each stage's dQ and dK/dV sums are checked.
-template <class Comm, class T>
+template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
                      tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out,
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq,
@@ -425,7 +425,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
                    detail::chunk_view(dk32, me.first_token(c), ct, hkv, dim), detail::chunk_view(dv32, me.first_token(c), ct, hkv, dim)};
   };
   const auto run = [&](const device_step_index& index, const query_side& qs, const kv_side& ks) {
-    sparse_backward(index, qs.q, ks.k, ks.v, qs.d_out, qs.lse, qs.delta, softmax_scale, qs.dq, ks.dk, ks.dv, mode, stream);
+    sparse_backward<T, HeadDim>(index, qs.q, ks.k, ks.v, qs.d_out, qs.lse, qs.delta, softmax_scale, qs.dq, ks.dk, ks.dv, mode, stream);
   };
 
   // 2. Stage 0: own tasks while the moves travel. 3. Stage 1: remote tasks once they have arrived.

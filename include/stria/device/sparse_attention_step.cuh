@@ -30,6 +30,11 @@
 
 namespace stria::device {
 
+/// The launchers' HeadDim template argument where the call's head dim picks the kernels at run time
+/// (both head dims instantiated). The front template and the engines pass their Tile's head_dim
+/// instead, and get that one set of kernels only.
+inline constexpr index_t any_head_dim = 0;
+
 /// What the forward does with the running state: overwrite it (the first ring step) or merge into it.
 enum class running_state { overwrite, merge };
 
@@ -143,11 +148,29 @@ attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3>
   return shape;
 }
 
-/// Runs `launch.template operator()<D>()` with the head dim as a template argument.
-template <class Launch>
+/// A launcher's head dim rule (no CUDA calls): with a compile-time HeadDim (a Tile's), the call's
+/// must be it.
+template <index_t HeadDim>
+void check_head_dim(index_t head_dim) {
+  if constexpr (HeadDim != any_head_dim)
+    if (head_dim != HeadDim)
+      throw invalid_argument("q.extent(2) (head_dim)", head_dim,
+                             "must be " + std::to_string(HeadDim) + ": this launcher is instantiated for tile<64, 64, " +
+                                 std::to_string(HeadDim) + "> alone");
+}
+
+/// Runs `launch.template operator()<D>()` with the head dim as a template argument: HeadDim alone
+/// where it is given (one set of kernels per Tile), else a runtime switch over both.
+template <index_t HeadDim, class Launch>
 void with_head_dim(index_t head_dim, Launch&& launch) {
-  if (head_dim == 64) launch.template operator()<64>();
-  else launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
+  if constexpr (HeadDim != any_head_dim) {
+    check_head_dim<HeadDim>(head_dim);
+    launch.template operator()<static_cast<int>(HeadDim)>();
+  } else if (head_dim == 64) {
+    launch.template operator()<64>();
+  } else {
+    launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
+  }
 }
 
 template <class Kernel>
@@ -165,11 +188,12 @@ void allow_shared_bytes(Kernel kernel, std::size_t bytes) {
 ///   and `out` is left as it was (what write_output would do after the step, without the pass).
 ///   A single step (overwrite with final_out) neither reads nor writes `out`: it may then be empty,
 ///   which spares a caller with one KV chunk the fp32 running output.
-template <class T>
+template <class T, index_t HeadDim = any_head_dim>
 void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                     double softmax_scale, tensor_view<float, 3> out, tensor_view<float, 2> lse, running_state state,
                     cudaStream_t stream, forward_kernel which = forward_kernel::automatic, tensor_view<T, 3> final_out = {}) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
+  detail::check_head_dim<HeadDim>(shape.head_dim);
   const bool without_running = out.data() == nullptr && final_out.data() && state == running_state::overwrite;
   if (!without_running) {
     check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
@@ -200,7 +224,7 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
                                          state == running_state::merge,
                                          final_out.data()};
   const dim3 grid(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(shape.heads_q));
-  detail::with_head_dim(shape.head_dim, [&]<int D>() {
+  detail::with_head_dim<HeadDim>(shape.head_dim, [&]<int D>() {
     if (hopper) {
       constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
       detail::allow_shared_bytes(kernel::sparse_forward_wgmma<T, D>, bytes);
@@ -250,13 +274,14 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
 /// leave dq as it was; the mma.sync passes, or a dq_out not aligned to 4 bytes, add into dq and cast);
 /// dq's data may then be null (a single step: no fp32 dq at all).
 ///   d_out [Sq, Hq, D] (T)   lse, delta [Hq, Sq]   dq [Sq, Hq, D]   dk, dv [Sk, Hkv, D]
-template <class T>
+template <class T, index_t HeadDim = any_head_dim>
 void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                      tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
                      double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
                      determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic,
                      dq_source source = dq_source::automatic, std::size_t ds_workspace_limit = 0, T* dq_out = nullptr) {
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
+  detail::check_head_dim<HeadDim>(shape.head_dim);
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
   check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
@@ -407,7 +432,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
     params.kv_query_entry = kv_query_entry.data();
     params.vertical_group_entry = vertical_group_entry.data();
   }
-  detail::with_head_dim(shape.head_dim, [&]<int D>() {
+  detail::with_head_dim<HeadDim>(shape.head_dim, [&]<int D>() {
     // The passes (DESIGN 8): a dQ pass (mma.sync: unless the atomic mode fuses dQ into the dK/dV
     // passes), the dK/dV block pass, and the vertical-token pass.
     auto passes = [&]<bool Atomic>() {
