@@ -262,8 +262,17 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
   detail::check_layout(delta, "delta", 4);
   detail::check_on_device({{out.data(), "out"}, {d_out.data(), "d_out"}, {delta.data(), "delta"}});
   const std::int64_t rows = static_cast<std::int64_t>(out.extent(0)) * out.extent(1);
-  kernel::backward_delta<T><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1),
-                                                                                     out.extent(2), delta.data());
+  const index_t dim = out.extent(2);
+  const bool aligned = reinterpret_cast<std::uintptr_t>(out.data()) % 16 == 0 && reinterpret_cast<std::uintptr_t>(d_out.data()) % 16 == 0;
+  auto vectorized = [&]<int Lanes>() {
+    kernel::backward_delta_vectorized<T, Lanes>
+        <<<stria::detail::blocks_for(rows * Lanes, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1), delta.data());
+  };
+  if (aligned && dim == 128) vectorized.template operator()<16>();
+  else if (aligned && dim == 64) vectorized.template operator()<8>();
+  else
+    kernel::backward_delta<T><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0),
+                                                                                       out.extent(1), dim, delta.data());
   STRIA_CUDA_CHECK_LAUNCH("backward_delta");
 }
 

@@ -226,7 +226,7 @@ __device__ inline void reduce_add_v2(float* at, float x, float y) {
 /// whose tile with the block is active. A cursor names a query head of the group and an entry.
 struct kv_column {
   struct cursor {
-    index_t j, e;
+    index_t j, e, end;  // entry e of the list of the group's head j, which ends at `end`
   };
   const step_index_view& index;
   index_t kv_block, hk, group;
@@ -244,17 +244,18 @@ struct kv_column {
     for (index_t j = j_begin; j < j_end; ++j) count += list_end(j) - list_start(j);
     return count;
   }
-  /// c, moved past the heads whose lists are done.
+  /// c, moved past the heads whose lists are done (index reads only there: within a list, moving
+  /// on is register arithmetic).
   __device__ cursor settle(cursor c) const {
-    while (c.j < j_end && c.e == list_end(c.j)) {
+    while (c.j < j_end && c.e == c.end) {
       ++c.j;
-      if (c.j < j_end) c.e = list_start(c.j);
+      if (c.j < j_end) c = {c.j, list_start(c.j), list_end(c.j)};
     }
     return c;
   }
   /// Only where tiles() > 0.
-  __device__ cursor first() const { return settle({j_begin, list_start(j_begin)}); }
-  __device__ cursor next(cursor c) const { return settle({c.j, c.e + 1}); }
+  __device__ cursor first() const { return settle({j_begin, list_start(j_begin), list_end(j_begin)}); }
+  __device__ cursor next(cursor c) const { return settle({c.j, c.e + 1, c.end}); }
   __device__ index_t head(cursor c) const { return hk * group + c.j; }
   __device__ index_t query_block(cursor c) const { return index.kv_query[c.e]; }
 };
@@ -326,6 +327,7 @@ class vertical_walk {
       const index_t from = index.vtoken_query_ptr[g.first + tid], to = index.vtoken_query_ptr[g.first + tid + 1];
       position_ = lower_bound_in(list_, from, to, g.begin);
       end_ = lower_bound_in(list_, position_, to, g.end_block);
+      candidate_ = position_ < end_ ? list_[position_] : INT_MAX;
     }
   }
 
@@ -334,9 +336,8 @@ class vertical_walk {
   /// how many of its columns are on it. Every thread of the CTA calls it (it holds a barrier).
   __device__ index_t next(index_t (&used)[block_tokens], index_t (&warps)[4]) {
     const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
-    index_t candidate = INT_MAX;
+    const index_t candidate = candidate_;
     if (tid < block_tokens) {
-      candidate = position_ < end_ ? list_[position_] : INT_MAX;
       index_t m = candidate;
       for (int offset = 16; offset > 0; offset /= 2) m = min(m, __shfl_xor_sync(0xffffffffu, m, offset));
       const int on_min = __popc(__ballot_sync(0xffffffffu, candidate == m));
@@ -351,7 +352,10 @@ class vertical_walk {
       const unsigned on = __ballot_sync(0xffffffffu, candidate == q_block);
       const index_t before = __popc(on & ((1u << lane) - 1u)) + (tid >= 32 && warps[0] == q_block ? warps[2] : 0);
       used[tid] = candidate == q_block ? (ranked_ ? before + 1 : 1) : 0;
-      if (candidate == q_block) ++position_;
+      if (candidate == q_block) {
+        ++position_;
+        candidate_ = position_ < end_ ? list_[position_] : INT_MAX;  // read now, needed a round later
+      }
     }
     return q_block;
   }
@@ -360,6 +364,7 @@ class vertical_walk {
   const index_t* list_;
   bool ranked_;
   index_t position_ = 0, end_ = 0;
+  index_t candidate_ = INT_MAX;  // list_[position_], read a round before the walk needs it
 };
 
 /// K and V rows of a vertical group's tokens (zeros past the last), queued as cp.async copies into
@@ -425,6 +430,31 @@ __global__ void backward_delta(const T* __restrict__ out, const T* __restrict__ 
   for (int d = lane; d < dim; d += 32) sum += to_float(o[d]) * to_float(g[d]);
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) delta[(row % heads) * tokens + row / heads] = sum;
+}
+
+/// backward_delta with 16-byte loads: `Lanes` threads per row of Lanes * 8 elements (D 64: 8, D 128:
+/// 16), out and d_out 16-byte aligned. The scalar kernel above read 2 bytes per lane and load and
+/// reached about half the copy bandwidth.
+template <class T, int Lanes>
+__global__ void backward_delta_vectorized(const T* __restrict__ out, const T* __restrict__ d_out, index_t tokens, index_t heads,
+                                          float* __restrict__ delta) {
+  static_assert(Lanes >= 1 && Lanes <= 32 && (Lanes & (Lanes - 1)) == 0, "a row's lanes are a power-of-two part of a warp");
+  constexpr int dim = 8 * Lanes;
+  const std::int64_t thread = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  const std::int64_t rows = static_cast<std::int64_t>(tokens) * heads, row = thread / Lanes;
+  const int part = static_cast<int>(thread % Lanes);
+  float sum = 0.0f;
+  if (row < rows) {  // no early return: the whole warp takes part in the shuffles
+    const uint4 o = *reinterpret_cast<const uint4*>(out + row * dim + 8 * part);
+    const uint4 g = *reinterpret_cast<const uint4*>(d_out + row * dim + 8 * part);
+    const T* op = reinterpret_cast<const T*>(&o);
+    const T* gp = reinterpret_cast<const T*>(&g);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += to_float(op[i]) * to_float(gp[i]);
+  }
+#pragma unroll
+  for (int offset = Lanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (row < rows && part == 0) delta[(row % heads) * tokens + row / heads] = sum;
 }
 
 template <class T, int D>

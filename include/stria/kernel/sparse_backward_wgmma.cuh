@@ -174,42 +174,62 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   const index_t tiles = column.tiles();
   if (tiles == 0) return;
   using tile_layout = swizzled_tile<D>;
-  auto load = [&](detail::kv_column::cursor c, int stage) {
-    const index_t h = column.head(c), q_block = column.query_block(c);
+  auto load = [&](detail::kv_column::cursor c, index_t q_block, int stage) {
+    const index_t h = column.head(c);
     detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, shared.queries(stage), shared.d_out(stage));
     detail::load_row_statistics(p, q_block, h, shared.lse(stage), shared.delta(stage));
   };
   detail::load_key_tiles<tile_layout, T, D>(p, kv_block, hk, shared.keys(), shared.values());
-  detail::kv_column::cursor current = column.first();
-  load(current, 0);
+  // The index runs ahead of the tiles, so that no index read waits between a barrier and the
+  // products (ncu: a fifth of the pass's stall samples did): a tile's query block is read two tiles
+  // before it (its loads are issued one tile before it), its mask test and dS entry one tile before.
+  detail::kv_column::cursor next = column.first();
+  index_t q_next = column.query_block(next);
+  load(next, q_next, 0);
   detail::cp_async_commit();
+  bool masked = p.index.needs_causal_mask(q_next, kv_block);
+  index_t ds_entry = p.ds_blocks ? p.kv_query_entry[next.e] : 0;
+  if (tiles > 1) {
+    next = column.next(next);
+    q_next = column.query_block(next);
+  }
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (index_t t = 0; t < tiles; ++t) {
     const int stage = static_cast<int>(t % 2);
-    const detail::kv_column::cursor next = column.next(current);
+    bool next_masked = false;
+    index_t next_ds_entry = 0, q_after = 0;
+    detail::kv_column::cursor after = next;
     // The other stage was last read by tile t - 1, which ended with a barrier.
     if (t + 1 < tiles) {
-      load(next, stage ^ 1);
+      load(next, q_next, stage ^ 1);
       detail::cp_async_commit();
       detail::cp_async_wait<1>();
+      next_masked = p.index.needs_causal_mask(q_next, kv_block);
+      if (p.ds_blocks) next_ds_entry = p.kv_query_entry[next.e];
+      if (t + 2 < tiles) {
+        after = column.next(next);
+        q_after = column.query_block(after);
+      }
     } else {
       detail::cp_async_wait<0>();
     }
     detail::fence_async_shared();
     __syncthreads();
-    const index_t q_block = column.query_block(current);
-    // This tile's dS rows: its forward-form entry's 64 rows (read here, used after the products).
-    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{p.kv_query_entry[current.e] - p.ds_first_block} * block_tokens * block_tokens : nullptr;
-    auto tile = [&](auto masked) {
+    // This tile's dS rows: its forward-form entry's 64 rows.
+    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{ds_entry - p.ds_first_block} * block_tokens * block_tokens : nullptr;
+    auto tile = [&](auto mask) {
       detail::dkdv_tile_wgmma<T, D>(dk, dv, shared.keys(), shared.values(), shared.queries(stage), shared.d_out(stage), shared.lse(stage),
-                                    shared.delta(stage), p.scale, p.scale_log2, masked, ds ? shared.ds_staging() : nullptr,
+                                    shared.delta(stage), p.scale, p.scale_log2, mask, p.ds_blocks ? shared.ds_staging() : nullptr,
                                     [&](int key) { return ds + key * block_tokens; });
     };
-    if (p.index.needs_causal_mask(q_block, kv_block)) tile([](int key, int query) { return query < key; });
+    if (masked) tile([](int key, int query) { return query < key; });
     else tile([](int, int) { return false; });  // most tiles: no mask arithmetic
     __syncthreads();  // every warp is done with this stage
-    current = next;
+    masked = next_masked;
+    ds_entry = next_ds_entry;
+    next = after;
+    q_next = q_after;
   }
   auto rows = [&](float* base) {
     return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
@@ -347,13 +367,20 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   }
 
   using tile_layout = swizzled_tile<D>;
-  auto load_kv = [&](index_t t, int stage) {
-    detail::load_row_tile_async<tile_layout, T, D>(ks(stage), p.k, row, t, p.heads_kv, hk);
-    detail::load_row_tile_async<tile_layout, T, D>(vs(stage), p.v, row, t, p.heads_kv, hk);
+  // Warps 0-1 copy K, warps 2-3 V; each copier thread reads its token of a gathered tile two tiles
+  // ahead, and a tile's causal-mask test is read one tile ahead, so that no index read waits before
+  // a tile's copies or between the barrier and its softmax.
+  const int copier = static_cast<int>(threadIdx.x % 64);
+  auto load_kv = [&](index_t t, int stage, index_t token) {
+    if (threadIdx.x < 64) detail::load_row_tile_swizzled_async<T, D>(ks(stage), p.k, row, t, p.heads_kv, hk, copier, token);
+    else detail::load_row_tile_swizzled_async<T, D>(vs(stage), p.v, row, t, p.heads_kv, hk, copier, token);
   };
+  auto diagonal_at = [&](index_t t) { return row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]); };
   detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, qs, dos);
-  load_kv(0, 0);
+  load_kv(0, 0, detail::gathered_token(row, 0, copier));
   detail::cp_async_commit();
+  index_t token = detail::gathered_token(row, 1, copier);
+  bool diagonal = diagonal_at(0);
 
   const int lane = threadIdx.x % 32, row0 = 16 * static_cast<int>(threadIdx.x / 32) + lane / 4;
   float lse[2], delta[2];  // rows row0 and row0 + 8, log2 domain
@@ -367,11 +394,15 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   float dq[D / 8][4] = {};
   for (index_t t = 0; t < tiles; ++t) {
     const int stage = static_cast<int>(t % 2);
+    bool next_diagonal = false;
     // The other stage was last read by tile t - 1, which ended with a barrier.
     if (t + 1 < tiles) {
-      load_kv(t + 1, stage ^ 1);
+      const index_t ahead = detail::gathered_token(row, t + 2, copier);
+      load_kv(t + 1, stage ^ 1, token);
+      token = ahead;
       detail::cp_async_commit();
       detail::cp_async_wait<1>();
+      next_diagonal = diagonal_at(t + 1);
     } else {
       detail::cp_async_wait<0>();
     }
@@ -392,7 +423,6 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::wgmma_wait<1>();  // S; dP may still run while P is formed
     detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
 
-    const bool diagonal = row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]);
     const int valid = row.valid_columns(t);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -422,6 +452,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
     detail::fence_registers(dsf);
     __syncthreads();  // every warp is done with this stage
+    diagonal = next_diagonal;
   }
   detail::finish_dq_rows<T, D>(p, q_block, h, dq);
 }
