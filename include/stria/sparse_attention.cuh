@@ -146,11 +146,11 @@ class sparse_attention {
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
     if constexpr (dynamic)
-      device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream, transfer_.get(),
-                             config_.check);
+      device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream,
+                                             transfer_.get(), config_.check);
     else
-      device::ring_forward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out, lse, stream,
-                           transfer_.get(), device::forward_kernel::automatic, config_.check);
+      device::ring_forward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out,
+                                           lse, stream, transfer_.get(), device::forward_kernel::automatic, config_.check);
   }
 
   /// dq [S_local, Hq, D] of the rank's queries, and dk, dv [S_local, Hkv, D] of its own keys and
@@ -165,11 +165,11 @@ class sparse_attention {
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
     if constexpr (dynamic)
-      device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, out, d_out, lse, config_.softmax_scale, dq, dk, dv,
-                              config_.backward_mode, stream, transfer_.get(), config_.check);
+      device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, out, d_out, lse, config_.softmax_scale, dq,
+                                              dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
     else
-      device::ring_backward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse, config_.softmax_scale, dq,
-                            dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
+      device::ring_backward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse,
+                                            config_.softmax_scale, dq, dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
   }
 
  private:

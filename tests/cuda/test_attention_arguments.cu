@@ -74,7 +74,7 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
                  "dk.extent(1)"));
   // Launchers instantiated for one Tile (the front template's) take that head dim only.
   CHECK(contains(message([&] { device::sparse_forward<T, 128>(index, q, k, k, 0.1, out, lse, device::running_state::overwrite, nullptr); }),
-                 "q.extent(2) (head_dim) = 64: must be 128: this launcher is instantiated for tile<64, 64, 128> alone"));
+                 "q.extent(2) (head_dim) = 64: must be 128: this launcher is instantiated for head_dim 128 alone"));
   CHECK(contains(message([&] {
                    device::sparse_backward<T, 128>(index, q, k, k, q, lse, lse, 0.1, tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}),
                                                    tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim}),

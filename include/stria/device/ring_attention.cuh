@@ -193,6 +193,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
   check_ring_indices(topology, comm.rank(), indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
+  detail::check_head_dim<HeadDim>(shape.head_dim);  // before any transfer or launch
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   device_buffer<float> running(static_cast<std::size_t>(q.size()), stream);  // [Sq, Hq, D] fp32
   const tensor_view<float, 3> running_view(running.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
@@ -206,7 +207,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
     // The last step writes `out` itself (rounded to T), so the running output needs no final pass.
     const bool last = s + 1 == topology.num_steps();
     sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
-                   s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
+                               s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
     if (checks) {
       checks->begin();
       const checked_tensor o = checked_tensor::queries("O", shape.query_tokens, shape.heads_q, shape.head_dim);
@@ -236,6 +237,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   check_ring_indices(topology, rank, indices);
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
+  detail::check_head_dim<HeadDim>(shape.head_dim);  // before any transfer or launch
   check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
   check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
@@ -288,11 +290,11 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
     working.fill_bytes(0, stream);
     const bool last = s + 1 == steps;
     sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, tensor_view<const T, 3>(chunk, kv_extents),
-                    tensor_view<const T, 3>(chunk + kv_elems, kv_extents), d_out, lse,
-                    tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
-                    tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
-                    tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
-                    dq_source::automatic, 0, last && dq_out_by_last_step ? dq.data() : nullptr);
+                                tensor_view<const T, 3>(chunk + kv_elems, kv_extents), d_out, lse,
+                                tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
+                                tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
+                                tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
+                                dq_source::automatic, 0, last && dq_out_by_last_step ? dq.data() : nullptr);
     const index_t source = topology.kv_source_rank(rank, s);
     add_partial(source, std::move(working));
     if (checks) {

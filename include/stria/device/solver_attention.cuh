@@ -131,6 +131,7 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
   attention_shape{local, k.extent(0), hq, hkv, dim}.validate();
+  detail::check_head_dim<HeadDim>(dim);  // before any transfer or launch
   check_extents(v, {k.extent(0), hkv, dim}, "v");
   check_extents(out, {local, hq, dim}, "out");
   check_extents(lse, {hq, local}, "lse");
@@ -224,8 +225,8 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   for (std::size_t t = 0; t < local_tasks.size(); ++t) {
     const auto [kc, vc] = own_kv(local_tasks[t].kv_chunk);
     const auto [o, l] = own_state(local_tasks[t].query_chunk);
-    sparse_forward<T, HeadDim>(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
-                   running_state::merge, stream);
+    sparse_forward<T, HeadDim>(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc,
+                               softmax_scale, o, l, running_state::merge, stream);
   }
   if (checks) check_stage(0, false);
 
@@ -239,14 +240,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
     const auto [kc, vc] = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : arrived_kv(task.kv_chunk);
     if (me.owns(task.query_chunk)) {
       const auto [o, l] = own_state(task.query_chunk);
-      sparse_forward<T, HeadDim>(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc, softmax_scale, o, l,
-                     running_state::merge, stream);
+      sparse_forward<T, HeadDim>(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc,
+                                 softmax_scale, o, l, running_state::merge, stream);
     } else {
       const auto it = moved_q.find(task.query_chunk);
       if (it == moved_q.end()) throw me.missing_move("query", task.query_chunk);
       sparse_forward<T, HeadDim>(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
-                     tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}), tensor_view<float, 2>(it->second.lse.data(), {hq, ct}),
-                     running_state::merge, stream);
+                                 tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}),
+                                 tensor_view<float, 2>(it->second.lse.data(), {hq, ct}), running_state::merge, stream);
     }
   }
 
@@ -301,6 +302,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
   attention_shape{local, k.extent(0), hq, hkv, dim}.validate();
+  detail::check_head_dim<HeadDim>(dim);  // before any transfer or launch
   for (auto [x, name] : {std::pair{out, "out"}, std::pair{d_out, "d_out"}}) check_extents(x, {local, hq, dim}, name);
   check_extents(lse, {hq, local}, "lse");
   check_extents(dq, {local, hq, dim}, "dq");

@@ -152,11 +152,12 @@ attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3>
 /// must be it.
 template <index_t HeadDim>
 void check_head_dim(index_t head_dim) {
+  static_assert(HeadDim == any_head_dim || HeadDim == 64 || HeadDim == 128, "stria's kernels exist for head_dim 64 and 128");
   if constexpr (HeadDim != any_head_dim)
     if (head_dim != HeadDim)
       throw invalid_argument("q.extent(2) (head_dim)", head_dim,
-                             "must be " + std::to_string(HeadDim) + ": this launcher is instantiated for tile<64, 64, " +
-                                 std::to_string(HeadDim) + "> alone");
+                             "must be " + std::to_string(HeadDim) + ": this launcher is instantiated for head_dim " +
+                                 std::to_string(HeadDim) + " alone (its Tile's)");
 }
 
 /// Runs `launch.template operator()<D>()` with the head dim as a template argument: HeadDim alone
@@ -264,12 +265,15 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
   const std::int64_t rows = static_cast<std::int64_t>(out.extent(0)) * out.extent(1);
   const index_t dim = out.extent(2);
   const bool aligned = reinterpret_cast<std::uintptr_t>(out.data()) % 16 == 0 && reinterpret_cast<std::uintptr_t>(d_out.data()) % 16 == 0;
+  // 16-byte loads of eight 2-byte elements where the rows allow them (D 64 and 128, aligned).
+  const int lanes = sizeof(T) == 2 && aligned && (dim == 64 || dim == 128) ? static_cast<int>(dim) / 8 : 0;
   auto vectorized = [&]<int Lanes>() {
-    kernel::backward_delta_vectorized<T, Lanes>
-        <<<stria::detail::blocks_for(rows * Lanes, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1), delta.data());
+    if constexpr (sizeof(T) == 2)
+      kernel::backward_delta_vectorized<T, Lanes>
+          <<<stria::detail::blocks_for(rows * Lanes, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1), delta.data());
   };
-  if (aligned && dim == 128) vectorized.template operator()<16>();
-  else if (aligned && dim == 64) vectorized.template operator()<8>();
+  if (lanes == 16) vectorized.template operator()<16>();
+  else if (lanes == 8) vectorized.template operator()<8>();
   else
     kernel::backward_delta<T><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0),
                                                                                        out.extent(1), dim, delta.data());

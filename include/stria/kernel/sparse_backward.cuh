@@ -223,7 +223,8 @@ __device__ inline void reduce_add_v2(float* at, float x, float y) {
 
 /// The query tiles of one (local KV block, KV head) in the transposed index, in the order the dK/dV
 /// block passes walk them: for each query head of the group in turn, its ascending query blocks
-/// whose tile with the block is active. A cursor names a query head of the group and an entry.
+/// whose tile with the block is active. A cursor names a query head of the group, an entry and the
+/// end of that head's list.
 struct kv_column {
   struct cursor {
     index_t j, e, end;  // entry e of the list of the group's head j, which ends at `end`
@@ -432,12 +433,13 @@ __global__ void backward_delta(const T* __restrict__ out, const T* __restrict__ 
   if (lane == 0) delta[(row % heads) * tokens + row / heads] = sum;
 }
 
-/// backward_delta with 16-byte loads: `Lanes` threads per row of Lanes * 8 elements (D 64: 8, D 128:
-/// 16), out and d_out 16-byte aligned. The scalar kernel above read 2 bytes per lane and load and
-/// reached about half the copy bandwidth.
+/// backward_delta with 16-byte loads of 2-byte elements: `Lanes` threads per row of Lanes * 8 elements
+/// (D 64: 8, D 128: 16), out and d_out 16-byte aligned. The scalar kernel above loads one element per
+/// lane at a time and reached about half the copy bandwidth.
 template <class T, int Lanes>
 __global__ void backward_delta_vectorized(const T* __restrict__ out, const T* __restrict__ d_out, index_t tokens, index_t heads,
                                           float* __restrict__ delta) {
+  static_assert(sizeof(T) == 2, "eight elements per 16-byte load: bf16 or fp16");
   static_assert(Lanes >= 1 && Lanes <= 32 && (Lanes & (Lanes - 1)) == 0, "a row's lanes are a power-of-two part of a warp");
   constexpr int dim = 8 * Lanes;
   const std::int64_t thread = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
