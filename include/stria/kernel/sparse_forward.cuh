@@ -327,13 +327,15 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   static_assert(forward_step_tiles<D> == 1 || forward_step_tiles<D> == 2,
                 "one or two tiles per step: the first step takes the one odd tile alone, nothing more");
   static_assert(tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>, "a step's tiles must fit the rings at once");
-  extern __shared__ __align__(1024) unsigned char shared_raw[];
-  unsigned char* ks = shared_raw;                                   // K(t) in ks + k.stage(t) * tile
+  // Named apart from the other kernels' dynamic block (declared 16-byte aligned): one name with two
+  // alignments in a translation unit is a warning.
+  extern __shared__ __align__(1024) unsigned char forward_shared[];
+  unsigned char* ks = forward_shared;                               // K(t) in ks + k.stage(t) * tile
   unsigned char* vs = ks + tuning.k_stages * tile;                  // V(t) in vs + v.stage(t) * tile
   auto& rings = *reinterpret_cast<forward_rings<D>*>(vs + tuning.v_stages * tile);
   // The swizzled tiles need a 1024-byte aligned base, which a dynamic block without static shared
   // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
-  if (detail::shared_address(shared_raw) % 1024 != 0) __trap();
+  if (detail::shared_address(forward_shared) % 1024 != 0) __trap();
 
   const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
