@@ -122,18 +122,20 @@ void backward_typed(const problem& p, const T* q, const T* k, const T* v, const 
                     const padded_selection& selection, bool deterministic, const backward_scratch& scratch, T* dq, T* dk, T* dv) {
   const batch_views<T> views{p};
   const auto zero = [&](float* x, std::int64_t count) { STRIA_CUDA_CHECK(cudaMemsetAsync(x, 0, static_cast<std::size_t>(count) * sizeof(float), p.stream)); };
-  const tensor_view<float, 3> dq_sum = views.q_like(scratch.dq, 0), dk_sum = views.kv_like(scratch.dk, 0), dv_sum = views.kv_like(scratch.dv, 0);
+  // dQ goes out in T from the backward itself (sparse_backward's dq_out: one step, so no fp32 dQ,
+  // no memset and no cast); dK and dV are summed in fp32 (the vertical tokens add by reductions).
+  const tensor_view<float, 3> no_dq_sum = views.q_like(static_cast<float*>(nullptr), 0);
+  const tensor_view<float, 3> dk_sum = views.kv_like(scratch.dk, 0), dv_sum = views.kv_like(scratch.dv, 0);
   const tensor_view<float, 2> delta = views.rows(scratch.delta, 0);
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const device_step_index index = index_of(p, selection, b);
-    zero(scratch.dq, views.q_elements());
     zero(scratch.dk, views.kv_elements());
     zero(scratch.dv, views.kv_elements());
     device::backward_delta<T>(views.q_like(out, b), views.q_like(d_out, b), delta, p.stream);
     device::sparse_backward<T>(index, views.q_like(q, b), views.kv_like(k, b), views.kv_like(v, b), views.q_like(d_out, b),
-                               views.rows(lse, b), delta, p.softmax_scale, dq_sum, dk_sum, dv_sum,
-                               deterministic ? device::determinism::deterministic : device::determinism::atomic, p.stream);
-    device::write_output<T>(dq_sum, views.q_like(dq, b), p.stream);
+                               views.rows(lse, b), delta, p.softmax_scale, no_dq_sum, dk_sum, dv_sum,
+                               deterministic ? device::determinism::deterministic : device::determinism::atomic, p.stream,
+                               device::backward_kernel::automatic, device::dq_source::automatic, 0, views.q_like(dq, b).data());
     device::write_output<T>(dk_sum, views.kv_like(dk, b), p.stream);
     device::write_output<T>(dv_sum, views.kv_like(dv, b), p.stream);
   }

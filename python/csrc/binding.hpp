@@ -82,10 +82,9 @@ outcome estimate(const problem& p, const void* q, const void* k, const estimator
 /// out [batch, seq, heads_q, dim] (the input type) and lse [batch, heads_q, seq] (fp32, natural log).
 outcome forward(const problem& p, const void* q, const void* k, const void* v, const padded_selection& selection, void* out, float* lse) noexcept;
 
-/// Device scratch of one batch element's backward, fp32: dq [seq, heads_q, dim], dk and dv [seq, heads_kv, dim],
-/// delta [heads_q, seq].
+/// Device scratch of one batch element's backward, fp32: dk and dv [seq, heads_kv, dim], delta [heads_q, seq]
+/// (dQ needs none: the backward writes it out in the input type itself).
 struct backward_scratch {
-  float* dq = nullptr;
   float* dk = nullptr;
   float* dv = nullptr;
   float* delta = nullptr;

@@ -160,11 +160,11 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& d_out, const Tensor& q
                     "), contiguous, on q's device; got ", lse.scalar_type(), " ", shape_text(lse));
   const host_selection s = selection_of(p, vertical, slash);
   const auto fp32 = q.options().dtype(at::kFloat);
-  Tensor dq_sum = at::empty({p.seq_len, p.heads_q, p.head_dim}, fp32), dk_sum = at::empty({p.seq_len, p.heads_kv, p.head_dim}, fp32),
-         dv_sum = at::empty_like(dk_sum), delta = at::empty({p.heads_q, p.seq_len}, fp32);
+  Tensor dk_sum = at::empty({p.seq_len, p.heads_kv, p.head_dim}, fp32), dv_sum = at::empty_like(dk_sum),
+         delta = at::empty({p.heads_q, p.seq_len}, fp32);
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   raise_if_failed(sp::backward(p, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), d_out.data_ptr(), lse.data_ptr<float>(), s.view,
-                               deterministic, {dq_sum.data_ptr<float>(), dk_sum.data_ptr<float>(), dv_sum.data_ptr<float>(), delta.data_ptr<float>()},
+                               deterministic, {dk_sum.data_ptr<float>(), dv_sum.data_ptr<float>(), delta.data_ptr<float>()},
                                dq.data_ptr(), dk.data_ptr(), dv.data_ptr()));
   return {dq, dk, dv};
 }
