@@ -161,11 +161,11 @@ void check_head_dim(index_t head_dim) {
 }
 
 /// Runs `launch.template operator()<D>()` with the head dim as a template argument: HeadDim alone
-/// where it is given (one set of kernels per Tile), else a runtime switch over both.
+/// where it is given (one set of kernels per Tile; the launcher checked the call's head dim against
+/// it first, check_head_dim), else a runtime switch over both.
 template <index_t HeadDim, class Launch>
 void with_head_dim(index_t head_dim, Launch&& launch) {
   if constexpr (HeadDim != any_head_dim) {
-    check_head_dim<HeadDim>(head_dim);
     launch.template operator()<static_cast<int>(HeadDim)>();
   } else if (head_dim == 64) {
     launch.template operator()<64>();
