@@ -67,15 +67,17 @@ constexpr std::size_t backward_dq_wgmma_shared_bytes() {
 
 namespace detail {
 
-/// One tile of a Hopper dK/dV pass (see the file comment): the warpgroup's keys `ks`, `vs` against
-/// the queries `qs`, `dos` (swizzled tiles) with their row statistics; `masked(key, query)` drops
-/// entries (positions within the tile). With `staging` (2 KiB of shared memory per warp), `ds_row(key)`
-/// is where the key's 64 dS values go for the dQ pass (null: nowhere). Ends with every product complete.
-template <class T, int D, class Masked, class DsRow>
-__device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const unsigned char* ks, const unsigned char* vs,
-                                const unsigned char* qs, const unsigned char* dos, const float* lse, const float* delta, float scale,
-                                float scale_log2, Masked masked, unsigned char* staging, DsRow ds_row) {
-  float s[8][4], dp[8][4];  // S^T and dP^T: rows are this thread's keys, columns queries
+/// One tile of a Hopper dK/dV pass (see the file comment) runs in three parts, so that the passes can
+/// issue a tile's scores while the tile before it still runs its dK product: dkdv_scores_wgmma issues
+/// S^T and dP^T; dkdv_gradients_wgmma forms P^T and dS^T around the dV product and ends with nothing
+/// in flight; dkdv_dk_wgmma issues dK += dS^T Q. No product is in flight across a loop's back edge:
+/// ptxas serializes every product of a kernel whose in-flight accumulators cross one (C7515).
+///
+/// S^T = K Q^T into `s`, then dP^T = V dO^T into `dp`, issued as two commit groups, from the warpgroup's
+/// keys `ks`, `vs` and the queries `qs`, `dos` (swizzled tiles).
+template <class T, int D>
+__device__ void dkdv_scores_wgmma(float (&s)[8][4], float (&dp)[8][4], const unsigned char* ks, const unsigned char* vs, const unsigned char* qs,
+                                  const unsigned char* dos) {
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k)
@@ -85,13 +87,19 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
   for (int k = 0; k < D / 16; ++k)
     wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), k_major_operand<D>(vs, k), k_major_operand<D>(dos, k), k > 0);
   wgmma_commit();
+}
+
+/// With the tile's two score groups the only ones in flight: P^T = exp2(S^T scale log2 e - lse) while
+/// dP^T runs, dV += P^T dO issued while dS^T = P^T (dP^T - delta) scale is formed into `dsf` (rounded
+/// to T: the dK product's A operand). Returns with every product complete. `masked(key, query)` drops
+/// entries (positions within the tile).
+template <class T, int D, class Masked>
+__device__ void dkdv_gradients_wgmma(float (&dv)[D / 8][4], float (&s)[8][4], float (&dp)[8][4], unsigned (&dsf)[4][4], const unsigned char* dos,
+                                     const float* lse, const float* delta, float scale, float scale_log2, Masked masked) {
   wgmma_wait<1>();  // S^T; dP^T may still run
   fence_registers(reinterpret_cast<float(&)[32]>(s));
-
-  // P^T while dP^T runs, then dV += P^T dO while dS^T is formed: each product's operands are ready
-  // one elementwise phase before it is issued.
   const int lane = threadIdx.x % 32, key0 = 16 * static_cast<int>((threadIdx.x / 32) % 4) + lane / 4;
-  unsigned pf[4][4], dsf[4][4];  // P^T and dS^T as A operands, 16 queries per k-step
+  unsigned pf[4][4];  // P^T as the A operand, 16 queries per k-step
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -123,47 +131,65 @@ __device__ void dkdv_tile_wgmma(float (&dk)[D / 8][4], float (&dv)[D / 8][4], co
     }
     accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
   }
+  wgmma_wait<0>();
+  fence_registers(reinterpret_cast<float(&)[D / 2]>(dv));
+  fence_registers(pf);
+}
+
+/// dK += dS^T Q, issued and left in flight (one commit group): dk and `dsf` stay untouched until
+/// dkdv_dk_complete.
+template <class T, int D>
+__device__ void dkdv_dk_wgmma(float (&dk)[D / 8][4], unsigned (&dsf)[4][4], const unsigned char* qs) {
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < 4; ++k) wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dk), dsf[k], mn_major_operand<D>(qs, k), true);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_registers(reinterpret_cast<float(&)[D / 2]>(dv));
+}
+
+/// The dK product completed, with at most `Pending` newer commit groups still in flight.
+template <int Pending, int D>
+__device__ void dkdv_dk_complete(float (&dk)[D / 8][4], unsigned (&dsf)[4][4]) {
+  wgmma_wait<Pending>();
   fence_registers(reinterpret_cast<float(&)[D / 2]>(dk));
-  fence_registers(pf);
   fence_registers(dsf);
-  // dS^T as the dQ pass will read it, rounded to T as its product rounds it, after the products (a
-  // branch between a wgmma and its wait serializes them). A lane holds 4 bytes of a row per 16-byte
-  // chunk: each warp stages its 16 rows in shared memory (chunks swizzled by row, so that neither
-  // side conflicts) and writes whole 128-byte rows back, 16 bytes per lane (4-byte stores of
-  // quarter sectors slowed the pass by a third).
-  if (staging) {
-    const int warp = static_cast<int>((threadIdx.x / 32) % 4);
-    unsigned char* rows = staging + warp * 16 * 128;
+}
+
+/// dS^T of a completed tile as the dQ pass will read it (rounded to T as its product rounds it): a
+/// lane holds 4 bytes of a row per 16-byte chunk, so each warp stages its 16 rows in `staging` (2 KiB
+/// per warp; chunks swizzled by row, so that neither side conflicts) and writes whole 128-byte rows to
+/// `ds_row(key)` (null: nowhere), 16 bytes per lane (4-byte stores of quarter sectors slowed the pass
+/// by a third).
+template <class T, class DsRow>
+__device__ void store_ds_rows(const unsigned (&dsf)[4][4], unsigned char* staging, DsRow ds_row) {
+  const int lane = threadIdx.x % 32, warp = static_cast<int>((threadIdx.x / 32) % 4);
+  unsigned char* rows = staging + warp * 16 * 128;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = lane / 4 + 8 * half;
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + 8 * half;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][half];
-        *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k + 1) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][2 + half];
-      }
+    for (int k = 0; k < 4; ++k) {
+      *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][half];
+      *reinterpret_cast<unsigned*>(rows + r * 128 + (((2 * k + 1) ^ (r % 8)) * 16) + 4 * (lane % 4)) = dsf[k][2 + half];
     }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 4 * i + lane / 8, chunk = lane % 8;
-      T* row = ds_row(16 * warp + r);
-      if (row) *reinterpret_cast<uint4*>(row + 8 * chunk) = *reinterpret_cast<const uint4*>(rows + r * 128 + ((chunk ^ (r % 8)) * 16));
-    }
-    __syncwarp();  // the next tile's rows go to the same place
   }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = 4 * i + lane / 8, chunk = lane % 8;
+    T* row = ds_row(16 * warp + r);
+    if (row) *reinterpret_cast<uint4*>(row + 8 * chunk) = *reinterpret_cast<const uint4*>(rows + r * 128 + ((chunk ^ (r % 8)) * 16));
+  }
+  __syncwarp();  // the next tile's rows go to the same place
 }
 
 }  // namespace detail
 
 /// The dK/dV block pass on Hopper: one CTA per (local KV block, KV head) over the transposed index,
-/// all query heads of its group, as sparse_backward_dkdv<T, D, false>.
+/// all query heads of its group, as sparse_backward_dkdv<T, D, false>. The tiles are software
+/// pipelined: tile t + 1's S^T and dP^T are issued while tile t's dK product still runs, so that the
+/// tensor pipe has work queued across the barrier and the stored dS rows' writes, which wait for that
+/// product. The Q and dO tiles are double-buffered: tile t + 2's copies start once every warp's
+/// products of tile t have completed.
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dkdv_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -179,58 +205,71 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, shared.queries(stage), shared.d_out(stage));
     detail::load_row_statistics(p, q_block, h, shared.lse(stage), shared.delta(stage));
   };
+  // The first part of tile in `stage` (see dkdv_gradients_wgmma), its scores issued by the caller.
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  unsigned dsf[4][4];  // dS^T of the tile whose dK product is next
+  auto gradients = [&](float (&s)[8][4], float (&dp)[8][4], int stage, bool diagonal) {
+    // A test on a value, not a branch around the tile: its scores are in flight.
+    detail::dkdv_gradients_wgmma<T, D>(dv, s, dp, dsf, shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale, p.scale_log2,
+                                       [diagonal](int key, int query) { return diagonal && query < key; });
+  };
+  // The stored dS rows of the tile whose forward-form entry is `entry`: that entry's 64 rows.
+  auto store_ds = [&](index_t entry) {
+    T* const ds = p.ds_blocks + std::int64_t{entry - p.ds_first_block} * block_tokens * block_tokens;
+    detail::store_ds_rows<T>(dsf, shared.ds_staging(), [ds](int key) { return ds + key * block_tokens; });
+  };
   detail::load_key_tiles<tile_layout, T, D>(p, kv_block, hk, shared.keys(), shared.values());
   // The index runs ahead of the tiles, so that no index read waits between a barrier and the
-  // products (ncu: a fifth of the pass's stall samples did): a tile's query block is read two tiles
-  // before it (its loads are issued one tile before it), its mask test and dS entry one tile before.
-  detail::kv_column::cursor next = column.first();
-  index_t q_next = column.query_block(next);
-  load(next, q_next, 0);
-  detail::cp_async_commit();
-  bool masked = p.index.needs_causal_mask(q_next, kv_block);
-  index_t ds_entry = p.ds_blocks ? p.kv_query_entry[next.e] : 0;
-  if (tiles > 1) {
-    next = column.next(next);
-    q_next = column.query_block(next);
-  }
-
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (index_t t = 0; t < tiles; ++t) {
-    const int stage = static_cast<int>(t % 2);
-    bool next_masked = false;
-    index_t next_ds_entry = 0, q_after = 0;
-    detail::kv_column::cursor after = next;
-    // The other stage was last read by tile t - 1, which ended with a barrier.
+  // products (ncu: a fifth of the pass's stall samples did): a tile's query block is read a tile
+  // before its copies are queued, its mask test and dS entry when they are.
+  detail::kv_column::cursor ahead = column.first();  // of the next tile to load, and its query block
+  index_t q_ahead = column.query_block(ahead);
+  bool masked = false, next_masked = false;
+  index_t ds_entry = 0, next_ds_entry = 0;
+  auto load_ahead = [&](index_t t, int stage) {  // tile t, the one `ahead` holds
+    load(ahead, q_ahead, stage);
+    next_masked = p.index.needs_causal_mask(q_ahead, kv_block);
+    if (p.ds_blocks) next_ds_entry = p.kv_query_entry[ahead.e];
     if (t + 1 < tiles) {
-      load(next, q_next, stage ^ 1);
-      detail::cp_async_commit();
-      detail::cp_async_wait<1>();
-      next_masked = p.index.needs_causal_mask(q_next, kv_block);
-      if (p.ds_blocks) next_ds_entry = p.kv_query_entry[next.e];
-      if (t + 2 < tiles) {
-        after = column.next(next);
-        q_after = column.query_block(after);
-      }
-    } else {
-      detail::cp_async_wait<0>();
+      ahead = column.next(ahead);
+      q_ahead = column.query_block(ahead);
     }
+  };
+  load_ahead(0, 0);
+  detail::cp_async_commit();
+  masked = next_masked;
+  ds_entry = next_ds_entry;
+  if (tiles > 1) load_ahead(1, 1);
+  detail::cp_async_commit();
+  detail::cp_async_wait<1>();
+  detail::fence_async_shared();
+  __syncthreads();
+  {
+    float s[8][4], dp[8][4];
+    detail::dkdv_scores_wgmma<T, D>(s, dp, shared.keys(), shared.values(), shared.queries(0), shared.d_out(0));
+    gradients(s, dp, 0, masked);
+  }
+  // Tile t's dK product, then tile t + 1's scores and gradients.
+  for (index_t t = 0; t + 1 < tiles; ++t) {
+    const int stage = static_cast<int>(t % 2);
+    detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+    detail::cp_async_wait<0>();
     detail::fence_async_shared();
-    __syncthreads();
-    // This tile's dS rows: its forward-form entry's 64 rows.
-    T* const ds = p.ds_blocks ? p.ds_blocks + std::int64_t{ds_entry - p.ds_first_block} * block_tokens * block_tokens : nullptr;
-    auto tile = [&](auto mask) {
-      detail::dkdv_tile_wgmma<T, D>(dk, dv, shared.keys(), shared.values(), shared.queries(stage), shared.d_out(stage), shared.lse(stage),
-                                    shared.delta(stage), p.scale, p.scale_log2, mask, p.ds_blocks ? shared.ds_staging() : nullptr,
-                                    [&](int key) { return ds + key * block_tokens; });
-    };
-    if (masked) tile([](int key, int query) { return query < key; });
-    else tile([](int, int) { return false; });  // most tiles: no mask arithmetic
-    __syncthreads();  // every warp is done with this stage
+    __syncthreads();  // tile t + 1's copies are visible
+    float s[8][4], dp[8][4];
+    detail::dkdv_scores_wgmma<T, D>(s, dp, shared.keys(), shared.values(), shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
+    detail::dkdv_dk_complete<2, D>(dk, dsf);
+    if (p.ds_blocks) store_ds(ds_entry);
     masked = next_masked;
     ds_entry = next_ds_entry;
-    next = after;
-    q_next = q_after;
+    __syncthreads();  // every warp's products of tile t have completed: its stage is free
+    if (t + 2 < tiles) load_ahead(t + 2, stage);
+    detail::cp_async_commit();
+    gradients(s, dp, stage ^ 1, masked);
   }
+  detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(static_cast<int>((tiles - 1) % 2)));
+  detail::dkdv_dk_complete<0, D>(dk, dsf);
+  if (p.ds_blocks) store_ds(ds_entry);
   auto rows = [&](float* base) {
     return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
   };
@@ -240,14 +279,15 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
 
 /// The vertical-token pass on Hopper: one CTA per 64 of a head's vertical tokens (and, in the atomic
 /// mode, per range of query blocks: gridDim.y) over the query blocks that use them, as
-/// sparse_backward_vertical<T, D, false>. The walk runs one round ahead, so that the next query
-/// block's tiles load while the current one is computed.
+/// sparse_backward_vertical<T, D, false>. The walk runs two rounds ahead, so that a query block's
+/// tiles load while the one before it is computed, and the rounds are pipelined as the block pass's
+/// tiles: the next round's scores are issued while this round's dK product runs.
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_vertical_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
   unsigned char *ks = shared.keys(), *vs = shared.values();
-  // Per stage (the walk runs a round ahead of the barriers): nonzero where the column's token uses the
+  // Per stage (the walk runs ahead of the barriers): nonzero where the column's token uses the
   // round's query block (with stored dS: its rank, 1-based, among those columns), the walk's per-warp
   // minima and counts, and the round's first vertical entry of that query block's row in the group.
   __shared__ index_t used[2][block_tokens];
@@ -266,41 +306,63 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     if (p.ds_vertical && threadIdx.x == 0)
       detail::cp_async_4(&round_entry[stage], p.vertical_group_entry + std::int64_t{g.index} * p.index.shape.num_query_blocks + q_block);
   };
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  unsigned dsf[4][4];  // dS^T of the round whose dK product is next
+  auto gradients = [&](float (&s)[8][4], float (&dp)[8][4], int stage) {
+    const index_t* round_used = used[stage];
+    detail::dkdv_gradients_wgmma<T, D>(dv, s, dp, dsf, shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale, p.scale_log2,
+                                       [round_used](int key, int) { return round_used[key] == 0; });
+  };
+  // The stored dS rows of the round in `stage`: a used column's row among the group's entries.
+  auto store_ds = [&](int stage) {
+    const index_t* round_used = used[stage];
+    const index_t round_first = round_entry[stage] - 1 - p.ds_first_vertical;
+    detail::store_ds_rows<T>(dsf, shared.ds_staging(), [=, &p](int key) -> T* {
+      const index_t rank = round_used[key];
+      return rank > 0 ? p.ds_vertical + std::int64_t{round_first + rank} * block_tokens : nullptr;
+    });
+  };
 
   detail::vertical_walk walk(p.index, g, p.ds_vertical != nullptr);
-  index_t q_block = walk.next(used[0], warp_min[0]);
-  if (q_block == INT_MAX) {  // no query block of the range uses a column
+  const index_t q_first = walk.next(used[0], warp_min[0]);
+  if (q_first == INT_MAX) {  // no query block of the range uses a column
     detail::cp_async_wait<0>();
-    if (!p.vertical_dk) return;  // no reductions of zeros (the scratch must be written)
-  } else {
-    load(q_block, 0);
+    if (p.vertical_dk) detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // zeros: the scratch must be written
+    return;
   }
+  load(q_first, 0);
   detail::cp_async_commit();
-
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int stage = 0; q_block != INT_MAX; stage ^= 1) {
-    // The other stage was last read by the previous round, which ended with a barrier.
-    const index_t next = walk.next(used[stage ^ 1], warp_min[stage ^ 1]);
-    if (next != INT_MAX) {
-      load(next, stage ^ 1);
-      detail::cp_async_commit();
-      detail::cp_async_wait<1>();
-    } else {
-      detail::cp_async_wait<0>();
-    }
-    detail::fence_async_shared();
-    __syncthreads();
-    const index_t* round_used = used[stage];
-    const index_t round_first = p.ds_vertical ? round_entry[stage] - 1 - p.ds_first_vertical : 0;
-    detail::dkdv_tile_wgmma<T, D>(dk, dv, ks, vs, shared.queries(stage), shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale,
-                                  p.scale_log2, [&](int key, int) { return round_used[key] == 0; },
-                                  p.ds_vertical ? shared.ds_staging() : nullptr, [&](int key) -> T* {
-                                    const index_t rank = round_used[key];
-                                    return rank > 0 ? p.ds_vertical + std::int64_t{round_first + rank} * block_tokens : nullptr;
-                                  });
-    __syncthreads();  // every warp is done with this stage and its `used`
-    q_block = next;
+  index_t q_next = walk.next(used[1], warp_min[1]);
+  if (q_next != INT_MAX) load(q_next, 1);
+  detail::cp_async_commit();
+  detail::cp_async_wait<1>();
+  detail::fence_async_shared();
+  __syncthreads();
+  {
+    float s[8][4], dp[8][4];
+    detail::dkdv_scores_wgmma<T, D>(s, dp, ks, vs, shared.queries(0), shared.d_out(0));
+    gradients(s, dp, 0);
   }
+  // The round in `stage`'s dK product, then the next round's scores and gradients.
+  int stage = 0;
+  for (; q_next != INT_MAX; stage ^= 1) {
+    detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+    detail::cp_async_wait<0>();
+    detail::fence_async_shared();
+    __syncthreads();  // the next round's copies are visible
+    float s[8][4], dp[8][4];
+    detail::dkdv_scores_wgmma<T, D>(s, dp, ks, vs, shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
+    detail::dkdv_dk_complete<2, D>(dk, dsf);
+    if (p.ds_vertical) store_ds(stage);
+    // The walk's barrier also ends every warp's use of this stage (tiles, `used`, round entry).
+    q_next = walk.next(used[stage], warp_min[stage]);
+    if (q_next != INT_MAX) load(q_next, stage);
+    detail::cp_async_commit();
+    gradients(s, dp, stage ^ 1);
+  }
+  detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+  detail::dkdv_dk_complete<0, D>(dk, dsf);
+  if (p.ds_vertical) store_ds(stage);
   detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
 }
 
