@@ -405,7 +405,8 @@ __device__ void finish_dq_rows(const backward_params<T>& p, index_t q_block, ind
 /// The dQ pass on Hopper (deterministic mode): one CTA per (local query block, query head) over the
 /// row's tiles (its blocks, then its vertical tokens 64 at a time), the sole writer of its dq rows:
 /// S = Q K^T and dP = dO V^T (shared-memory operands), dS = P (dP - delta) scale, dQ += dS K with dS
-/// from registers. K and V tiles are double-buffered, as in the forward.
+/// from registers. K and V tiles are double-buffered: tile t + 2's copies start once every warp's
+/// product of tile t has completed.
 template <class T, int D>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dq_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -429,13 +430,15 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   }
 
   using tile_layout = swizzled_tile<D>;
-  // Warps 0-1 copy K, warps 2-3 V; each copier thread reads its token of a gathered tile two tiles
-  // ahead, and a tile's causal-mask test is read one tile ahead, so that no index read waits before
-  // a tile's copies or between the barrier and its softmax.
+  // Warps 0-1 copy K, warps 2-3 V; each copier thread reads its token of a gathered tile a load
+  // before the tile's copies are queued, and a tile's causal-mask test is read when they are, so that
+  // no index read waits before a tile's copies or between the barrier and its softmax.
   const int copier = static_cast<int>(threadIdx.x % 64);
+  // One code path for both halves (the operands chosen, not the call): copies queued on a branch
+  // while products are in flight would serialize them (ptxas C7520).
+  const bool copies_keys = threadIdx.x < 64;
   auto load_kv = [&](index_t t, int stage, index_t token) {
-    if (threadIdx.x < 64) detail::load_row_tile_swizzled_async<T, D>(ks(stage), p.k, row, t, p.heads_kv, hk, copier, token);
-    else detail::load_row_tile_swizzled_async<T, D>(vs(stage), p.v, row, t, p.heads_kv, hk, copier, token);
+    detail::load_row_tile_swizzled_async<T, D>(copies_keys ? ks(stage) : vs(stage), copies_keys ? p.k : p.v, row, t, p.heads_kv, hk, copier, token);
   };
   auto diagonal_at = [&](index_t t) { return row.is_block(t) && p.index.needs_causal_mask(q_block, row.blocks[t]); };
   detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, qs, dos);
@@ -453,24 +456,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     delta[half] = p.delta[at];
   }
 
-  float dq[D / 8][4] = {};
-  for (index_t t = 0; t < tiles; ++t) {
-    const int stage = static_cast<int>(t % 2);
-    bool next_diagonal = false;
-    // The other stage was last read by tile t - 1, which ended with a barrier.
-    if (t + 1 < tiles) {
-      const index_t ahead = detail::gathered_token(row, t + 2, copier);
-      load_kv(t + 1, stage ^ 1, token);
-      token = ahead;
-      detail::cp_async_commit();
-      detail::cp_async_wait<1>();
-      next_diagonal = diagonal_at(t + 1);
-    } else {
-      detail::cp_async_wait<0>();
-    }
-    detail::fence_async_shared();
-    __syncthreads();
-    float s[8][4], dp[8][4];
+  // The scores of the tile in `stage`, issued (two commit groups: S, then dP).
+  auto scores = [&](float (&s)[8][4], float (&dp)[8][4], int stage) {
     detail::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
@@ -482,21 +469,24 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
       detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), detail::k_major_operand<D>(dos, k),
                                     detail::k_major_operand<D>(vs(stage), k), k > 0);
     detail::wgmma_commit();
+  };
+  // With tile t's scores the only products in flight: P while dP runs, then dS into dsf (the A
+  // operand of dQ += dS K, 16 keys per k-step). Returns with nothing in flight.
+  unsigned dsf[4][4];
+  auto gradients = [&](float (&s)[8][4], float (&dp)[8][4], index_t t, bool diagonal) {
     detail::wgmma_wait<1>();  // S; dP may still run while P is formed
     detail::fence_registers(reinterpret_cast<float(&)[32]>(s));
-
     const int valid = row.valid_columns(t);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = row0 - lane / 4 + detail::fragment_row(e), c = detail::fragment_col(j, e);
-        const bool masked = (diagonal || valid < block_tokens) && (c >= valid || (diagonal && c > r));
+        const bool masked = c >= valid || (diagonal && c > r);  // selects, no branch: the scores are in flight
         s[j][e] = masked ? 0.0f : detail::exp2_ftz(s[j][e] * p.scale_log2 - lse[e / 2]);
       }
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[32]>(dp));
-    unsigned dsf[4][4];  // dS as the A operand of dQ += dS K, 16 keys per k-step
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
 #pragma unroll
@@ -505,17 +495,61 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
         for (int e = 0; e < 4; ++e) dp[j][e] = s[j][e] * p.scale * (dp[j][e] - delta[e / 2]);
       detail::accumulator_to_operand<T>(dsf[k], dp[2 * k], dp[2 * k + 1]);
     }
+  };
+  float dq[D / 8][4] = {};
+  // dQ += dS K of the tile in `stage`, issued and left in flight (dq and dsf untouched until it completes).
+  auto product = [&](int stage) {
     detail::wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(dq), dsf[k], detail::mn_major_operand<D>(ks(stage), k), true);
     detail::wgmma_commit();
-    detail::wgmma_wait<0>();
+  };
+
+  // Tiles are software pipelined as in the dK/dV passes: tile t + 1's scores are issued while tile
+  // t's dQ product runs, and no product is in flight across the loop's back edge (ptxas C7515).
+  bool diagonal_loaded = false;  // of the last tile whose copies are queued
+  if (tiles > 1) {
+    const index_t ahead = detail::gathered_token(row, 2, copier);
+    load_kv(1, 1, token);
+    token = ahead;
+    diagonal_loaded = diagonal_at(1);
+  }
+  detail::cp_async_commit();
+  detail::cp_async_wait<1>();
+  detail::fence_async_shared();
+  __syncthreads();
+  {
+    float s[8][4], dp[8][4];
+    scores(s, dp, 0);
+    gradients(s, dp, 0, diagonal);
+  }
+  for (index_t t = 0; t + 1 < tiles; ++t) {
+    const int stage = static_cast<int>(t % 2);
+    product(stage);
+    detail::cp_async_wait<0>();
+    detail::fence_async_shared();
+    __syncthreads();  // tile t + 1's copies are visible
+    float s[8][4], dp[8][4];
+    scores(s, dp, stage ^ 1);
+    detail::wgmma_wait<2>();  // tile t's product; tile t + 1's scores may still run
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
     detail::fence_registers(dsf);
-    __syncthreads();  // every warp is done with this stage
-    diagonal = next_diagonal;
+    diagonal = diagonal_loaded;
+    __syncthreads();  // every warp's product of tile t has completed: its stage is free
+    if (t + 2 < tiles) {
+      const index_t ahead = detail::gathered_token(row, t + 3, copier);
+      load_kv(t + 2, stage, token);
+      token = ahead;
+      diagonal_loaded = diagonal_at(t + 2);
+    }
+    detail::cp_async_commit();
+    gradients(s, dp, t + 1, diagonal);
   }
+  product(static_cast<int>((tiles - 1) % 2));
+  detail::wgmma_wait<0>();
+  detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
+  detail::fence_registers(dsf);
   detail::finish_dq_rows<T, D>(p, q_block, h, dq);
 }
 
