@@ -184,8 +184,10 @@ def test_torch_compile_matches_eager():
     q, k, v, d_out = inputs(1, 512, 4, 2, 128, torch.bfloat16, 17)
     selection = random_selection(1, 4, 512, True, torch.Generator().manual_seed(4))
 
+    # Deterministic: in the atomic mode the vertical tokens' dK/dV are fp32 reductions from several
+    # CTAs, whose order (and last bits) may differ from run to run.
     def step(q, k, v):
-        return stria.sparse_attention(q, k, v, selection=selection)
+        return stria.sparse_attention(q, k, v, selection=selection, deterministic=True)
 
     results = []
     for fn in (step, torch.compile(step, fullgraph=True)):
@@ -193,8 +195,8 @@ def test_torch_compile_matches_eager():
         out = fn(*leaves)
         out.backward(d_out)
         results.append([out] + [x.grad for x in leaves])
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), name
 
 
 def test_shard_and_unshard():
