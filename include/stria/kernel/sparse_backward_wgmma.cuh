@@ -154,13 +154,13 @@ __device__ void dkdv_dk_complete(float (&dk)[D / 8][4], unsigned (&dsf)[4][4]) {
   fence_registers(dsf);
 }
 
-/// dS^T of a completed tile as the dQ pass will read it (rounded to T as its product rounds it): a
-/// lane holds 4 bytes of a row per 16-byte chunk, so each warp stages its 16 rows in `staging` (2 KiB
-/// per warp; chunks swizzled by row, so that neither side conflicts) and writes whole 128-byte rows to
-/// `ds_row(key)` (null: nowhere), 16 bytes per lane (4-byte stores of quarter sectors slowed the pass
-/// by a third).
-template <class T, class DsRow>
-__device__ void store_ds_rows(const unsigned (&dsf)[4][4], unsigned char* staging, DsRow ds_row) {
+/// dS^T of a tile as the dQ pass will read it (rounded to T as its product rounds it), in two halves:
+/// a lane holds 4 bytes of a row per 16-byte chunk, so stage_ds_rows puts each warp's 16 rows in
+/// `staging` (2 KiB per warp; chunks swizzled by row, so that neither side conflicts), and
+/// write_ds_rows writes them out as whole 128-byte rows to `ds_row(key)` (null: nowhere), 16 bytes per
+/// lane (4-byte stores of quarter sectors slowed the pass by a third). The passes stage the rows as
+/// soon as dS^T is formed, before the dK product reads `dsf`, and write them out while it runs.
+__device__ inline void stage_ds_rows(const unsigned (&dsf)[4][4], unsigned char* staging) {
   const int lane = threadIdx.x % 32, warp = static_cast<int>((threadIdx.x / 32) % 4);
   unsigned char* rows = staging + warp * 16 * 128;
 #pragma unroll
@@ -173,6 +173,11 @@ __device__ void store_ds_rows(const unsigned (&dsf)[4][4], unsigned char* stagin
     }
   }
   __syncwarp();
+}
+template <class T, class DsRow>
+__device__ void write_ds_rows(const unsigned char* staging, DsRow ds_row) {
+  const int lane = threadIdx.x % 32, warp = static_cast<int>((threadIdx.x / 32) % 4);
+  const unsigned char* rows = staging + warp * 16 * 128;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int r = 4 * i + lane / 8, chunk = lane % 8;
@@ -212,11 +217,12 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     // A test on a value, not a branch around the tile: its scores are in flight.
     detail::dkdv_gradients_wgmma<T, D>(dv, s, dp, dsf, shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale, p.scale_log2,
                                        [diagonal](int key, int query) { return diagonal && query < key; });
+    if (p.ds_blocks) detail::stage_ds_rows(dsf, shared.ds_staging());
   };
-  // The stored dS rows of the tile whose forward-form entry is `entry`: that entry's 64 rows.
-  auto store_ds = [&](index_t entry) {
+  // The staged dS rows of the tile whose forward-form entry is `entry`, written to that entry's 64 rows.
+  auto write_ds = [&](index_t entry) {
     T* const ds = p.ds_blocks + std::int64_t{entry - p.ds_first_block} * block_tokens * block_tokens;
-    detail::store_ds_rows<T>(dsf, shared.ds_staging(), [ds](int key) { return ds + key * block_tokens; });
+    detail::write_ds_rows<T>(shared.ds_staging(), [ds](int key) { return ds + key * block_tokens; });
   };
   detail::load_key_tiles<tile_layout, T, D>(p, kv_block, hk, shared.keys(), shared.values());
   // The index runs ahead of the tiles, so that no index read waits between a barrier and the
@@ -253,13 +259,13 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   for (index_t t = 0; t + 1 < tiles; ++t) {
     const int stage = static_cast<int>(t % 2);
     detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+    if (p.ds_blocks) write_ds(ds_entry);
     detail::cp_async_wait<0>();
     detail::fence_async_shared();
     __syncthreads();  // tile t + 1's copies are visible
     float s[8][4], dp[8][4];
     detail::dkdv_scores_wgmma<T, D>(s, dp, shared.keys(), shared.values(), shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
     detail::dkdv_dk_complete<2, D>(dk, dsf);
-    if (p.ds_blocks) store_ds(ds_entry);
     masked = next_masked;
     ds_entry = next_ds_entry;
     __syncthreads();  // every warp's products of tile t have completed: its stage is free
@@ -268,8 +274,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     gradients(s, dp, stage ^ 1, masked);
   }
   detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(static_cast<int>((tiles - 1) % 2)));
+  if (p.ds_blocks) write_ds(ds_entry);
   detail::dkdv_dk_complete<0, D>(dk, dsf);
-  if (p.ds_blocks) store_ds(ds_entry);
   auto rows = [&](float* base) {
     return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
   };
@@ -312,12 +318,13 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     const index_t* round_used = used[stage];
     detail::dkdv_gradients_wgmma<T, D>(dv, s, dp, dsf, shared.d_out(stage), shared.lse(stage), shared.delta(stage), p.scale, p.scale_log2,
                                        [round_used](int key, int) { return round_used[key] == 0; });
+    if (p.ds_vertical) detail::stage_ds_rows(dsf, shared.ds_staging());
   };
-  // The stored dS rows of the round in `stage`: a used column's row among the group's entries.
-  auto store_ds = [&](int stage) {
+  // The staged dS rows of the round in `stage`, written to a used column's row among the group's entries.
+  auto write_ds = [&](int stage) {
     const index_t* round_used = used[stage];
     const index_t round_first = round_entry[stage] - 1 - p.ds_first_vertical;
-    detail::store_ds_rows<T>(dsf, shared.ds_staging(), [=, &p](int key) -> T* {
+    detail::write_ds_rows<T>(shared.ds_staging(), [=, &p](int key) -> T* {
       const index_t rank = round_used[key];
       return rank > 0 ? p.ds_vertical + std::int64_t{round_first + rank} * block_tokens : nullptr;
     });
@@ -347,13 +354,13 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   int stage = 0;
   for (; q_next != INT_MAX; stage ^= 1) {
     detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+    if (p.ds_vertical) write_ds(stage);
     detail::cp_async_wait<0>();
     detail::fence_async_shared();
     __syncthreads();  // the next round's copies are visible
     float s[8][4], dp[8][4];
     detail::dkdv_scores_wgmma<T, D>(s, dp, ks, vs, shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
     detail::dkdv_dk_complete<2, D>(dk, dsf);
-    if (p.ds_vertical) store_ds(stage);
     // The walk's barrier also ends every warp's use of this stage (tiles, `used`, round entry).
     q_next = walk.next(used[stage], warp_min[stage]);
     if (q_next != INT_MAX) load(q_next, stage);
@@ -361,8 +368,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     gradients(s, dp, stage ^ 1);
   }
   detail::dkdv_dk_wgmma<T, D>(dk, dsf, shared.queries(stage));
+  if (p.ds_vertical) write_ds(stage);
   detail::dkdv_dk_complete<0, D>(dk, dsf);
-  if (p.ds_vertical) store_ds(stage);
   detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
 }
 
