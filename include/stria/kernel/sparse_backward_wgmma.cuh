@@ -192,7 +192,7 @@ __device__ void write_ds_rows(const unsigned char* staging, DsRow ds_row) {
 /// The dK/dV block pass on Hopper: one CTA per (local KV block, KV head) over the transposed index,
 /// all query heads of its group, as sparse_backward_dkdv<T, D, false>. The tiles are software
 /// pipelined: tile t + 1's S^T and dP^T are issued while tile t's dK product still runs, so that the
-/// tensor pipe has work queued across the barrier and the stored dS rows' writes, which wait for that
+/// tensor pipe has work queued across the barriers, and tile t's stored dS rows go out under that
 /// product. The Q and dO tiles are double-buffered: tile t + 2's copies start once every warp's
 /// products of tile t have completed.
 template <class T, int D>
