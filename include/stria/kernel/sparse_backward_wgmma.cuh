@@ -68,24 +68,25 @@ constexpr std::size_t backward_dq_wgmma_shared_bytes() {
 namespace detail {
 
 /// One tile of a Hopper dK/dV pass (see the file comment) runs in three parts, so that the passes can
-/// issue a tile's scores while the tile before it still runs its dK product: dkdv_scores_wgmma issues
+/// issue a tile's scores while the tile before it still runs its dK product: scores_wgmma issues
 /// S^T and dP^T; dkdv_gradients_wgmma forms P^T and dS^T around the dV product and ends with nothing
 /// in flight; dkdv_dk_wgmma issues dK += dS^T Q. No product is in flight across a loop's back edge:
 /// ptxas serializes every product of a kernel whose in-flight accumulators cross one (C7515).
 ///
-/// S^T = K Q^T into `s`, then dP^T = V dO^T into `dp`, issued as two commit groups, from the warpgroup's
-/// keys `ks`, `vs` and the queries `qs`, `dos` (swizzled tiles).
+/// The two score products of a 64x64 tile, issued as two commit groups: s = s_a s_b^T, then
+/// dp = dp_a dp_b^T, every operand a K-major swizzled tile of D columns in shared memory. The dK/dV
+/// passes form S^T = K Q^T and dP^T = V dO^T, the dQ pass S = Q K^T and dP = dO V^T.
 template <class T, int D>
-__device__ void dkdv_scores_wgmma(float (&s)[8][4], float (&dp)[8][4], const unsigned char* ks, const unsigned char* vs, const unsigned char* qs,
-                                  const unsigned char* dos) {
+__device__ void scores_wgmma(float (&s)[8][4], float (&dp)[8][4], const unsigned char* s_a, const unsigned char* s_b, const unsigned char* dp_a,
+                             const unsigned char* dp_b) {
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k)
-    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), k_major_operand<D>(ks, k), k_major_operand<D>(qs, k), k > 0);
+    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), k_major_operand<D>(s_a, k), k_major_operand<D>(s_b, k), k > 0);
   wgmma_commit();
 #pragma unroll
   for (int k = 0; k < D / 16; ++k)
-    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), k_major_operand<D>(vs, k), k_major_operand<D>(dos, k), k > 0);
+    wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), k_major_operand<D>(dp_a, k), k_major_operand<D>(dp_b, k), k > 0);
   wgmma_commit();
 }
 
@@ -210,7 +211,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::load_query_tiles<tile_layout, T, D>(p, q_block, h, shared.queries(stage), shared.d_out(stage));
     detail::load_row_statistics(p, q_block, h, shared.lse(stage), shared.delta(stage));
   };
-  // The first part of tile in `stage` (see dkdv_gradients_wgmma), its scores issued by the caller.
+  // P^T, dV and dS^T of the tile in `stage` (dkdv_gradients_wgmma), its scores issued by the caller;
+  // its dS rows are staged at once.
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   unsigned dsf[4][4];  // dS^T of the tile whose dK product is next
   auto gradients = [&](float (&s)[8][4], float (&dp)[8][4], int stage, bool diagonal) {
@@ -252,7 +254,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   __syncthreads();
   {
     float s[8][4], dp[8][4];
-    detail::dkdv_scores_wgmma<T, D>(s, dp, shared.keys(), shared.values(), shared.queries(0), shared.d_out(0));
+    detail::scores_wgmma<T, D>(s, dp, shared.keys(), shared.queries(0), shared.values(), shared.d_out(0));
     gradients(s, dp, 0, masked);
   }
   // Tile t's dK product, then tile t + 1's scores and gradients.
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_async_shared();
     __syncthreads();  // tile t + 1's copies are visible
     float s[8][4], dp[8][4];
-    detail::dkdv_scores_wgmma<T, D>(s, dp, shared.keys(), shared.values(), shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
+    detail::scores_wgmma<T, D>(s, dp, shared.keys(), shared.queries(stage ^ 1), shared.values(), shared.d_out(stage ^ 1));
     detail::dkdv_dk_complete<2, D>(dk, dsf);
     masked = next_masked;
     ds_entry = next_ds_entry;
@@ -347,7 +349,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   __syncthreads();
   {
     float s[8][4], dp[8][4];
-    detail::dkdv_scores_wgmma<T, D>(s, dp, ks, vs, shared.queries(0), shared.d_out(0));
+    detail::scores_wgmma<T, D>(s, dp, ks, shared.queries(0), vs, shared.d_out(0));
     gradients(s, dp, 0);
   }
   // The round in `stage`'s dK product, then the next round's scores and gradients.
@@ -359,7 +361,7 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     detail::fence_async_shared();
     __syncthreads();  // the next round's copies are visible
     float s[8][4], dp[8][4];
-    detail::dkdv_scores_wgmma<T, D>(s, dp, ks, vs, shared.queries(stage ^ 1), shared.d_out(stage ^ 1));
+    detail::scores_wgmma<T, D>(s, dp, ks, shared.queries(stage ^ 1), vs, shared.d_out(stage ^ 1));
     detail::dkdv_dk_complete<2, D>(dk, dsf);
     // The walk's barrier also ends every warp's use of this stage (tiles, `used`, round entry).
     q_next = walk.next(used[stage], warp_min[stage]);
@@ -463,20 +465,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
     delta[half] = p.delta[at];
   }
 
-  // The scores of the tile in `stage`, issued (two commit groups: S, then dP).
-  auto scores = [&](float (&s)[8][4], float (&dp)[8][4], int stage) {
-    detail::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(s), detail::k_major_operand<D>(qs, k), detail::k_major_operand<D>(ks(stage), k),
-                                    k > 0);
-    detail::wgmma_commit();
-#pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_ss<T, 64, 0, 0>(reinterpret_cast<float(&)[32]>(dp), detail::k_major_operand<D>(dos, k),
-                                    detail::k_major_operand<D>(vs(stage), k), k > 0);
-    detail::wgmma_commit();
-  };
+  // S and dP of the tile in `stage`, issued (two commit groups).
+  auto scores = [&](float (&s)[8][4], float (&dp)[8][4], int stage) { detail::scores_wgmma<T, D>(s, dp, qs, ks(stage), dos, vs(stage)); };
   // With tile t's scores the only products in flight: P while dP runs, then dS into dsf (the A
   // operand of dQ += dS K, 16 keys per k-step). Returns with nothing in flight.
   unsigned dsf[4][4];
