@@ -8,7 +8,7 @@
 // ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
 // rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
@@ -180,6 +180,7 @@ int main(int argc, char** argv) try {
   int repeats = 10;
   index_t dim = 128, hkv = 2;
   bool with_backward = true, with_front = false;
+  device::dq_source main_source = device::dq_source::automatic;  // of every backward row but the recomputed one
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--forward-only" || flag == "--front") {  // flags without a value
@@ -198,6 +199,13 @@ int main(int argc, char** argv) try {
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
     else if (flag == "--pattern-dir") pattern_dir = value;
     else if (flag == "--json") json_path = value;
+    else if (flag == "--dq-source") {
+      if (value != "automatic" && value != "stored" && value != "recomputed") {
+        std::fprintf(stderr, "--dq-source = %s: must be automatic, stored or recomputed\n", value.c_str());
+        return 2;
+      }
+      main_source = value == "stored" ? device::dq_source::stored : value == "recomputed" ? device::dq_source::recomputed : device::dq_source::automatic;
+    }
     else if (flag == "--commit") commit = value;
     else if (flag == "--heads-kv") {
       if (value != "1" && value != "2" && value != "4" && value != "8" && value != "16") {
@@ -280,7 +288,8 @@ int main(int argc, char** argv) try {
       auto backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic,
                           device::dq_source source = device::dq_source::automatic) {
         return [&, mode, which, source] {
-          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr, which, source);
+          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr, which,
+                                     source == device::dq_source::automatic ? main_source : source);
         };
       };
       // On Hopper the automatic backward stores dS where the workspace fits; the recomputing dQ pass
