@@ -224,7 +224,7 @@ __device__ inline index_t gathered_token(const row_tiles& row, index_t t, int th
 /// a constant. A warpgroup's K and V copies thus run as two independent streams of two warps each.
 /// `read_token`: gathered_token(row, t, thread), which the caller reads ahead (one global round trip
 /// that would otherwise sit before every gathered tile's copies).
-template <class T, int D>
+template <class T, int D, int SlabStride = swizzled_tile<D>::slab_bytes>
 __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk,
                                              int thread, index_t read_token) {
   static_assert(sizeof(T) == 2, "a 128-byte slab holds 64 elements of 2 bytes");
@@ -240,7 +240,7 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
     for (int pass = 0; pass < passes; ++pass)
 #pragma unroll
       for (int slab = 0; slab < slabs; ++slab)
-        cp_async_16(to + pass * 8 * layout::row_pitch + slab * layout::slab_bytes, from + pass * 8 * stride + slab * 64, true);
+        cp_async_16(to + pass * 8 * layout::row_pitch + slab * SlabStride, from + pass * 8 * stride + slab * 64, true);
   } else {
     const index_t count = row.num_tokens - (t - row.num_blocks) * block_tokens;
     const int warp = thread / 32;
@@ -252,7 +252,7 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
       const T* from = head + std::int64_t{token} * stride;
 #pragma unroll
       for (int slab = 0; slab < slabs; ++slab)
-        cp_async_16(to + pass * 8 * layout::row_pitch + slab * layout::slab_bytes, from + slab * 64, valid);
+        cp_async_16(to + pass * 8 * layout::row_pitch + slab * SlabStride, from + slab * 64, valid);
     }
   }
 }
@@ -260,10 +260,16 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
 /// The K and V rings of a row's tiles (Hopper forward), with the global block of each block tile in
 /// the K ring: what the consumer's causal-mask test needs, delivered with the tile so that no
 /// global-memory round trip sits between its products and its softmax. Each ring is filled by its
-/// own two producer warps.
+/// own two producer warps. The K stages lie in pairs with their slabs interleaved
+/// ([pair][slab][stage of the pair][64 rows][128 bytes]): the two K tiles of an even and the next
+/// stage are then one 128-row K-major operand, so that a step's two tiles of scores are one
+/// m64n128 product per k-step rather than two m64n64 ones.
 template <int KStages, int VStages>
 struct row_tile_rings {
+  static_assert(KStages % 2 == 0, "the K stages lie in pairs");
   static constexpr int copier_threads = 64;
+  template <int D>
+  static constexpr int k_slab_stride = 2 * swizzled_tile<D>::slab_bytes;
   stage_ring<KStages, copier_threads> k;
   stage_ring<VStages, copier_threads> v;
   index_t kv_global_block[KStages];
@@ -271,6 +277,11 @@ struct row_tile_rings {
   __device__ void init() {
     k.init();
     v.init();
+  }
+  /// The first byte of K stage `stage` in the K ring `ks`.
+  template <int D>
+  __device__ static unsigned char* k_tile(unsigned char* ks, int stage) {
+    return ks + (stage / 2) * 2 * swizzled_tile<D>::bytes + (stage % 2) * swizzled_tile<D>::slab_bytes;
   }
 
   /// The producer warpgroup: its first two warps copy K(t) of every tile of the row into the K ring,
@@ -287,7 +298,7 @@ struct row_tile_rings {
       for (index_t t = 0; t < tiles; ++t) {
         const index_t next_token = gathered_token(row, t + 1, thread);  // in flight while the stage frees
         k.acquire(t);
-        load_row_tile_swizzled_async<T, D>(ks + k.stage(t) * bytes, keys, row, t, heads_kv, hk, thread, token);
+        load_row_tile_swizzled_async<T, D, k_slab_stride<D>>(k_tile<D>(ks, k.stage(t)), keys, row, t, heads_kv, hk, thread, token);
         token = next_token;
         if (thread == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
         k.commit(t);

@@ -316,8 +316,9 @@ __device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t
 /// with P in registers and V from shared memory (MN-major), `tiles_per_step` tiles per step. The
 /// consumer is software pipelined (intra-warpgroup overlap): step n issues the scores of step n + 1,
 /// rescales O by step n's correction, issues O += P(n) V(n), and runs the softmax of step n + 1 while
-/// that product is in flight. Where the row's tile count is not a multiple of the step, its first
-/// step takes the odd tile alone.
+/// that product is in flight. Steps start at the row's first tile, so that a step's two K tiles lie in
+/// a pair of stages (one m64n128 product for both tiles' scores); where the count is odd, the last step
+/// takes the odd tile alone.
 template <class T, int D>
 __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>.ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
   constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D>;
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
                 "the consumer asks setmaxnreg for more registers than the producer gives back");
   constexpr int tile = swizzled_tile<D>::bytes;
   static_assert(forward_step_tiles<D> == 1 || forward_step_tiles<D> == 2,
-                "one or two tiles per step: the first step takes the one odd tile alone, nothing more");
+                "one or two tiles per step: the last step takes the one odd tile alone, nothing more");
   static_assert(tuning.k_stages >= forward_step_tiles<D> && tuning.v_stages >= forward_step_tiles<D>, "a step's tiles must fit the rings at once");
   // Named apart from the other kernels' dynamic block (declared 16-byte aligned): one name with two
   // alignments in a translation unit is a warning.
@@ -359,14 +360,22 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   unsigned pf[forward_step_tiles<D>][4][4];  // P of the step's tiles as the A operand of P V
   float correction[2];          // of the next step's softmax, applied to O before its P V
   const index_t q_global = p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
+  using none = std::integral_constant<int, 0>;
   using one = std::integral_constant<int, 1>;
   using whole = std::integral_constant<int, forward_step_tiles<D>>;
+  using rings_type = forward_rings<D>;
 
-  // Issue S(t), uncommitted.
-  auto scores = [&](index_t t, float (&s)[8][4], unsigned (&qf)[D / 16][4]) {
+  // Issue S of tiles t .. t + N - 1, uncommitted. Two tiles (t even, so their K stages are a pair)
+  // are one m64n128 product per k-step.
+  auto scores = [&](index_t t, float (&s)[forward_step_tiles<D>][8][4], auto count) {
+    constexpr int N = decltype(count)::value;
+    const unsigned char* first = rings_type::template k_tile<D>(ks, rings.k.stage(t));
 #pragma unroll
-    for (int k = 0; k < D / 16; ++k)
-      detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s), qf[k], detail::k_major_operand<D>(ks + rings.k.stage(t) * tile, k), k > 0);
+    for (int k = 0; k < D / 16; ++k) {
+      const std::uint64_t keys = detail::k_major_operand<D, rings_type::template k_slab_stride<D>>(first, k);
+      if constexpr (N == 2) detail::wgmma_rs<T, 128, 0>(reinterpret_cast<float(&)[64]>(s), qf[k], keys, k > 0);
+      else detail::wgmma_rs<T, 64, 0>(reinterpret_cast<float(&)[32]>(s[0]), qf[k], keys, k > 0);
+    }
   };
   auto to_operands = [&](float (&s)[forward_step_tiles<D>][8][4], auto count) {
     constexpr int N = decltype(count)::value;
@@ -376,7 +385,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
       for (int k = 0; k < 4; ++k) detail::accumulator_to_operand<T>(pf[i][k], s[i][2 * k], s[i][2 * k + 1]);
   };
 
-  // The first step's scores and softmax, alone: N tiles (fewer than a step where the count is odd).
+  // The first step's scores and softmax, alone: N tiles (one where the row has fewer than a step).
   auto first_step = [&](auto count) {
     constexpr int N = decltype(count)::value;
     float s[forward_step_tiles<D>][8][4];
@@ -385,8 +394,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
     detail::wait_keys<N>(rings, row, 0, q_global, diagonal, valid);
     detail::fence_async_shared();
     detail::wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < N; ++i) scores(i, s[i], qf);
+    scores(0, s, count);
     detail::wgmma_commit();
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[forward_step_tiles<D> * 32]>(s));
@@ -397,22 +405,22 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
     to_operands(s, count);
   };
 
-  // The step over tiles t .. t + Cur - 1 (their P in pf), with or without a next whole step. The body
-  // runs in separate copies, so that which products are in flight never depends on a branch (the
-  // barrier waits and the rescale test branch too, but around the same products on every path).
-  auto step = [&](index_t t, auto current, auto has_next) {
+  // The step over tiles t .. t + Cur - 1 (their P in pf), issuing the scores of the next Next tiles
+  // (0: the row's last step). The body runs in separate copies, so that which products are in flight
+  // never depends on a branch (the barrier waits and the rescale test branch too, but around the same
+  // products on every path).
+  auto step = [&](index_t t, auto current, auto next) {
     constexpr int Cur = decltype(current)::value;
-    constexpr bool More = decltype(has_next)::value;
+    constexpr int Next = decltype(next)::value;
     float s[forward_step_tiles<D>][8][4];  // the next step's S, then P: registers of their own, apart from pf
     bool diagonal[forward_step_tiles<D>];
     int valid[forward_step_tiles<D>];
-    if constexpr (More) {
-      detail::wait_keys<forward_step_tiles<D>>(rings, row, t + Cur, q_global, diagonal, valid);
+    if constexpr (Next > 0) {
+      detail::wait_keys<Next>(rings, row, t + Cur, q_global, diagonal, valid);
       detail::fence_async_shared();
       detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
       detail::wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < forward_step_tiles<D>; ++i) scores(t + Cur + i, s[i], qf);
+      scores(t + Cur, s, next);
       detail::wgmma_commit();
     }
     // This step's correction, while the scores run. Once the rows' maxima settle (most tiles of a
@@ -430,39 +438,41 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
         detail::wgmma_rs<T, D, 1>(reinterpret_cast<float(&)[D / 2]>(o), pf[i][k], detail::mn_major_operand<D>(vs + rings.v.stage(t + i) * tile, k),
                                   true);
     detail::wgmma_commit();
-    if constexpr (More) {
+    if constexpr (Next > 0) {
       detail::wgmma_wait<1>();  // the next step's S; the P V product may still run
       detail::fence_registers(reinterpret_cast<float(&)[forward_step_tiles<D> * 32]>(s));
 #pragma unroll
-      for (int i = 0; i < forward_step_tiles<D>; ++i) rings.k.release(t + Cur + i);
-      detail::softmax_tiles<forward_step_tiles<D>>(s, row_max, row_sum, correction, p.scale_log2, diagonal, valid);
+      for (int i = 0; i < Next; ++i) rings.k.release(t + Cur + i);
+      detail::softmax_tiles<Next>(reinterpret_cast<float(&)[Next][8][4]>(s), row_max, row_sum, correction, p.scale_log2,
+                                  reinterpret_cast<bool(&)[Next]>(diagonal), reinterpret_cast<int(&)[Next]>(valid));
     }
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
     detail::fence_registers(reinterpret_cast<unsigned(&)[forward_step_tiles<D> * 4][4]>(pf));
 #pragma unroll
     for (int i = 0; i < Cur; ++i) rings.v.release(t + i);
-    if constexpr (More) to_operands(s, whole{});
+    if constexpr (Next > 0) to_operands(s, next);
   };
 
-  if (tiles > 0) {
-    // Tiles in the first step: 1 .. forward_step_tiles<D>, so that every later step is whole.
-    const int first = static_cast<int>((tiles - 1) % forward_step_tiles<D> + 1);
+  // Whole steps from the row's first tile, so that a step's two K tiles are a pair of stages; where
+  // the count is odd, the last step takes the odd tile alone.
+  if (tiles >= forward_step_tiles<D>) {
+    first_step(whole{});
     index_t t = 0;
+    for (; t + 2 * forward_step_tiles<D> <= tiles; t += forward_step_tiles<D>) step(t, whole{}, whole{});
     if constexpr (forward_step_tiles<D> > 1) {
-      if (first < forward_step_tiles<D>) {
-        first_step(one{});
-        if (tiles > 1) step(0, one{}, std::true_type{});
-        else step(0, one{}, std::false_type{});
-        t = 1;
+      if (t + forward_step_tiles<D> < tiles) {
+        step(t, whole{}, one{});
+        step(t + forward_step_tiles<D>, one{}, none{});
       } else {
-        first_step(whole{});
+        step(t, whole{}, none{});
       }
     } else {
-      first_step(one{});
+      step(t, whole{}, none{});
     }
-    for (; t + forward_step_tiles<D> < tiles; t += forward_step_tiles<D>) step(t, whole{}, std::true_type{});
-    if (t < tiles) step(t, whole{}, std::false_type{});
+  } else if (tiles > 0) {  // one tile, at two tiles per step
+    first_step(one{});
+    step(0, one{}, none{});
   }
   detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }

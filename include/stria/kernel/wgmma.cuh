@@ -65,10 +65,11 @@ __device__ inline std::uint64_t descriptor(const unsigned char* start, int leadi
 }
 
 /// A swizzled tile of 64 rows and D columns as a K-major operand, the k-th 16 of its columns: K in
-/// S = Q K^T, or A = K and B = Q in S^T = K Q^T.
-template <int D>
+/// S = Q K^T, or A = K and B = Q in S^T = K Q^T. `SlabStride`: bytes from one slab to the next; with
+/// two tiles' slabs interleaved (twice a slab), the first tile's address names a 128-row operand.
+template <int D, int SlabStride = swizzled_tile<D>::slab_bytes>
 __device__ std::uint64_t k_major_operand(const unsigned char* tile, int k) {
-  return descriptor(tile + (k / 4) * swizzled_tile<D>::slab_bytes + (k % 4) * 32, 16, 1024);
+  return descriptor(tile + (k / 4) * SlabStride + (k % 4) * 32, 16, 1024);
 }
 
 /// A swizzled tile of 64 rows and D columns as an MN-major operand (transposed), its rows 16k to
