@@ -233,8 +233,9 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// `v_stages` V tiles are in flight. A step holds its two K tiles until their scores land: with three K
 /// stages the consumer waited for K 15% of its time (ncu, vs95) while the V ring stayed full, so D 128
 /// has four K stages and three V (two K and four V measured slower still). Against one-tile steps over
-/// three stages of each: 2-3% faster on H200 (RESULTS, 2026-12-02). At D 64 two-tile steps would need
-/// more registers than three CTAs per SM leave the consumer.
+/// three stages of each: 2-3% faster on H200 (RESULTS, 2026-12-02). At D 64 two-tile steps need more
+/// registers than three CTAs per SM leave the consumer, and at two CTAs per SM they measured 7% slower
+/// than one-tile steps at three (RESULTS, 2026-12-03, third).
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
