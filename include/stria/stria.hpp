@@ -10,6 +10,7 @@
 #include "stria/core/softmax_merge.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/core/tile.hpp"
+#include "stria/engine/ring_engine.hpp"
 #include "stria/estimator/block_mask.hpp"
 #include "stria/estimator/dense.hpp"
 #include "stria/estimator/select.hpp"

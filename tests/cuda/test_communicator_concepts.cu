@@ -86,6 +86,8 @@ static_assert(!stria::device_communicator<without_wait>);
 
 static_assert(stria::device_communicator<stria::comm::local_device>);
 static_assert(!stria::device_communicator<stria::comm::host_threads>);  // host arrays, no streams
+// The device backend of the ring engine.
+static_assert(stria::engine::ring_backend<stria::device::detail::ring_backend<stria::comm::local_device, __nv_bfloat16>>);
 #if defined(STRIA_TEST_NCCL)
 static_assert(stria::device_communicator<stria::comm::nccl>);
 static_assert(stria::device_communicator<stria::comm::nccl_hierarchy>);

@@ -1,12 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Device ring attention: one rank's part of the distributed sparse forward and backward, on a
-// device communicator (comm::local_device; comm::nccl has the same surface). Each step runs the
-// sparse kernels on that step's local index while the next KV chunk is in flight on the rank's
-// transfer stream; events order the two streams, so a chunk is computed with only once it has
-// arrived and a slot is overwritten only once the steps that read it are done. Running O/LSE are
-// fp32; in backward the fp32 dK/dV partials travel as the topology's gradient_transfers say and end
-// at their owners. host/ring_attention.hpp is the same algorithm on the host (the tests' oracle).
-// Checked mode (finite_check::every_step) verifies each step's results on the device
+// Device ring attention: the ring engine (engine/ring_engine.hpp) on a device communicator
+// (comm::local_device, comm::nccl), each step the sparse kernels on that step's local index while the
+// next KV chunk is in flight on the rank's transfer stream; running O/LSE and travelling dK/dV are
+// fp32. Checked mode (finite_check::every_step) verifies each step's results on the device
 // (device/finite_check.cuh) at the cost of a pass and a host synchronisation per step.
 #pragma once
 
@@ -15,11 +11,12 @@
 #include <thrust/functional.h>
 #include <thrust/transform.h>
 
+#include <algorithm>
 #include <array>
-#include <map>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
@@ -28,11 +25,11 @@
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/device_communicator.cuh"
-#include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/device/finite_check.cuh"
 #include "stria/device/sparse_attention_step.cuh"
+#include "stria/engine/ring_engine.hpp"
 #include "stria/index/device_index.cuh"
 #include "stria/topology/ring_steps.hpp"
 
@@ -59,121 +56,110 @@ class transfers_before_release {
   cudaStream_t compute_, transfer_;
 };
 
-/// A transfer's completion on the transfer stream: the compute stream waits for it before
-/// `ready_step` computes, and the host confirms it (comm.wait) at the start of the step after, a
-/// step behind the device, so the device always holds queued work while the host waits.
-struct arrival {
-  index_t ready_step;
-  cuda_event done;
-  std::string what;  // for the error of a wait that gives up
-};
+/// x[i] += y[i] for n floats, on `stream`.
+inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t stream) {
+  thrust::transform(thrust::cuda::par.on(stream), x, x + n, y, x, thrust::plus<float>());
+}
 
-/// The KV chunks of one rank's ring: K and V packed in one buffer per slot ([2, Sk, Hkv, D], so a
-/// transfer is one message), moved as the topology's transfers say. Sends and receives of a step
-/// are posted together in one group at the step's start, on the transfer stream. Every transfer is
-/// confirmed on the host through comm.wait(), which raises (a peer failed, NCCL reported an error,
-/// the communicator's timeout passed) instead of letting a dead peer hang the job; the backward adds
-/// its dK/dV transfers to the same confirmations (watch()).
-template <class Comm, ring_topology Topology, class T>
-class kv_ring {
+/// The device backend of the ring engine. A KV chunk ([2, Sk, Hkv, D]: K then V) and a dK/dV
+/// partial are one message each; the slots are allocated in compute order when first used. A
+/// step's transfers are posted in one group on the transfer stream. Every transfer is confirmed on
+/// the host through comm.wait(), which raises (a peer failed, NCCL reported an error, the
+/// communicator's timeout passed) instead of letting a dead peer hang the job, at the start of the
+/// step after its ready step: a step behind the device, so the device holds queued work meanwhile.
+template <class Comm, class T>
+class ring_backend {
  public:
-  kv_ring(Comm& comm, const Topology& topology, tensor_view<const T, 3> k, tensor_view<const T, 3> v, cudaStream_t compute,
-          cudaStream_t transfer)
-      : comm_(comm), topology_(topology), elements_(static_cast<std::size_t>(k.size())), compute_(compute), transfer_(transfer) {
-    T* own = slot(topology.kv_buffer(comm.rank(), 0));
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(own, k.data(), elements_ * sizeof(T), cudaMemcpyDeviceToDevice, compute));
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(own + elements_, v.data(), elements_ * sizeof(T), cudaMemcpyDeviceToDevice, compute));
-  }
+  using partial = device_buffer<float>;
 
-  /// Posts this step's transfers, makes the compute stream wait for the chunks due now, and
-  /// returns the chunk this step computes with.
-  const T* begin_step(index_t step) {
-    const index_t rank = comm_.rank();
-    const transfer_list list = topology_.transfers(rank, step);
+  ring_backend(Comm& comm, index_t steps, tensor_view<const T, 3> k, tensor_view<const T, 3> v, cudaStream_t compute, cudaStream_t transfer)
+      : comm_(comm), steps_(steps), k_(k), v_(v), compute_(compute), transfer_(transfer) {}
+
+  [[nodiscard]] index_t rank() const { return comm_.rank(); }
+  void load_own_kv(int i) {
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(slot(i), k_.data(), elements() * sizeof(T), cudaMemcpyDeviceToDevice, compute_));
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(slot(i) + elements(), v_.data(), elements() * sizeof(T), cudaMemcpyDeviceToDevice, compute_));
+  }
+  void post_kv(index_t step, const transfer_list& list) {
     if (list.count > 0) {
       for (const ring_transfer& t : list) (void)slot(t.receive_buffer);  // allocated in compute order
       // Sends read chunks the compute stream put in place; receives overwrite slots earlier steps read.
       wait_for(transfer_, compute_);
       comm_.group_start();
       for (const ring_transfer& t : list) {
-        comm_.send(slot(t.send_buffer), 2 * elements_, t.send_to, transfer_, ring_message_tag(t, false));
-        comm_.recv(slot(t.receive_buffer), 2 * elements_, t.receive_from, transfer_, ring_message_tag(t, false));
+        comm_.send(slot(t.send_buffer), 2 * elements(), t.send_to, transfer_, ring_message_tag(t, false));
+        comm_.recv(slot(t.receive_buffer), 2 * elements(), t.receive_from, transfer_, ring_message_tag(t, false));
       }
       comm_.group_end();
-      for (const ring_transfer& t : list) {
-        arrivals_.push_back({t.ready_step, cuda_event{},
-                             "the KV chunk of rank " + std::to_string(t.received_origin) + " for ring step " + std::to_string(t.ready_step) +
-                                 " (from rank " + std::to_string(t.receive_from) + ")"});
-        arrivals_.back().done.record(transfer_);
-      }
+      for (const ring_transfer& t : list)  // a slot has one receive in flight at a time
+        arriving_[static_cast<std::size_t>(t.receive_buffer)].emplace(t.ready_step, "the KV chunk of rank " + std::to_string(t.received_origin) +
+                                                                      " for ring step " + std::to_string(t.ready_step) + " (from rank " +
+                                                                      std::to_string(t.receive_from) + ")", transfer_);
     }
-    wait_arrivals(step);
     confirm_before(step);
-    return slot(topology_.kv_buffer(rank, step));
   }
-
-  /// Confirms on the host, like the KV transfers, what is queued on the transfer stream now (a
-  /// transfer just posted), at the start of the step after `ready_step`.
-  void watch(index_t ready_step, std::string what) {
-    confirming_.push_back({ready_step, cuda_event{}, std::move(what)});
-    confirming_.back().done.record(transfer_);
+  void complete_kv(const ring_transfer& t) {
+    arrival& a = *arriving_[static_cast<std::size_t>(t.receive_buffer)];
+    a.done.make_wait(compute_);
+    confirming_.push_back(std::move(a));
   }
-
-  [[nodiscard]] std::size_t elements() const { return elements_; }
-
-  /// After the last step: nothing in flight is left behind, and the slots may be released in
-  /// compute order.
-  void finish() {
-    wait_arrivals(topology_.num_steps());
-    confirm_before(topology_.num_steps() + 1);
+  void finish_transfers() {
+    confirm_before(steps_ + 1);
     wait_for(compute_, transfer_);
   }
+  void add_partial(partial& sum, const partial& x) { add_into(sum.data(), x.data(), x.size(), compute_); }  // x: read in compute order
+  void send_partial(const ring_transfer& t, partial sum) {
+    const partial& sending = sent_.emplace_back(std::move(sum));  // kept to the end: the send may still read it
+    auto& [into, done] = receiving_.emplace_back(partial(sending.size(), compute_), cuda_event{});
+    wait_for(transfer_, compute_);  // the partial is complete; `into` is allocated
+    comm_.group_start();
+    comm_.send(sending.data(), sending.size(), t.send_to, transfer_, ring_message_tag(t, true));
+    comm_.recv(into.data(), into.size(), t.receive_from, transfer_, ring_message_tag(t, true));
+    comm_.group_end();
+    done.record(transfer_);
+    const std::string when = t.ready_step == steps_ ? std::string("delivered after the last ring step")
+                                                    : "due at the end of ring step " + std::to_string(t.ready_step);
+    confirming_.emplace_back(t.ready_step, "the dK/dV sum of rank " + std::to_string(t.received_origin) + "'s chunk " + when + " (from rank " +
+                                               std::to_string(t.receive_from) + ")", transfer_);
+  }
+  partial receive_partial(const ring_transfer&, std::size_t n) {
+    receiving_[n].second.make_wait(compute_);
+    return std::move(receiving_[n].first);
+  }
+
+  [[nodiscard]] std::size_t elements() const { return static_cast<std::size_t>(k_.size()); }  // of K (and of V)
+  tensor_view<const T, 3> k(int i) { return {slot(i), {k_.extent(0), k_.extent(1), k_.extent(2)}}; }
+  tensor_view<const T, 3> v(int i) { return {slot(i) + elements(), {k_.extent(0), k_.extent(1), k_.extent(2)}}; }
 
  private:
+  struct arrival {  // a transfer's completion: the work queued on `stream` when it is made
+    arrival(index_t ready, std::string message, cudaStream_t stream) : ready_step(ready), what(std::move(message)) { done.record(stream); }
+    index_t ready_step;
+    std::string what;  // for the error of a wait that gives up
+    cuda_event done;
+  };
+  void confirm_before(index_t step) {  // the host waits (bounded: comm.wait) for every transfer due before `step`
+    const auto due = std::stable_partition(confirming_.begin(), confirming_.end(), [&](const arrival& a) { return a.ready_step >= step; });
+    for (auto it = due; it != confirming_.end(); ++it) comm_.wait(it->done.get(), it->what);
+    confirming_.erase(due, confirming_.end());
+  }
   T* slot(int i) {
     device_buffer<T>& s = slots_[static_cast<std::size_t>(i)];
-    if (s.size() == 0) s = device_buffer<T>(2 * elements_, compute_);
+    if (s.size() == 0) s = device_buffer<T>(2 * elements(), compute_);
     return s.data();
   }
 
-  void wait_arrivals(index_t step) {
-    for (auto it = arrivals_.begin(); it != arrivals_.end();) {
-      if (it->ready_step > step) {
-        ++it;
-        continue;
-      }
-      it->done.make_wait(compute_);
-      confirming_.push_back(std::move(*it));
-      it = arrivals_.erase(it);
-    }
-  }
-
-  /// Waits on the host (bounded: comm.wait) for every watched transfer due before `step`.
-  void confirm_before(index_t step) {
-    for (auto it = confirming_.begin(); it != confirming_.end();) {
-      if (it->ready_step >= step) {
-        ++it;
-        continue;
-      }
-      comm_.wait(it->done.get(), it->what);
-      it = confirming_.erase(it);
-    }
-  }
-
   Comm& comm_;
-  const Topology& topology_;
-  std::size_t elements_;
+  index_t steps_;
+  tensor_view<const T, 3> k_, v_;
   cudaStream_t compute_, transfer_;
   std::array<device_buffer<T>, 4> slots_;
-  transfers_before_release guard_{compute_, transfer_};  // destroyed before the slots
-  std::vector<arrival> arrivals_;    // posted, not yet awaited by the compute stream
-  std::vector<arrival> confirming_;  // awaited by the compute stream (or watched), not yet confirmed on the host
+  std::array<std::optional<arrival>, 4> arriving_;  // per slot: posted, not yet awaited by the compute stream
+  std::vector<arrival> confirming_;                 // awaited by the compute stream (or a gradient's), not yet confirmed on the host
+  std::vector<partial> sent_;
+  std::vector<std::pair<partial, cuda_event>> receiving_;
+  transfers_before_release guard_{compute_, transfer_};  // destroyed first: before every buffer
 };
-
-/// x[i] += y[i] for n floats, on `stream`.
-inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t stream) {
-  thrust::transform(thrust::cuda::par.on(stream), x, x + n, y, x, thrust::plus<float>());
-}
 
 }  // namespace detail
 
@@ -189,35 +175,30 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
                   tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
                   forward_kernel which = forward_kernel::automatic, finite_check check = finite_check::off) {
   static_assert(check_device_communicator<Comm>());
-  check_ring_world(comm.world_size(), topology);
-  check_ring_indices(topology, comm.rank(), indices);
-  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-  shape.validate();
-  detail::check_head_dim<HeadDim>(shape.head_dim);  // before any transfer or launch
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+  const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  detail::check_head_dim<HeadDim>(s.head_dim);  // before any transfer or launch
+  check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
+  const index_t steps = topology.num_steps();
   device_buffer<float> running(static_cast<std::size_t>(q.size()), stream);  // [Sq, Hq, D] fp32
-  const tensor_view<float, 3> running_view(running.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
   std::optional<step_check> checks;
   if (check == finite_check::every_step) checks.emplace(stream);
-  detail::kv_ring<Comm, Topology, T> ring(comm, topology, k, v, stream, transfer_stream);
-  for (index_t s = 0; s < topology.num_steps(); ++s) {
-    const T* chunk = ring.begin_step(s);
-    const tensor_view<const T, 3> k_step(chunk, {shape.kv_tokens, shape.heads_kv, shape.head_dim});
-    const tensor_view<const T, 3> v_step(chunk + ring.elements(), {shape.kv_tokens, shape.heads_kv, shape.head_dim});
-    // The last step writes `out` itself (rounded to T), so the running output needs no final pass.
-    const bool last = s + 1 == topology.num_steps();
-    sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, k_step, v_step, softmax_scale, running_view, lse,
-                               s == 0 ? running_state::overwrite : running_state::merge, stream, which, last ? out : tensor_view<T, 3>{});
-    if (checks) {
-      checks->begin();
-      const checked_tensor o = checked_tensor::queries("O", shape.query_tokens, shape.heads_q, shape.head_dim);
-      if (last) checks->add(out.data(), o);
-      else checks->add(running.data(), o);
-      checks->add(lse.data(), checked_tensor::lse(shape.heads_q, shape.query_tokens));
-      checks->finish(comm.rank(), s, "ring step " + std::to_string(s));
-    }
-  }
-  ring.finish();
+  detail::ring_backend<Comm, T> backend(comm, steps, k, v, stream, transfer_stream);
+  engine::ring_forward(
+      backend, topology, check,
+      [&](index_t step, int slot) {  // the last step writes `out` itself (rounded to T): the running output needs no final pass
+        sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(step)], q, backend.k(slot), backend.v(slot), softmax_scale,
+                                   tensor_view<float, 3>(running.data(), {s.query_tokens, s.heads_q, s.head_dim}), lse,
+                                   step == 0 ? running_state::overwrite : running_state::merge, stream, which,
+                                   step + 1 == steps ? out : tensor_view<T, 3>{});
+      },
+      [&](index_t step, const std::string& phase) {
+        checks->begin();
+        const checked_tensor o = checked_tensor::queries("O", s.query_tokens, s.heads_q, s.head_dim);
+        if (step + 1 == steps) checks->add(out.data(), o);
+        else checks->add(running.data(), o);
+        checks->add(lse.data(), checked_tensor::lse(s.heads_q, s.query_tokens));
+        checks->finish(comm.rank(), step, phase);
+      });
 }
 
 /// This rank's ring backward on `stream` (transfers on `transfer_stream`). out and lse are the
@@ -232,17 +213,12 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
                    tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
                    finite_check check = finite_check::off) {
   static_assert(check_device_communicator<Comm>());
-  check_ring_world(comm.world_size(), topology);
-  const index_t rank = comm.rank();
-  check_ring_indices(topology, rank, indices);
-  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-  shape.validate();
-  detail::check_head_dim<HeadDim>(shape.head_dim);  // before any transfer or launch
-  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
-  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
-  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
-  const std::array<index_t, 3> q_extents{shape.query_tokens, shape.heads_q, shape.head_dim};
-  const std::array<index_t, 3> kv_extents{shape.kv_tokens, shape.heads_kv, shape.head_dim};
+  const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  detail::check_head_dim<HeadDim>(s.head_dim);  // before any transfer or launch
+  check_extents(dq, {s.query_tokens, s.heads_q, s.head_dim}, "dq");
+  check_extents(dk, {s.kv_tokens, s.heads_kv, s.head_dim}, "dk");
+  check_extents(dv, {s.kv_tokens, s.heads_kv, s.head_dim}, "dv");
+  const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim}, kv_extents{s.kv_tokens, s.heads_kv, s.head_dim};
   const auto kv_elems = static_cast<std::size_t>(k.size());
 
   // The last step writes dQ out in T (dq32 + its own), and a single step needs no fp32 dQ at all;
@@ -250,94 +226,35 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
   const index_t steps = topology.num_steps();
   const bool dq_out_by_last_step = check == finite_check::off;
   const bool dq32_needed = steps > 1 || !dq_out_by_last_step;
-  device_buffer<float> delta(static_cast<std::size_t>(shape.heads_q) * shape.query_tokens, stream),
+  device_buffer<float> delta(static_cast<std::size_t>(s.heads_q) * s.query_tokens, stream),
       dq32(dq32_needed ? static_cast<std::size_t>(q.size()) : 0, stream);
-  backward_delta(out, d_out, tensor_view<float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), stream);
+  const tensor_view<float, 2> delta_view(delta.data(), {s.heads_q, s.query_tokens});
+  backward_delta(out, d_out, delta_view, stream);
   if (dq32_needed) dq32.fill_bytes(0, stream);
-
-  // The travelling fp32 partial sums ([2, Sk, Hkv, D]: dK then dV), keyed by the chunk's owner.
-  // Buffers that were sent stay alive until the end (their sends may still be reading them).
-  std::map<index_t, device_buffer<float>> partial;
-  std::vector<device_buffer<float>> sent;
-  struct incoming {
-    ring_transfer transfer;
-    device_buffer<float> data;
-    cuda_event done;
-  };
-  std::vector<incoming> pending;
-  auto add_partial = [&](index_t origin, device_buffer<float> x) {  // x is read in compute order only
-    if (auto it = partial.find(origin); it != partial.end()) detail::add_into(it->second.data(), x.data(), x.size(), stream);
-    else partial.emplace(origin, std::move(x));
-  };
-  auto finish_receives = [&](index_t step) {  // the gradient receives due by the end of `step`
-    for (auto it = pending.begin(); it != pending.end();) {
-      if (it->transfer.ready_step > step) {
-        ++it;
-        continue;
-      }
-      it->done.make_wait(stream);
-      add_partial(it->transfer.received_origin, std::move(it->data));
-      it = pending.erase(it);
-    }
-  };
-
   std::optional<step_check> checks;
   if (check == finite_check::every_step) checks.emplace(stream);
-  detail::kv_ring<Comm, Topology, T> ring(comm, topology, k, v, stream, transfer_stream);
-  for (index_t s = 0; s < steps; ++s) {
-    const T* chunk = ring.begin_step(s);
-    device_buffer<float> working(2 * kv_elems, stream);
-    working.fill_bytes(0, stream);
-    const bool last = s + 1 == steps;
-    sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(s)], q, tensor_view<const T, 3>(chunk, kv_extents),
-                                tensor_view<const T, 3>(chunk + kv_elems, kv_extents), d_out, lse,
-                                tensor_view<const float, 2>(delta.data(), {shape.heads_q, shape.query_tokens}), softmax_scale,
-                                tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
-                                tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
-                                dq_source::automatic, 0, last && dq_out_by_last_step ? dq.data() : nullptr);
-    const index_t source = topology.kv_source_rank(rank, s);
-    add_partial(source, std::move(working));
-    if (checks) {
-      checks->begin();
-      checks->add(dq32.data(), checked_tensor::queries("dQ", shape.query_tokens, shape.heads_q, shape.head_dim));
-      const float* sum = partial.at(source).data();
-      checks->add(sum, checked_tensor::kv_gradient("dK", shape.kv_tokens, shape.heads_kv, shape.head_dim, source));
-      checks->add(sum + kv_elems, checked_tensor::kv_gradient("dV", shape.kv_tokens, shape.heads_kv, shape.head_dim, source));
-      checks->finish(rank, s, "ring step " + std::to_string(s));
-    }
-    // In list order; before each send, every partial due at this step's end is added in.
-    for (const ring_transfer& t : topology.gradient_transfers(rank, s)) {
-      finish_receives(s);
-      auto it = partial.find(t.sent_origin);
-      if (it == partial.end())
-        throw gradient_schedule_error(rank, "has no dK/dV partial of rank " + std::to_string(t.sent_origin) + "'s chunk to send at step " +
-                                                std::to_string(s));
-      device_buffer<float> into(2 * kv_elems, stream);
-      wait_for(transfer_stream, stream);  // the partial is complete; `into` is allocated
-      comm.group_start();
-      comm.send(it->second.data(), it->second.size(), t.send_to, transfer_stream, ring_message_tag(t, true));
-      comm.recv(into.data(), into.size(), t.receive_from, transfer_stream, ring_message_tag(t, true));
-      comm.group_end();
-      pending.push_back({t, std::move(into), cuda_event{}});
-      pending.back().done.record(transfer_stream);
-      ring.watch(t.ready_step, "the dK/dV sum of rank " + std::to_string(t.received_origin) + "'s chunk " +
-                                   (t.ready_step == topology.num_steps() ? std::string("delivered after the last ring step")
-                                                                         : "due at the end of ring step " + std::to_string(t.ready_step)) +
-                                   " (from rank " + std::to_string(t.receive_from) + ")");
-      sent.push_back(std::move(it->second));
-      partial.erase(it);
-    }
-    finish_receives(s);
-  }
-  ring.finish();
-  finish_receives(steps);
-  wait_for(stream, transfer_stream);  // every send is done before `sent` is released in compute order
-  if (partial.size() != 1 || partial.begin()->first != rank)
-    throw gradient_schedule_error(rank, "ended the backward ring without exactly its own dK/dV");
-  const float* own = partial.begin()->second.data();
+  detail::ring_backend<Comm, T> backend(comm, steps, k, v, stream, transfer_stream);
+  const device_buffer<float> own = engine::ring_backward(
+      backend, topology, check,
+      [&](index_t step, int slot) {
+        device_buffer<float> working(2 * kv_elems, stream);
+        working.fill_bytes(0, stream);
+        sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(step)], q, backend.k(slot), backend.v(slot), d_out, lse, delta_view,
+                                    softmax_scale, tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
+                                    tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
+                                    dq_source::automatic, 0, step + 1 == steps && dq_out_by_last_step ? dq.data() : nullptr);
+        return working;
+      },
+      [&](index_t step, const std::string& phase, index_t owner, const device_buffer<float>& sum) {
+        checks->begin();
+        checks->add(dq32.data(), checked_tensor::queries("dQ", s.query_tokens, s.heads_q, s.head_dim));
+        checks->add(sum.data(), checked_tensor::kv_gradient("dK", s.kv_tokens, s.heads_kv, s.head_dim, owner));
+        checks->add(sum.data() + kv_elems, checked_tensor::kv_gradient("dV", s.kv_tokens, s.heads_kv, s.head_dim, owner));
+        checks->finish(comm.rank(), step, phase);
+      });
   if (!dq_out_by_last_step) write_output(tensor_view<const float, 3>(dq32.data(), q_extents), dq, stream);
-  write_output(tensor_view<const float, 3>(own, kv_extents), dk, stream);
-  write_output(tensor_view<const float, 3>(own + kv_elems, kv_extents), dv, stream);
+  write_output(tensor_view<const float, 3>(own.data(), kv_extents), dk, stream);
+  write_output(tensor_view<const float, 3>(own.data() + kv_elems, kv_extents), dv, stream);
 }
 
 }  // namespace stria::device

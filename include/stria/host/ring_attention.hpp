@@ -1,16 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host ring attention: one rank's part of the distributed forward and backward, run on a
-// communicator with the host_threads surface. Each step computes the reference kernel on that step's
-// local index; the running O/LSE are fp32; in backward the fp32 dK/dV partials travel as the
-// topology's gradient_transfers say and end at their owners. The oracle for the device ring. In
-// checked mode (finite_check::every_step) each step's merged O and LSE (backward: dQ and the
-// travelling dK/dV) are verified finite, and the first NaN or infinity raises non_finite_error.
+// Host ring attention, the oracle for the device ring: the ring engine (engine/ring_engine.hpp) on a
+// host communicator, each step the reference kernel on that step's local index; the running O/LSE
+// and the travelling dK/dV are fp32. In checked mode (finite_check::every_step) each step's merged O
+// and LSE (backward: dQ and the travelling dK/dV) must be finite, else non_finite_error.
 #pragma once
 
-#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <limits>
-#include <map>
 #include <span>
 #include <string>
 #include <utility>
@@ -18,9 +15,9 @@
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
-#include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
+#include "stria/engine/ring_engine.hpp"
 #include "stria/host/reference_attention.hpp"
 #include "stria/index/step_index.hpp"
 #include "stria/topology/ring_steps.hpp"
@@ -29,69 +26,62 @@ namespace stria::host {
 
 namespace detail {
 
-/// K and V of one chunk packed in one buffer, so a KV transfer is one message.
-struct kv_chunk {
-  std::vector<float> data;  // [2, S_local, Hkv, D]: K then V
-  std::size_t half = 0;
-
-  tensor_view<const float, 3> k(index_t tokens, index_t heads, index_t dim) const { return {data.data(), {tokens, heads, dim}}; }
-  tensor_view<const float, 3> v(index_t tokens, index_t heads, index_t dim) const { return {data.data() + half, {tokens, heads, dim}}; }
-};
-
+/// x as fp32, token-major; `more` (same extents) appended after it.
 template <class T>
-std::vector<float> pack_kv(tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
-  const index_t tokens = k.extent(0), heads = k.extent(1), dim = k.extent(2);
-  std::vector<float> packed(2 * static_cast<std::size_t>(k.size()));
-  std::size_t i = 0;
-  for (const auto* x : {&k, &v})
-    for (index_t t = 0; t < tokens; ++t)
-      for (index_t h = 0; h < heads; ++h)
-        for (index_t d = 0; d < dim; ++d) packed[i++] = float((*x)(t, h, d));
-  return packed;
+std::vector<float> to_float(tensor_view<const T, 3> x, tensor_view<const T, 3> more = {}) {
+  std::vector<float> y;
+  y.reserve(static_cast<std::size_t>(x.size() + more.size()));
+  for (const auto* part : {&x, &more})
+    for (index_t t = 0; t < part->extent(0); ++t)
+      for (index_t h = 0; h < part->extent(1); ++h)
+        for (index_t d = 0; d < part->extent(2); ++d) y.push_back(float((*part)(t, h, d)));
+  return y;
 }
 
-/// Moves KV chunks between the four slots as the topology says: receives complete before the step
-/// that needs them; sends are posted at the start of each step.
-template <class Comm, ring_topology Topology>
-class kv_mover {
- public:
-  kv_mover(Comm& comm, const Topology& topology, std::vector<float> own) : comm_(comm), topology_(topology) {
-    for (auto& slot : slots_) slot.half = own.size() / 2;
-    slots_[static_cast<std::size_t>(topology.kv_buffer(comm.rank(), 0))].data = std::move(own);
+/// y = x (fp32, token-major), rounded to T.
+template <class T>
+void from_float(const float* x, tensor_view<T, 3> y) {
+  for (index_t t = 0, i = 0; t < y.extent(0); ++t)
+    for (index_t h = 0; h < y.extent(1); ++h)
+      for (index_t d = 0; d < y.extent(2); ++d) y(t, h, d) = T(x[i++]);
+}
+
+/// The host backend of the ring engine. A KV chunk and a dK/dV partial are one message each
+/// ([2, Sk, Hkv, D]: K then V, dK then dV). Sends never block and a receive returns with the data,
+/// so no buffer is ever in flight.
+template <class Comm>
+struct ring_backend {
+  using partial = std::vector<float>;
+
+  Comm& comm;
+  std::vector<float> own;  // this rank's K and V
+  std::array<index_t, 3> kv_extents;
+  std::size_t half = own.size() / 2;
+  std::array<std::vector<float>, 4> slots{};
+
+  [[nodiscard]] index_t rank() const { return comm.rank(); }
+  void load_own_kv(int slot) { slots[static_cast<std::size_t>(slot)] = std::move(own); }
+  void post_kv(index_t, const transfer_list& list) {
+    for (const ring_transfer& t : list) send(slots[static_cast<std::size_t>(t.send_buffer)], t, false);
   }
-
-  /// Completes the receives this step needs, posts this step's sends and receives, returns the chunk to compute with.
-  const kv_chunk& begin_step(index_t step) {
-    finish_receives(step);
-    const index_t rank = comm_.rank();
-    for (const ring_transfer& t : topology_.transfers(rank, step)) {
-      const kv_chunk& chunk = slots_[static_cast<std::size_t>(t.send_buffer)];
-      comm_.send(chunk.data.data(), chunk.data.size(), t.send_to, ring_message_tag(t, false));
-      pending_.push_back(t);
-    }
-    return slots_[static_cast<std::size_t>(topology_.kv_buffer(rank, step))];
+  void complete_kv(const ring_transfer& t) { slots[static_cast<std::size_t>(t.receive_buffer)] = receive(t, false); }
+  void finish_transfers() {}
+  void add_partial(partial& sum, const partial& x) {
+    for (std::size_t i = 0; i < x.size(); ++i) sum[i] += x[i];
   }
+  void send_partial(const ring_transfer& t, const partial& sum) { send(sum, t, true); }
+  partial receive_partial(const ring_transfer& t, std::size_t) { return receive(t, true); }
 
-  void finish() { finish_receives(topology_.num_steps()); }
-
- private:
-  void finish_receives(index_t step) {
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->ready_step > step) {
-        ++it;
-        continue;
-      }
-      kv_chunk& slot = slots_[static_cast<std::size_t>(it->receive_buffer)];
-      slot.data.resize(2 * slot.half);
-      comm_.recv(slot.data.data(), slot.data.size(), it->receive_from, ring_message_tag(*it, false));
-      it = pending_.erase(it);
-    }
+  void send(const std::vector<float>& x, const ring_transfer& t, bool gradient) {
+    comm.send(x.data(), x.size(), t.send_to, ring_message_tag(t, gradient));
   }
-
-  Comm& comm_;
-  const Topology& topology_;
-  kv_chunk slots_[4];
-  std::vector<ring_transfer> pending_;
+  std::vector<float> receive(const ring_transfer& t, bool gradient) {
+    std::vector<float> x(2 * half);
+    comm.recv(x.data(), x.size(), t.receive_from, ring_message_tag(t, gradient));
+    return x;
+  }
+  tensor_view<const float, 3> k(int slot) const { return {slots[static_cast<std::size_t>(slot)].data(), kv_extents}; }
+  tensor_view<const float, 3> v(int slot) const { return {slots[static_cast<std::size_t>(slot)].data() + half, kv_extents}; }
 };
 
 }  // namespace detail
@@ -105,48 +95,34 @@ void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> 
                   tensor_view<const T, 3> v, std::span<const step_index> indices, double softmax_scale,
                   tensor_view<T, 3> out, tensor_view<float, 2> lse, finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
-  check_ring_world(comm.world_size(), topology);
-  check_ring_indices(topology, comm.rank(), indices);
-  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-  shape.validate();
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
-  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
+  const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
+  check_extents(lse, {s.heads_q, s.query_tokens}, "lse");
 
-  const auto q_elems = static_cast<std::size_t>(q.size());
-  std::vector<float> running_out(q_elems, 0.0f), part_out(q_elems);
-  std::vector<float> running_lse(static_cast<std::size_t>(shape.heads_q) * shape.query_tokens, -std::numeric_limits<float>::infinity());
+  const std::vector<float> q32 = detail::to_float(q);
+  std::vector<float> running_out(q32.size(), 0.0f), part_out(q32.size());
+  std::vector<float> running_lse(static_cast<std::size_t>(s.heads_q) * s.query_tokens, -std::numeric_limits<float>::infinity());
   std::vector<float> part_lse(running_lse.size());
-  const tensor_view<float, 3> running_out_view(running_out.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
-  const tensor_view<float, 3> part_out_view(part_out.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
-  const tensor_view<float, 2> running_lse_view(running_lse.data(), {shape.heads_q, shape.query_tokens});
-  const tensor_view<float, 2> part_lse_view(part_lse.data(), {shape.heads_q, shape.query_tokens});
-
-  std::vector<float> q32(q_elems);
-  for (index_t t = 0, i = 0; t < shape.query_tokens; ++t)
-    for (index_t h = 0; h < shape.heads_q; ++h)
-      for (index_t d = 0; d < shape.head_dim; ++d) q32[static_cast<std::size_t>(i++)] = float(q(t, h, d));
-  const tensor_view<const float, 3> q_view(q32.data(), {shape.query_tokens, shape.heads_q, shape.head_dim});
-
-  detail::kv_mover mover(comm, topology, detail::pack_kv(k, v));
-  for (index_t s = 0; s < topology.num_steps(); ++s) {
-    const detail::kv_chunk& chunk = mover.begin_step(s);
-    reference_forward<float>(q_view, chunk.k(shape.kv_tokens, shape.heads_kv, shape.head_dim),
-                             chunk.v(shape.kv_tokens, shape.heads_kv, shape.head_dim),
-                             indices[static_cast<std::size_t>(s)].view(), softmax_scale, part_out_view, part_lse_view);
-    merge_partial<float>(running_out_view, running_lse_view, part_out_view, part_lse_view);
-    if (check == finite_check::every_step) {
-      const std::string phase = "ring step " + std::to_string(s);
-      check_finite(std::span<const float>(running_out), checked_tensor::queries("O", shape.query_tokens, shape.heads_q, shape.head_dim),
-                   comm.rank(), s, phase);
-      check_finite(std::span<const float>(running_lse), checked_tensor::lse(shape.heads_q, shape.query_tokens), comm.rank(), s, phase);
-    }
-  }
-  mover.finish();
-  for (index_t t = 0; t < shape.query_tokens; ++t)
-    for (index_t h = 0; h < shape.heads_q; ++h) {
-      for (index_t d = 0; d < shape.head_dim; ++d) out(t, h, d) = T(running_out_view(t, h, d));
-      lse(h, t) = running_lse_view(h, t);
-    }
+  const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim};
+  const std::array<index_t, 2> lse_extents{s.heads_q, s.query_tokens};
+  detail::ring_backend<Comm> backend{comm, detail::to_float(k, v), {s.kv_tokens, s.heads_kv, s.head_dim}};
+  engine::ring_forward(
+      backend, topology, check,
+      [&](index_t step, int slot) {
+        reference_forward<float>(tensor_view<const float, 3>(q32.data(), q_extents), backend.k(slot), backend.v(slot),
+                                 indices[static_cast<std::size_t>(step)].view(), softmax_scale, tensor_view<float, 3>(part_out.data(), q_extents),
+                                 tensor_view<float, 2>(part_lse.data(), lse_extents));
+        merge_partial<float>(tensor_view<float, 3>(running_out.data(), q_extents), tensor_view<float, 2>(running_lse.data(), lse_extents),
+                             tensor_view<float, 3>(part_out.data(), q_extents), tensor_view<float, 2>(part_lse.data(), lse_extents));
+      },
+      [&](index_t step, const std::string& phase) {
+        check_finite(std::span<const float>(running_out), checked_tensor::queries("O", s.query_tokens, s.heads_q, s.head_dim), comm.rank(), step,
+                     phase);
+        check_finite(std::span<const float>(running_lse), checked_tensor::lse(s.heads_q, s.query_tokens), comm.rank(), step, phase);
+      });
+  detail::from_float(running_out.data(), out);
+  for (index_t h = 0; h < s.heads_q; ++h)
+    for (index_t t = 0; t < s.query_tokens; ++t) lse(h, t) = running_lse[static_cast<std::size_t>(h * s.query_tokens + t)];
 }
 
 /// This rank's ring backward. out and lse are the forward results, d_out the incoming gradient
@@ -160,93 +136,32 @@ void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3>
                    tensor_view<const float, 2> lse, std::span<const step_index> indices, double softmax_scale,
                    tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv, finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
-  check_ring_world(comm.world_size(), topology);
-  const index_t rank = comm.rank();
-  check_ring_indices(topology, rank, indices);
-  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-  shape.validate();
-  detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
+  const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 
-  auto to_float = [](tensor_view<const T, 3> x) {
-    std::vector<float> y(static_cast<std::size_t>(x.size()));
-    for (index_t t = 0, i = 0; t < x.extent(0); ++t)
-      for (index_t h = 0; h < x.extent(1); ++h)
-        for (index_t d = 0; d < x.extent(2); ++d) y[static_cast<std::size_t>(i++)] = float(x(t, h, d));
-    return y;
-  };
-  const std::vector<float> q32 = to_float(q), out32 = to_float(out), d_out32 = to_float(d_out);
-  const std::array<index_t, 3> q_extents{shape.query_tokens, shape.heads_q, shape.head_dim};
-  const std::array<index_t, 3> kv_extents{shape.kv_tokens, shape.heads_kv, shape.head_dim};
+  const std::vector<float> q32 = detail::to_float(q), out32 = detail::to_float(out), d_out32 = detail::to_float(d_out);
+  std::vector<float> dq32(q32.size(), 0.0f);
   const auto kv_elems = static_cast<std::size_t>(k.size());
-  std::vector<float> dq32(q32.size(), 0.0f), working(2 * kv_elems);
-
-  // The travelling partial sums, keyed by the chunk's owner: [2, Sk, Hkv, D], dK then dV.
-  std::map<index_t, std::vector<float>> partial;
-  std::vector<ring_transfer> pending;
-  auto add_into = [&](index_t origin, const std::vector<float>& x) {
-    auto [it, fresh] = partial.try_emplace(origin, x.size(), 0.0f);
-    for (std::size_t i = 0; i < x.size(); ++i) it->second[i] += x[i];
-  };
-  // Completes the gradient receives due by the end of `step`, adding each into its chunk's sum.
-  auto finish_receives = [&](index_t step) {
-    for (auto it = pending.begin(); it != pending.end();) {
-      if (it->ready_step > step) {
-        ++it;
-        continue;
-      }
-      std::vector<float> incoming(2 * kv_elems);
-      comm.recv(incoming.data(), incoming.size(), it->receive_from, ring_message_tag(*it, true));
-      add_into(it->received_origin, incoming);
-      it = pending.erase(it);
-    }
-  };
-
-  detail::kv_mover mover(comm, topology, detail::pack_kv(k, v));
-  for (index_t s = 0; s < topology.num_steps(); ++s) {
-    const detail::kv_chunk& chunk = mover.begin_step(s);
-    std::fill(working.begin(), working.end(), 0.0f);
-    reference_backward<float>(tensor_view<const float, 3>(q32.data(), q_extents), chunk.k(kv_extents[0], kv_extents[1], kv_extents[2]),
-                              chunk.v(kv_extents[0], kv_extents[1], kv_extents[2]), tensor_view<const float, 3>(out32.data(), q_extents),
-                              tensor_view<const float, 3>(d_out32.data(), q_extents), lse, indices[static_cast<std::size_t>(s)].view(),
-                              softmax_scale, tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
-                              tensor_view<float, 3>(working.data() + kv_elems, kv_extents));
-    const index_t source = topology.kv_source_rank(rank, s);
-    add_into(source, working);
-    if (check == finite_check::every_step) {
-      const std::string phase = "ring step " + std::to_string(s);
-      check_finite(std::span<const float>(dq32), checked_tensor::queries("dQ", shape.query_tokens, shape.heads_q, shape.head_dim), rank, s, phase);
-      const std::span<const float> sum(partial.at(source));
-      for (const auto& [name, half] : {std::pair{"dK", sum.first(kv_elems)}, std::pair{"dV", sum.subspan(kv_elems)}})
-        check_finite(half, checked_tensor::kv_gradient(name, shape.kv_tokens, shape.heads_kv, shape.head_dim, source), rank, s, phase);
-    }
-    // Sends in list order; before each, every partial due at this step end is added in.
-    for (const ring_transfer& t : topology.gradient_transfers(rank, s)) {
-      finish_receives(s);
-      auto it = partial.find(t.sent_origin);
-      if (it == partial.end())
-        throw gradient_schedule_error(rank, "has no dK/dV partial of rank " + std::to_string(t.sent_origin) + "'s chunk to send at step " +
-                                                std::to_string(s));
-      comm.send(it->second.data(), it->second.size(), t.send_to, ring_message_tag(t, true));
-      partial.erase(it);
-      pending.push_back(t);
-    }
-    finish_receives(s);
-  }
-  mover.finish();
-  finish_receives(topology.num_steps());
-  if (partial.size() != 1 || partial.begin()->first != rank)
-    throw gradient_schedule_error(rank, "ended the backward ring without exactly its own dK/dV");
-
-  const std::vector<float>& own = partial.begin()->second;
-  for (index_t t = 0, i = 0; t < shape.kv_tokens; ++t)
-    for (index_t h = 0; h < shape.heads_kv; ++h)
-      for (index_t d = 0; d < shape.head_dim; ++d, ++i) {
-        dk(t, h, d) = T(own[static_cast<std::size_t>(i)]);
-        dv(t, h, d) = T(own[kv_elems + static_cast<std::size_t>(i)]);
-      }
-  for (index_t t = 0, i = 0; t < shape.query_tokens; ++t)
-    for (index_t h = 0; h < shape.heads_q; ++h)
-      for (index_t d = 0; d < shape.head_dim; ++d) dq(t, h, d) = T(dq32[static_cast<std::size_t>(i++)]);
+  const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim}, kv_extents{s.kv_tokens, s.heads_kv, s.head_dim};
+  detail::ring_backend<Comm> backend{comm, detail::to_float(k, v), kv_extents};
+  const std::vector<float> own = engine::ring_backward(
+      backend, topology, check,
+      [&](index_t step, int slot) {
+        std::vector<float> working(2 * kv_elems, 0.0f);
+        reference_backward<float>(tensor_view<const float, 3>(q32.data(), q_extents), backend.k(slot), backend.v(slot),
+                                  tensor_view<const float, 3>(out32.data(), q_extents), tensor_view<const float, 3>(d_out32.data(), q_extents),
+                                  lse, indices[static_cast<std::size_t>(step)].view(), softmax_scale, tensor_view<float, 3>(dq32.data(), q_extents),
+                                  tensor_view<float, 3>(working.data(), kv_extents), tensor_view<float, 3>(working.data() + kv_elems, kv_extents));
+        return working;
+      },
+      [&](index_t step, const std::string& phase, index_t owner, const std::vector<float>& sum) {
+        check_finite(std::span<const float>(dq32), checked_tensor::queries("dQ", s.query_tokens, s.heads_q, s.head_dim), comm.rank(), step, phase);
+        for (const auto& [name, half] : {std::pair{"dK", std::span(sum).first(kv_elems)}, std::pair{"dV", std::span(sum).subspan(kv_elems)}})
+          check_finite<float>(half, checked_tensor::kv_gradient(name, s.kv_tokens, s.heads_kv, s.head_dim, owner), comm.rank(), step, phase);
+      });
+  detail::from_float(own.data(), dk);
+  detail::from_float(own.data() + kv_elems, dv);
+  detail::from_float(dq32.data(), dq);
 }
 
 }  // namespace stria::host

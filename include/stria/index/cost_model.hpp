@@ -10,7 +10,7 @@
 //    both are fitted from single-GPU runs of several lengths (fit_kernel_speed);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
 //    intra-node: NVLink; across nodes: the network);
-//  - the schedule is simulated rank by rank as the ring engines run it (device/ring_attention.cuh):
+//  - the schedule is simulated rank by rank as engine/ring_engine.hpp runs it on device/ring_attention.cuh:
 //    step s's transfers leave when step s - 1's compute is done, a step computes once its chunk has
 //    arrived (so compute of step i hides the transfer of step i + 1), dK/dV partials leave after a
 //    step's compute and are due by the end of their ready step, a send meets its receive (both ends
