@@ -1,20 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Device execution of a dynamic solver plan (DESIGN 9): one rank's part of attention when query/output
-// and key/value chunks both move, on a device communicator (comm::local_device, comm::nccl).
-// Sequential sharding: rank r holds chunks [r m, (r + 1) m), whose rows are contiguous in its
-// token-major tensors, so a chunk travels as it lies. Forward: the plan's moves are posted in one
-// group on the transfer stream while the local tasks compute (stage 0); the remote tasks (one chunk
-// the rank's own, or both moved there) follow once the moves have arrived (stage 1); each moved
-// query chunk's fp32 partial O and LSE then go back to the chunk's owner, which merges them into
-// its running state. Backward: Q, dO, LSE and delta travel with a moved query chunk; its dQ and a
-// moved KV chunk's fp32 dK/dV go back and are added by their owners. host/solver_attention.hpp is
-// the same algorithm on the host (the tests' oracle). As in the ring engine, the host confirms each
-// group of transfers through comm.wait() (bounded: a dead peer raises instead of hanging), the
-// moves once stage 1 is queued and the returns before the call ends. Checked mode
-// (finite_check::every_step) checks what the host execution checks, in the same order, with the
-// ring's device pass (device/finite_check.cuh): after stage 0 the rank's own results; after stage
-// 1 those and the partials computed here for other ranks, before they travel; and the rank's own
-// results again once the returned partials are merged.
+// Device execution of a dynamic solver plan (DESIGN 9): the solver engine (engine/solver_engine.hpp)
+// on a device communicator (comm::local_device, comm::nccl), each task the sparse kernels on its
+// chunks. Sequential sharding: a rank's chunks are contiguous rows of its token-major tensors, so a
+// chunk travels as it lies, on the transfer stream while stage 0 computes. Forward: fp32 partial O
+// and LSE go home and are merged; backward: Q, dO, LSE and delta travel with a query chunk, and fp32
+// dQ and dK/dV go home and are added. The host confirms each group of transfers through comm.wait()
+// (bounded: a dead peer raises instead of hanging). Checked mode checks on the device
+// (device/finite_check.cuh) what the host execution checks, in the same order.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,6 +17,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
@@ -38,6 +32,7 @@
 #include "stria/device/finite_check.cuh"
 #include "stria/device/ring_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
+#include "stria/engine/solver_engine.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/kernel/merge.cuh"
 #include "stria/sharding/sequential.hpp"
@@ -75,22 +70,20 @@ inline solver_task_indices build_solver_indices(const device_selection& selectio
 
 namespace detail {
 
-/// The checks every solver call makes: the indices belong to this rank and this plan.
-inline solver::rank_chunks checked_solver_rank(const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
-                                               index_t rank, index_t world, index_t query_tokens, index_t kv_tokens, index_t heads_q,
-                                               index_t heads_kv) {
-  solver::rank_chunks me(p, plan, indices.seq_len, indices.heads, rank, world, query_tokens, kv_tokens, heads_q, heads_kv);
+/// The checks every solver call makes before any transfer or launch: the indices belong to this
+/// rank and this plan, and q, k have a shape the kernels accept.
+template <index_t HeadDim, class Comm, class T>
+solver::rank_chunks checked_solver_call(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
+                                        tensor_view<const T, 3> q, tensor_view<const T, 3> k) {
+  const index_t rank = comm.rank();
+  solver::rank_chunks me(p, plan, indices.seq_len, indices.heads, rank, comm.world_size(), q.extent(0), k.extent(0), q.extent(1), k.extent(1));
   if (indices.rank != rank || indices.local.size() != plan.local_tasks[static_cast<std::size_t>(rank)].size() ||
       indices.remote.size() != plan.remote_tasks[static_cast<std::size_t>(rank)].size())
     throw invalid_argument("indices.rank", indices.rank,
                            "must be the indices built for this rank (" + std::to_string(rank) + ") and this plan (an index built for another configuration?)");
+  attention_shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)}.validate();
+  check_head_dim<HeadDim>(q.extent(2));
   return me;
-}
-
-/// Rows [first, first + tokens) of a token-major tensor: contiguous, as the kernels need.
-template <class T>
-tensor_view<T, 3> chunk_view(T* data, index_t first, index_t tokens, index_t heads, index_t dim) {
-  return tensor_view<T, 3>(data + static_cast<std::size_t>(first) * heads * dim, {tokens, heads, dim});
 }
 
 /// Copies the columns [first, first + tokens) of a [heads, whole_tokens] array into a [heads, tokens]
@@ -106,14 +99,305 @@ inline void scatter_columns(const float* chunk, index_t tokens, index_t heads, f
   STRIA_CUDA_CHECK(cudaMemcpy2DAsync(whole + first, whole_row, chunk, row, row, static_cast<std::size_t>(heads), cudaMemcpyDeviceToDevice, stream));
 }
 
-inline void fill(device_buffer<float>& x, float value, cudaStream_t stream) {
-  thrust::fill(thrust::cuda::par.on(stream), x.data(), x.data() + x.size(), value);
-}
+/// What both directions of the device backend share: the rank's inputs, the KV chunks moved here
+/// ([2, tokens, Hkv, D]: K then V), the task indices and the transport. A group of transfers starts
+/// after the compute stream's queued work (what it sends is written, what it receives allocated).
+template <class Comm, class T>
+struct solver_backend_base {
+  Comm& comm;
+  const solver::problem& p;
+  const solver::rank_chunks& me;
+  const solver_task_indices& indices;
+  tensor_view<const T, 3> q, k, v;
+  double scale;
+  cudaStream_t stream, transfer;
+  index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0), ct = me.tokens();
+  std::size_t q_elems = me.elements(hq, dim), kv_elems = me.elements(hkv, dim), lse_elems = static_cast<std::size_t>(hq) * ct;
+  std::map<index_t, device_buffer<T>> moved_kv{};
+  std::optional<step_check> checks{};
+  cuda_event arrived{}, home{};  // the moves; the results' returns
+  bool moves_posted = false;
 
-/// Checked mode's name for a chunk computed here for its owner: positions in the owner's local tokens.
-inline checked_tensor moved_chunk(const checked_tensor& t, const solver::problem& p, index_t chunk) {
-  return checked_tensor::solver_chunk(t, p.owner(chunk), (chunk % p.chunks_per_rank) * p.chunk_tokens);
-}
+  void begin_transfers() {
+    wait_for(transfer, stream);
+    comm.group_start();
+  }
+  void end_transfers() {
+    comm.group_end();
+    (moves_posted ? home : arrived).record(transfer);
+    moves_posted = true;
+  }
+  void await_chunks() { arrived.make_wait(stream); }
+  void await_results() {
+    comm.wait(arrived.get(), "the chunks the plan moves to rank " + std::to_string(me.rank()));
+    wait_for(stream, transfer);
+  }
+  void confirm_returns(const char* what) { comm.wait(home.get(), std::string(what) + " returned to or from rank " + std::to_string(me.rank())); }
+
+  const device_step_index& index(index_t stage, std::size_t i) const { return (stage == 0 ? indices.local : indices.remote)[i]; }
+  template <class X>
+  tensor_view<X, 3> rows(X* x, index_t heads) const { return {x, {ct, heads, dim}}; }
+  template <class X>
+  tensor_view<X, 2> columns(X* x) const { return {x, {hq, ct}}; }
+  template <class X>  // this rank's chunk c of a token-major tensor: contiguous, as the kernels need
+  tensor_view<X, 3> own_rows(X* x, index_t c, index_t heads) const { return rows(x + static_cast<std::size_t>(me.first_token(c)) * heads * dim, heads); }
+
+  void send_kv(const solver::chunk_move& move) {
+    comm.send(own_rows(k.data(), move.chunk, hkv).data(), kv_elems, move.to, transfer, me.tag(solver::message::kv, move.chunk));
+    comm.send(own_rows(v.data(), move.chunk, hkv).data(), kv_elems, move.to, transfer, me.tag(solver::message::kv_values, move.chunk));
+  }
+  void receive_kv(const solver::chunk_move& move) {
+    T* into = moved_kv.at(move.chunk).data();
+    comm.recv(into, kv_elems, me.owner(move.chunk), transfer, me.tag(solver::message::kv, move.chunk));
+    comm.recv(into + kv_elems, kv_elems, me.owner(move.chunk), transfer, me.tag(solver::message::kv_values, move.chunk));
+  }
+  std::pair<tensor_view<const T, 3>, tensor_view<const T, 3>> kv_chunk(index_t c) const {
+    if (me.owns(c)) return {own_rows(k.data(), c, hkv), own_rows(v.data(), c, hkv)};
+    const T* packed = moved_kv.at(c).data();
+    return {rows(packed, hkv), rows(packed + kv_elems, hkv)};
+  }
+};
+
+/// The forward: the fp32 running O [local, Hq, D] and per chunk LSE [Hq, tokens] of this rank's
+/// query chunks; Q and the partial state of each query chunk moved here, which goes home.
+template <index_t HeadDim, class Comm, class T>
+struct solver_forward_backend : solver_backend_base<Comm, T> {
+  using base = solver_backend_base<Comm, T>;
+  using base::comm, base::me, base::q, base::hq, base::dim, base::local, base::ct, base::q_elems, base::lse_elems, base::stream, base::transfer,
+      base::checks, base::rows, base::columns;
+  static constexpr bool kv_results = false;
+  struct partial { device_buffer<float> out, lse; };
+  struct moved_query { device_buffer<T> q; partial state; };  // Q and its partial state, computed here for its owner
+
+  tensor_view<T, 3> out;
+  tensor_view<float, 2> lse;
+  device_buffer<float> running{}, running_lse{};
+  std::map<index_t, moved_query> moved_q{};
+  std::map<std::size_t, partial> returned{};  // by move: a chunk may have moved to several ranks
+  transfers_before_release guard{stream, transfer};  // the last member: destroyed before every buffer
+
+  template <class... Base>
+  solver_forward_backend(const solver::plan& plan, finite_check check, tensor_view<T, 3> o, tensor_view<float, 2> l, Base&&... b)
+      : base{std::forward<Base>(b)...}, out(o), lse(l) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    running = device_buffer<float>(static_cast<std::size_t>(local) * hq * dim, stream);
+    running_lse = device_buffer<float>(lse_elems * static_cast<std::size_t>(this->p.chunks_per_rank), stream);
+    running.fill_bytes(0, stream);
+    thrust::fill(thrust::cuda::par.on(stream), running_lse.data(), running_lse.data() + running_lse.size(), neg_inf);
+    for (std::size_t i = 0; i < plan.moves.size(); ++i) {
+      const solver::chunk_move& move = plan.moves[i];
+      if (move.what == solver::chunk_move::kind::kv) {
+        if (move.to == me.rank()) this->moved_kv.emplace(move.chunk, device_buffer<T>(2 * this->kv_elems, stream));
+      } else if (move.to == me.rank()) {
+        moved_query m{device_buffer<T>(q_elems, stream), {device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)}};
+        m.state.out.fill_bytes(0, stream);
+        thrust::fill(thrust::cuda::par.on(stream), m.state.lse.data(), m.state.lse.data() + lse_elems, neg_inf);
+        moved_q.emplace(move.chunk, std::move(m));
+      } else if (me.owns(move.chunk)) {
+        returned.emplace(i, partial{device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)});
+      }
+    }
+    if (check == finite_check::every_step) checks.emplace(stream, 2 + 2 * moved_q.size());
+  }
+
+  /// A query chunk's Q, O and LSE: this rank's own (in the running state) or moved here.
+  std::tuple<tensor_view<const T, 3>, tensor_view<float, 3>, tensor_view<float, 2>> query(index_t c) {
+    if (me.owns(c))
+      return {this->own_rows(q.data(), c, hq), this->own_rows(running.data(), c, hq),
+              columns(running_lse.data() + static_cast<std::size_t>(c - me.first_chunk()) * lse_elems)};
+    moved_query& m = moved_q.at(c);
+    return {rows(static_cast<const T*>(m.q.data()), hq), rows(m.state.out.data(), hq), columns(m.state.lse.data())};
+  }
+  void own_lse_into_output() {  // the chunks' LSEs, gathered into `lse`
+    for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
+      scatter_columns(std::get<2>(query(c)).data(), ct, hq, lse.data(), local, me.first_token(c), stream);
+  }
+
+  void send_chunk(const solver::chunk_move& move) {
+    if (move.what == solver::chunk_move::kind::kv) this->send_kv(move);
+    else comm.send(std::get<0>(query(move.chunk)).data(), q_elems, move.to, transfer, me.tag(solver::message::query, move.chunk));
+  }
+  void receive_chunk(const solver::chunk_move& move) {
+    if (move.what == solver::chunk_move::kind::kv) this->receive_kv(move);
+    else comm.recv(moved_q.at(move.chunk).q.data(), q_elems, me.owner(move.chunk), transfer, me.tag(solver::message::query, move.chunk));
+  }
+  void compute(const solver::task& t, index_t stage, std::size_t i) {
+    const auto [kc, vc] = this->kv_chunk(t.kv_chunk);
+    const auto [qc, o, l] = query(t.query_chunk);
+    sparse_forward<T, HeadDim>(this->index(stage, i), qc, kc, vc, this->scale, o, l, running_state::merge, stream);
+  }
+  void check(index_t stage, const std::string& phase, bool moved) {
+    checks->begin();
+    checks->add(running.data(), checked_tensor::queries("O", local, hq, dim));
+    own_lse_into_output();
+    checks->add(lse.data(), checked_tensor::lse(hq, local));
+    if (moved)
+      for (const auto& [chunk, m] : moved_q) {
+        checks->add(m.state.out.data(), engine::moved_chunk(checked_tensor::queries("O", ct, hq, dim), this->p, chunk));
+        checks->add(m.state.lse.data(), engine::moved_chunk(checked_tensor::lse(hq, ct), this->p, chunk));
+      }
+    checks->finish(me.rank(), stage, phase);
+  }
+  void send_result(const solver::chunk_move& move) {
+    const partial& x = moved_q.at(move.chunk).state;
+    comm.send(x.out.data(), q_elems, me.owner(move.chunk), transfer, me.tag(solver::message::partial_out, move.chunk));
+    comm.send(x.lse.data(), lse_elems, me.owner(move.chunk), transfer, me.tag(solver::message::partial_lse, move.chunk));
+  }
+  void receive_result(const solver::chunk_move& move, std::size_t i) {
+    partial& x = returned.at(i);
+    comm.recv(x.out.data(), q_elems, move.to, transfer, me.tag(solver::message::partial_out, move.chunk));
+    comm.recv(x.lse.data(), lse_elems, move.to, transfer, me.tag(solver::message::partial_lse, move.chunk));
+  }
+  void add_result(const solver::chunk_move& move, std::size_t i) {
+    const auto [qc, o, l] = query(move.chunk);  // NOLINT: qc unused
+    const partial& x = returned.at(i);
+    const std::int64_t row_count = static_cast<std::int64_t>(ct) * hq;
+    kernel::merge_partial<float><<<stria::detail::blocks_for(row_count * 32, 256), 256, 0, stream>>>(o.data(), l.data(), x.out.data(), x.lse.data(), ct, hq, dim);
+    STRIA_CUDA_CHECK_LAUNCH("merge_partial");
+  }
+  void finish() {
+    write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);
+    own_lse_into_output();
+    this->confirm_returns("the partial results");
+  }
+};
+
+/// The backward: this rank's fp32 dQ [local, Hq, D] and dK/dV [2, local, Hkv, D] sums and per query
+/// chunk its LSE and delta = rowsum(dO O) ([2, Hq, tokens]: one message moves both); the inputs
+/// and gradient sums of each chunk moved here, whose sums go home.
+template <index_t HeadDim, class Comm, class T>
+struct solver_backward_backend : solver_backend_base<Comm, T> {
+  using base = solver_backend_base<Comm, T>;
+  using base::comm, base::me, base::q, base::hq, base::hkv, base::dim, base::local, base::ct, base::q_elems, base::kv_elems, base::lse_elems,
+      base::stream, base::transfer, base::checks, base::rows, base::columns, base::own_rows;
+  static constexpr bool kv_results = true;
+  struct moved_query {  // Q and dO [2, tokens, Hq, D], LSE and delta [2, Hq, tokens], its dQ sum here
+    device_buffer<T> q_dout;
+    device_buffer<float> lse_delta, dq;
+  };
+  struct query_side {
+    tensor_view<const T, 3> q, d_out;
+    tensor_view<const float, 2> lse, delta;
+    tensor_view<float, 3> dq;
+  };
+
+  tensor_view<const T, 3> d_out;
+  tensor_view<T, 3> dq, dk, dv;
+  determinism mode;
+  device_buffer<float> lse_delta{}, dq32{}, dkv32{};
+  std::map<index_t, moved_query> moved_q{};
+  std::map<index_t, device_buffer<float>> moved_dkv{};  // the dK/dV sums of the KV chunks moved here
+  std::map<std::size_t, device_buffer<float>> returned{};  // by move: a gradient sum of an own chunk from elsewhere
+  transfers_before_release guard{stream, transfer};  // the last member: destroyed before every buffer
+
+  template <class... Base>
+  solver_backward_backend(const solver::plan& plan, finite_check check, tensor_view<const T, 3> out, tensor_view<const float, 2> lse,
+                          tensor_view<const T, 3> dout, tensor_view<T, 3> gq, tensor_view<T, 3> gk, tensor_view<T, 3> gv, determinism m, Base&&... b)
+      : base{std::forward<Base>(b)...}, d_out(dout), dq(gq), dk(gk), dv(gv), mode(m) {
+    lse_delta = device_buffer<float>(2 * lse_elems * static_cast<std::size_t>(this->p.chunks_per_rank), stream);
+    for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c) {
+      gather_columns(lse.data(), local, me.first_token(c), own_lse_delta(c), ct, hq, stream);
+      backward_delta(own_rows(out.data(), c, hq), own_rows(d_out.data(), c, hq), columns(own_lse_delta(c) + lse_elems), stream);
+    }
+    dq32 = device_buffer<float>(static_cast<std::size_t>(local) * hq * dim, stream);
+    dkv32 = device_buffer<float>(2 * static_cast<std::size_t>(local) * hkv * dim, stream);
+    dq32.fill_bytes(0, stream);
+    dkv32.fill_bytes(0, stream);
+    for (std::size_t i = 0; i < plan.moves.size(); ++i) {
+      const solver::chunk_move& move = plan.moves[i];
+      const bool kv = move.what == solver::chunk_move::kind::kv;
+      if (move.to == me.rank() && kv) {
+        this->moved_kv.emplace(move.chunk, device_buffer<T>(2 * kv_elems, stream));
+        moved_dkv.emplace(move.chunk, device_buffer<float>(2 * kv_elems, stream)).first->second.fill_bytes(0, stream);
+      } else if (move.to == me.rank()) {
+        moved_query mq{device_buffer<T>(2 * q_elems, stream), device_buffer<float>(2 * lse_elems, stream), device_buffer<float>(q_elems, stream)};
+        mq.dq.fill_bytes(0, stream);
+        moved_q.emplace(move.chunk, std::move(mq));
+      } else if (me.owns(move.chunk)) {
+        returned.emplace(i, device_buffer<float>(kv ? 2 * kv_elems : q_elems, stream));
+      }
+    }
+    if (check == finite_check::every_step) checks.emplace(stream, 3 + moved_q.size() + 2 * moved_dkv.size());
+  }
+
+  float* own_lse_delta(index_t c) { return lse_delta.data() + 2 * lse_elems * static_cast<std::size_t>(c - me.first_chunk()); }
+  /// A query chunk's inputs and dQ sum: this rank's own or moved here.
+  query_side query(index_t c) {
+    if (me.owns(c))
+      return {own_rows(q.data(), c, hq), own_rows(d_out.data(), c, hq), columns(own_lse_delta(c)), columns(own_lse_delta(c) + lse_elems),
+              own_rows(dq32.data(), c, hq)};
+    moved_query& m = moved_q.at(c);
+    return {rows(m.q_dout.data(), hq), rows(m.q_dout.data() + q_elems, hq), columns(m.lse_delta.data()), columns(m.lse_delta.data() + lse_elems),
+            rows(m.dq.data(), hq)};
+  }
+  /// A KV chunk's dK and dV sums: this rank's own or moved here.
+  std::pair<tensor_view<float, 3>, tensor_view<float, 3>> dkv(index_t c) {
+    if (me.owns(c)) return {own_rows(dkv32.data(), c, hkv), own_rows(dkv32.data() + static_cast<std::size_t>(local) * hkv * dim, c, hkv)};
+    float* g = moved_dkv.at(c).data();
+    return {rows(g, hkv), rows(g + kv_elems, hkv)};
+  }
+
+  void send_chunk(const solver::chunk_move& move) {
+    if (move.what == solver::chunk_move::kind::kv) return this->send_kv(move);
+    const query_side s = query(move.chunk);
+    comm.send(s.q.data(), q_elems, move.to, transfer, me.tag(solver::message::query_backward, move.chunk));
+    comm.send(s.d_out.data(), q_elems, move.to, transfer, me.tag(solver::message::d_out_backward, move.chunk));
+    comm.send(s.lse.data(), 2 * lse_elems, move.to, transfer, me.tag(solver::message::lse_backward, move.chunk));
+  }
+  void receive_chunk(const solver::chunk_move& move) {
+    if (move.what == solver::chunk_move::kind::kv) return this->receive_kv(move);
+    moved_query& m = moved_q.at(move.chunk);
+    const index_t from = me.owner(move.chunk);
+    comm.recv(m.q_dout.data(), q_elems, from, transfer, me.tag(solver::message::query_backward, move.chunk));
+    comm.recv(m.q_dout.data() + q_elems, q_elems, from, transfer, me.tag(solver::message::d_out_backward, move.chunk));
+    comm.recv(m.lse_delta.data(), 2 * lse_elems, from, transfer, me.tag(solver::message::lse_backward, move.chunk));
+  }
+  void compute(const solver::task& t, index_t stage, std::size_t i) {
+    const auto [kc, vc] = this->kv_chunk(t.kv_chunk);
+    const auto [dk_sum, dv_sum] = dkv(t.kv_chunk);
+    const query_side s = query(t.query_chunk);
+    sparse_backward<T, HeadDim>(this->index(stage, i), s.q, kc, vc, s.d_out, s.lse, s.delta, this->scale, s.dq, dk_sum, dv_sum, mode, stream);
+  }
+  void check(index_t stage, const std::string& phase, bool moved) {
+    const index_t rank = me.rank();
+    const auto [dk_sum, dv_sum] = dkv(me.first_chunk());
+    checks->begin();
+    checks->add(dq32.data(), checked_tensor::queries("dQ", local, hq, dim));
+    checks->add(dk_sum.data(), checked_tensor::solver_chunk(checked_tensor::kv_gradient("dK", local, hkv, dim, rank), rank, 0));
+    checks->add(dv_sum.data(), checked_tensor::solver_chunk(checked_tensor::kv_gradient("dV", local, hkv, dim, rank), rank, 0));
+    if (moved) {
+      for (const auto& [chunk, m] : moved_q) checks->add(m.dq.data(), engine::moved_chunk(checked_tensor::queries("dQ", ct, hq, dim), this->p, chunk));
+      for (const auto& [chunk, g] : moved_dkv) {
+        checks->add(g.data(), engine::moved_chunk(checked_tensor::kv_gradient("dK", ct, hkv, dim, me.owner(chunk)), this->p, chunk));
+        checks->add(g.data() + kv_elems, engine::moved_chunk(checked_tensor::kv_gradient("dV", ct, hkv, dim, me.owner(chunk)), this->p, chunk));
+      }
+    }
+    checks->finish(rank, stage, phase);
+  }
+  void send_result(const solver::chunk_move& move) {
+    const bool kv = move.what == solver::chunk_move::kind::kv;
+    const device_buffer<float>& x = kv ? moved_dkv.at(move.chunk) : moved_q.at(move.chunk).dq;
+    comm.send(x.data(), x.size(), me.owner(move.chunk), transfer, me.tag(kv ? solver::message::partial_dkv : solver::message::partial_dq, move.chunk));
+  }
+  void receive_result(const solver::chunk_move& move, std::size_t i) {
+    const solver::message what = move.what == solver::chunk_move::kind::kv ? solver::message::partial_dkv : solver::message::partial_dq;
+    comm.recv(returned.at(i).data(), returned.at(i).size(), move.to, transfer, me.tag(what, move.chunk));
+  }
+  void add_result(const solver::chunk_move& move, std::size_t i) {
+    const float* x = returned.at(i).data();
+    if (move.what == solver::chunk_move::kind::qo) return add_into(query(move.chunk).dq.data(), x, q_elems, stream);
+    const auto [dk_sum, dv_sum] = dkv(move.chunk);
+    add_into(dk_sum.data(), x, kv_elems, stream);
+    add_into(dv_sum.data(), x + kv_elems, kv_elems, stream);
+  }
+  void finish() {
+    const auto [dk_sum, dv_sum] = dkv(me.first_chunk());
+    write_output(tensor_view<const float, 3>(dq32.data(), {local, hq, dim}), dq, stream);
+    write_output(tensor_view<const float, 3>(dk_sum.data(), {local, hkv, dim}), dk, stream);
+    write_output(tensor_view<const float, 3>(dv_sum.data(), {local, hkv, dim}), dv, stream);
+    this->confirm_returns("the gradients");
+  }
+};
 
 }  // namespace detail
 
@@ -127,164 +411,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
                     tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
                     finite_check check = finite_check::off) {
   static_assert(check_device_communicator<Comm>());
-  using solver::message;
-  const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
-  const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
-  attention_shape{local, k.extent(0), hq, hkv, dim}.validate();
-  detail::check_head_dim<HeadDim>(dim);  // before any transfer or launch
+  const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
+  const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   check_extents(v, {k.extent(0), hkv, dim}, "v");
   check_extents(out, {local, hq, dim}, "out");
   check_extents(lse, {hq, local}, "lse");
   detail::check_layout(lse, "lse", 4);
-  const index_t ct = me.tokens();
-  const std::size_t q_elems = me.elements(hq, dim), kv_elems = me.elements(hkv, dim), lse_elems = static_cast<std::size_t>(hq) * ct;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // The running state of this rank's query chunks: O [local, Hq, D] and one [Hq, tokens] LSE per chunk.
-  device_buffer<float> running(static_cast<std::size_t>(local) * hq * dim, stream), running_lse(lse_elems * static_cast<std::size_t>(p.chunks_per_rank), stream);
-  running.fill_bytes(0, stream);
-  detail::fill(running_lse, neg_inf, stream);
-  const auto own_state = [&](index_t chunk) {
-    return std::pair{detail::chunk_view(running.data(), me.first_token(chunk), ct, hq, dim),
-                     tensor_view<float, 2>(running_lse.data() + static_cast<std::size_t>(chunk - me.first_chunk()) * lse_elems, {hq, ct})};
-  };
-  struct moved_query {  // a query chunk computed here for its owner: Q, and its partial state
-    device_buffer<T> q;
-    device_buffer<float> out, lse;
-  };
-  struct returned_partial {  // a partial of an own query chunk computed elsewhere
-    device_buffer<float> out, lse;
-  };
-  std::map<index_t, device_buffer<T>> moved_kv;  // [2, tokens, Hkv, D]: K then V
-  std::map<index_t, moved_query> moved_q;
-  std::map<std::size_t, returned_partial> returned;  // by move: a chunk may have moved to several ranks
-  for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-    const solver::chunk_move& move = plan.moves[i];
-    if (move.to == rank && move.what == solver::chunk_move::kind::kv) moved_kv.emplace(move.chunk, device_buffer<T>(2 * kv_elems, stream));
-    if (move.to == rank && move.what == solver::chunk_move::kind::qo) {
-      moved_query mq{device_buffer<T>(q_elems, stream), device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)};
-      mq.out.fill_bytes(0, stream);
-      detail::fill(mq.lse, neg_inf, stream);
-      moved_q.emplace(move.chunk, std::move(mq));
-    }
-    if (me.owns(move.chunk) && move.what == solver::chunk_move::kind::qo)
-      returned.emplace(i, returned_partial{device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)});
-  }
-  // Checked mode: the rank's own merged O and LSE (its chunks' LSEs gathered into `lse`), then
-  // (`moved`) the partials computed here for other ranks.
-  std::optional<step_check> checks;
-  if (check == finite_check::every_step) checks.emplace(stream, 2 + 2 * moved_q.size());
-  const auto check_stage = [&](index_t stage, bool moved) {
-    checks->begin();
-    checks->add(running.data(), checked_tensor::queries("O", local, hq, dim));
-    for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
-      detail::scatter_columns(own_state(c).second.data(), ct, hq, lse.data(), local, me.first_token(c), stream);
-    checks->add(lse.data(), checked_tensor::lse(hq, local));
-    if (moved)
-      for (const auto& [chunk, mq] : moved_q) {
-        checks->add(mq.out.data(), detail::moved_chunk(checked_tensor::queries("O", ct, hq, dim), p, chunk));
-        checks->add(mq.lse.data(), detail::moved_chunk(checked_tensor::lse(hq, ct), p, chunk));
-      }
-    checks->finish(rank, stage, "solver stage " + std::to_string(stage));
-  };
-
-  // 1. The moves, in plan order on both sides of every pair (NCCL matches a pair's messages in order).
-  const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
-  wait_for(transfer_stream, stream);  // the inputs are ready and the receive buffers allocated
-  comm.group_start();
-  for (const solver::chunk_move& move : plan.moves) {
-    const index_t first = me.owns(move.chunk) ? me.first_token(move.chunk) : 0;
-    if (move.what == solver::chunk_move::kind::kv) {
-      if (me.owns(move.chunk)) {
-        comm.send(k.data() + static_cast<std::size_t>(first) * hkv * dim, kv_elems, move.to, transfer_stream, me.tag(message::kv, move.chunk));
-        comm.send(v.data() + static_cast<std::size_t>(first) * hkv * dim, kv_elems, move.to, transfer_stream, me.tag(message::kv_values, move.chunk));
-      } else if (move.to == rank) {
-        T* into = moved_kv.at(move.chunk).data();
-        comm.recv(into, kv_elems, me.owner(move.chunk), transfer_stream, me.tag(message::kv, move.chunk));
-        comm.recv(into + kv_elems, kv_elems, me.owner(move.chunk), transfer_stream, me.tag(message::kv_values, move.chunk));
-      }
-    } else if (me.owns(move.chunk)) {
-      comm.send(q.data() + static_cast<std::size_t>(first) * hq * dim, q_elems, move.to, transfer_stream, me.tag(message::query, move.chunk));
-    } else if (move.to == rank) {
-      comm.recv(moved_q.at(move.chunk).q.data(), q_elems, me.owner(move.chunk), transfer_stream, me.tag(message::query, move.chunk));
-    }
-  }
-  comm.group_end();
-  cuda_event arrived;
-  arrived.record(transfer_stream);
-
-  // 2. Stage 0: this rank's own tasks, while the moves travel.
-  const auto own_kv = [&](index_t chunk) {
-    return std::pair{detail::chunk_view(k.data(), me.first_token(chunk), ct, hkv, dim), detail::chunk_view(v.data(), me.first_token(chunk), ct, hkv, dim)};
-  };
-  const auto arrived_kv = [&](index_t chunk) {
-    const T* packed = moved_kv.at(chunk).data();
-    return std::pair{tensor_view<const T, 3>(packed, {ct, hkv, dim}), tensor_view<const T, 3>(packed + kv_elems, {ct, hkv, dim})};
-  };
-  const auto& local_tasks = plan.local_tasks[static_cast<std::size_t>(rank)];
-  for (std::size_t t = 0; t < local_tasks.size(); ++t) {
-    const auto [kc, vc] = own_kv(local_tasks[t].kv_chunk);
-    const auto [o, l] = own_state(local_tasks[t].query_chunk);
-    sparse_forward<T, HeadDim>(indices.local[t], detail::chunk_view(q.data(), me.first_token(local_tasks[t].query_chunk), ct, hq, dim), kc, vc,
-                               softmax_scale, o, l, running_state::merge, stream);
-  }
-  if (checks) check_stage(0, false);
-
-  // 3. Stage 1: the remote tasks, once the moves have arrived.
-  arrived.make_wait(stream);
-  const auto& remote_tasks = plan.remote_tasks[static_cast<std::size_t>(rank)];
-  for (std::size_t t = 0; t < remote_tasks.size(); ++t) {
-    const solver::task& task = remote_tasks[t];
-    // Each chunk is this rank's own or moved here (both moved: a third rank's work).
-    if (!me.owns(task.kv_chunk) && !moved_kv.contains(task.kv_chunk)) throw me.missing_move("KV", task.kv_chunk);
-    const auto [kc, vc] = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : arrived_kv(task.kv_chunk);
-    if (me.owns(task.query_chunk)) {
-      const auto [o, l] = own_state(task.query_chunk);
-      sparse_forward<T, HeadDim>(indices.remote[t], detail::chunk_view(q.data(), me.first_token(task.query_chunk), ct, hq, dim), kc, vc,
-                                 softmax_scale, o, l, running_state::merge, stream);
-    } else {
-      const auto it = moved_q.find(task.query_chunk);
-      if (it == moved_q.end()) throw me.missing_move("query", task.query_chunk);
-      sparse_forward<T, HeadDim>(indices.remote[t], tensor_view<const T, 3>(it->second.q.data(), {ct, hq, dim}), kc, vc, softmax_scale,
-                                 tensor_view<float, 3>(it->second.out.data(), {ct, hq, dim}),
-                                 tensor_view<float, 2>(it->second.lse.data(), {hq, ct}), running_state::merge, stream);
-    }
-  }
-
-  if (checks) check_stage(1, true);  // before any partial travels: a NaN is named where it first appears
-
-  // 4. Partials home: one for every query chunk that moved here (even if no task used it).
-  wait_for(transfer_stream, stream);
-  comm.group_start();
-  for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-    const solver::chunk_move& move = plan.moves[i];
-    if (move.what != solver::chunk_move::kind::qo) continue;
-    if (move.to == rank) {
-      const moved_query& mq = moved_q.at(move.chunk);
-      comm.send(mq.out.data(), q_elems, me.owner(move.chunk), transfer_stream, me.tag(message::partial_out, move.chunk));
-      comm.send(mq.lse.data(), lse_elems, me.owner(move.chunk), transfer_stream, me.tag(message::partial_lse, move.chunk));
-    } else if (me.owns(move.chunk)) {
-      returned_partial& r = returned.at(i);
-      comm.recv(r.out.data(), q_elems, move.to, transfer_stream, me.tag(message::partial_out, move.chunk));
-      comm.recv(r.lse.data(), lse_elems, move.to, transfer_stream, me.tag(message::partial_lse, move.chunk));
-    }
-  }
-  comm.group_end();
-  cuda_event partials_home;
-  partials_home.record(transfer_stream);
-  comm.wait(arrived.get(), "the chunks the plan moves to rank " + std::to_string(rank));
-  wait_for(stream, transfer_stream);
-  for (auto& [i, r] : returned) {  // plan order: deterministic
-    const auto [o, l] = own_state(plan.moves[i].chunk);
-    const std::int64_t rows = static_cast<std::int64_t>(ct) * hq;
-    kernel::merge_partial<float><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(o.data(), l.data(), r.out.data(), r.lse.data(), ct, hq, dim);
-    STRIA_CUDA_CHECK_LAUNCH("merge_partial");
-  }
-  if (checks) check_stage(1, false);
-  write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);
-  for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c)
-    detail::scatter_columns(own_state(c).second.data(), ct, hq, lse.data(), local, me.first_token(c), stream);
-  comm.wait(partials_home.get(), "the partial results returned to or from rank " + std::to_string(rank));
+  detail::solver_forward_backend<HeadDim, Comm, T> backend(plan, check, out, lse, comm, p, me, indices, q, k, v, softmax_scale, stream, transfer_stream);
+  engine::run_solver_plan(backend, plan, me, check);
 }
 
 /// This rank's backward as `plan` places its tasks. out and lse are the forward's results, d_out
@@ -298,203 +432,17 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
                      tensor_view<T, 3> dk, tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
                      finite_check check = finite_check::off) {
   static_assert(check_device_communicator<Comm>());
-  using solver::message;
-  const index_t rank = comm.rank(), hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
-  const solver::rank_chunks me = detail::checked_solver_rank(p, plan, indices, rank, comm.world_size(), local, k.extent(0), hq, hkv);
-  attention_shape{local, k.extent(0), hq, hkv, dim}.validate();
-  detail::check_head_dim<HeadDim>(dim);  // before any transfer or launch
+  const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
+  const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
   for (auto [x, name] : {std::pair{out, "out"}, std::pair{d_out, "d_out"}}) check_extents(x, {local, hq, dim}, name);
   check_extents(lse, {hq, local}, "lse");
   check_extents(dq, {local, hq, dim}, "dq");
   check_extents(dk, {local, hkv, dim}, "dk");
   check_extents(dv, {local, hkv, dim}, "dv");
   detail::check_layout(lse, "lse", 4);
-  const index_t ct = me.tokens();
-  const std::size_t q_elems = me.elements(hq, dim), kv_elems = me.elements(hkv, dim), lse_elems = static_cast<std::size_t>(hq) * ct;
-  const auto chunk_slot = [&](index_t chunk) { return static_cast<std::size_t>(chunk - me.first_chunk()); };
-
-  // Per own query chunk: LSE and delta = rowsum(dO O), [2, Hq, tokens] each (so one message moves both).
-  device_buffer<float> lse_delta(2 * lse_elems * static_cast<std::size_t>(p.chunks_per_rank), stream);
-  for (index_t c = me.first_chunk(); c < me.end_chunk(); ++c) {
-    float* at = lse_delta.data() + 2 * lse_elems * chunk_slot(c);
-    detail::gather_columns(lse.data(), local, me.first_token(c), at, ct, hq, stream);
-    backward_delta(detail::chunk_view(out.data(), me.first_token(c), ct, hq, dim), detail::chunk_view(d_out.data(), me.first_token(c), ct, hq, dim),
-                   tensor_view<float, 2>(at + lse_elems, {hq, ct}), stream);
-  }
-  device_buffer<float> dq32(static_cast<std::size_t>(local) * hq * dim, stream), dkv32(2 * static_cast<std::size_t>(local) * hkv * dim, stream);
-  dq32.fill_bytes(0, stream);
-  dkv32.fill_bytes(0, stream);
-  float* const dk32 = dkv32.data();
-  float* const dv32 = dkv32.data() + static_cast<std::size_t>(local) * hkv * dim;
-
-  struct moved_query {  // Q and dO [2, tokens, Hq, D], LSE and delta [2, Hq, tokens], its dQ sum here
-    device_buffer<T> q_dout;
-    device_buffer<float> lse_delta, dq;
-  };
-  struct moved_kv {  // K and V [2, tokens, Hkv, D], its dK/dV sums here [2, tokens, Hkv, D]
-    device_buffer<T> kv;
-    device_buffer<float> dkv;
-  };
-  std::map<index_t, moved_query> moved_q;
-  std::map<index_t, moved_kv> moved_k;
-  std::map<std::size_t, device_buffer<float>> returned;  // by move: a gradient sum of an own chunk from elsewhere
-  for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-    const solver::chunk_move& move = plan.moves[i];
-    const bool kv = move.what == solver::chunk_move::kind::kv;
-    if (move.to == rank && kv) {
-      moved_k.emplace(move.chunk, moved_kv{device_buffer<T>(2 * kv_elems, stream), device_buffer<float>(2 * kv_elems, stream)});
-      moved_k.at(move.chunk).dkv.fill_bytes(0, stream);
-    } else if (move.to == rank) {
-      moved_q.emplace(move.chunk, moved_query{device_buffer<T>(2 * q_elems, stream), device_buffer<float>(2 * lse_elems, stream),
-                                              device_buffer<float>(q_elems, stream)});
-      moved_q.at(move.chunk).dq.fill_bytes(0, stream);
-    } else if (me.owns(move.chunk)) {
-      returned.emplace(i, device_buffer<float>(kv ? 2 * kv_elems : q_elems, stream));
-    }
-  }
-  // Checked mode: the rank's own dQ, dK and dV sums, then (`moved`) the sums computed here for other ranks.
-  std::optional<step_check> checks;
-  if (check == finite_check::every_step) checks.emplace(stream, 3 + moved_q.size() + 2 * moved_k.size());
-  const auto check_stage = [&](index_t stage, bool moved) {
-    checks->begin();
-    checks->add(dq32.data(), checked_tensor::queries("dQ", local, hq, dim));
-    checks->add(dk32, checked_tensor::solver_chunk(checked_tensor::kv_gradient("dK", local, hkv, dim, rank), rank, 0));
-    checks->add(dv32, checked_tensor::solver_chunk(checked_tensor::kv_gradient("dV", local, hkv, dim, rank), rank, 0));
-    if (moved) {
-      for (const auto& [chunk, mq] : moved_q) checks->add(mq.dq.data(), detail::moved_chunk(checked_tensor::queries("dQ", ct, hq, dim), p, chunk));
-      for (const auto& [chunk, mk] : moved_k) {
-        checks->add(mk.dkv.data(), detail::moved_chunk(checked_tensor::kv_gradient("dK", ct, hkv, dim, p.owner(chunk)), p, chunk));
-        checks->add(mk.dkv.data() + kv_elems, detail::moved_chunk(checked_tensor::kv_gradient("dV", ct, hkv, dim, p.owner(chunk)), p, chunk));
-      }
-    }
-    checks->finish(rank, stage, "solver stage " + std::to_string(stage));
-  };
-
-  // 1. The moves, in plan order on both sides of every pair.
-  const detail::transfers_before_release guard(stream, transfer_stream);  // after the buffers: destroyed before them
-  wait_for(transfer_stream, stream);
-  comm.group_start();
-  for (const solver::chunk_move& move : plan.moves) {
-    const bool kv = move.what == solver::chunk_move::kind::kv;
-    const int tag = me.tag(kv ? message::kv : message::query_backward, move.chunk);
-    const int second_tag = me.tag(kv ? message::kv_values : message::d_out_backward, move.chunk);
-    if (me.owns(move.chunk)) {
-      const std::size_t first = static_cast<std::size_t>(me.first_token(move.chunk));
-      if (kv) {
-        comm.send(k.data() + first * hkv * dim, kv_elems, move.to, transfer_stream, tag);
-        comm.send(v.data() + first * hkv * dim, kv_elems, move.to, transfer_stream, second_tag);
-      } else {
-        comm.send(q.data() + first * hq * dim, q_elems, move.to, transfer_stream, tag);
-        comm.send(d_out.data() + first * hq * dim, q_elems, move.to, transfer_stream, second_tag);
-        comm.send(lse_delta.data() + 2 * lse_elems * chunk_slot(move.chunk), 2 * lse_elems, move.to, transfer_stream,
-                  me.tag(message::lse_backward, move.chunk));
-      }
-    } else if (move.to == rank) {
-      if (kv) {
-        T* into = moved_k.at(move.chunk).kv.data();
-        comm.recv(into, kv_elems, me.owner(move.chunk), transfer_stream, tag);
-        comm.recv(into + kv_elems, kv_elems, me.owner(move.chunk), transfer_stream, second_tag);
-      } else {
-        moved_query& mq = moved_q.at(move.chunk);
-        comm.recv(mq.q_dout.data(), q_elems, me.owner(move.chunk), transfer_stream, tag);
-        comm.recv(mq.q_dout.data() + q_elems, q_elems, me.owner(move.chunk), transfer_stream, second_tag);
-        comm.recv(mq.lse_delta.data(), 2 * lse_elems, me.owner(move.chunk), transfer_stream, me.tag(message::lse_backward, move.chunk));
-      }
-    }
-  }
-  comm.group_end();
-  cuda_event arrived;
-  arrived.record(transfer_stream);
-
-  // One task: its query side (own or moved) and KV side (own or moved), gradients into their sums.
-  struct query_side {
-    tensor_view<const T, 3> q, d_out;
-    tensor_view<const float, 2> lse, delta;
-    tensor_view<float, 3> dq;
-  };
-  struct kv_side {
-    tensor_view<const T, 3> k, v;
-    tensor_view<float, 3> dk, dv;
-  };
-  const auto own_query = [&](index_t c) {
-    const float* at = lse_delta.data() + 2 * lse_elems * chunk_slot(c);
-    return query_side{detail::chunk_view(q.data(), me.first_token(c), ct, hq, dim), detail::chunk_view(d_out.data(), me.first_token(c), ct, hq, dim),
-                      tensor_view<const float, 2>(at, {hq, ct}), tensor_view<const float, 2>(at + lse_elems, {hq, ct}),
-                      detail::chunk_view(dq32.data(), me.first_token(c), ct, hq, dim)};
-  };
-  const auto own_kv = [&](index_t c) {
-    return kv_side{detail::chunk_view(k.data(), me.first_token(c), ct, hkv, dim), detail::chunk_view(v.data(), me.first_token(c), ct, hkv, dim),
-                   detail::chunk_view(dk32, me.first_token(c), ct, hkv, dim), detail::chunk_view(dv32, me.first_token(c), ct, hkv, dim)};
-  };
-  const auto run = [&](const device_step_index& index, const query_side& qs, const kv_side& ks) {
-    sparse_backward<T, HeadDim>(index, qs.q, ks.k, ks.v, qs.d_out, qs.lse, qs.delta, softmax_scale, qs.dq, ks.dk, ks.dv, mode, stream);
-  };
-
-  // 2. Stage 0: own tasks while the moves travel. 3. Stage 1: remote tasks once they have arrived.
-  const auto& local_tasks = plan.local_tasks[static_cast<std::size_t>(rank)];
-  for (std::size_t t = 0; t < local_tasks.size(); ++t) run(indices.local[t], own_query(local_tasks[t].query_chunk), own_kv(local_tasks[t].kv_chunk));
-  if (checks) check_stage(0, false);
-  arrived.make_wait(stream);
-  const auto& remote_tasks = plan.remote_tasks[static_cast<std::size_t>(rank)];
-  const auto moved_kv_side = [&](index_t c) {
-    const auto it = moved_k.find(c);
-    if (it == moved_k.end()) throw me.missing_move("KV", c);
-    const T* kv = it->second.kv.data();
-    float* g = it->second.dkv.data();
-    return kv_side{tensor_view<const T, 3>(kv, {ct, hkv, dim}), tensor_view<const T, 3>(kv + kv_elems, {ct, hkv, dim}),
-                   tensor_view<float, 3>(g, {ct, hkv, dim}), tensor_view<float, 3>(g + kv_elems, {ct, hkv, dim})};
-  };
-  const auto moved_query_side = [&](index_t c) {
-    const auto it = moved_q.find(c);
-    if (it == moved_q.end()) throw me.missing_move("query", c);
-    const moved_query& mq = it->second;
-    return query_side{tensor_view<const T, 3>(mq.q_dout.data(), {ct, hq, dim}), tensor_view<const T, 3>(mq.q_dout.data() + q_elems, {ct, hq, dim}),
-                      tensor_view<const float, 2>(mq.lse_delta.data(), {hq, ct}), tensor_view<const float, 2>(mq.lse_delta.data() + lse_elems, {hq, ct}),
-                      tensor_view<float, 3>(mq.dq.data(), {ct, hq, dim})};
-  };
-  for (std::size_t t = 0; t < remote_tasks.size(); ++t) {  // each chunk its own or moved here (both: a third rank's work)
-    const solver::task& task = remote_tasks[t];
-    const kv_side ks = me.owns(task.kv_chunk) ? own_kv(task.kv_chunk) : moved_kv_side(task.kv_chunk);
-    run(indices.remote[t], me.owns(task.query_chunk) ? own_query(task.query_chunk) : moved_query_side(task.query_chunk), ks);
-  }
-
-  if (checks) check_stage(1, true);  // before any sum travels: a NaN is named where it first appears
-
-  // 4. Gradients home, in plan order; the owners add them in fp32.
-  wait_for(transfer_stream, stream);
-  comm.group_start();
-  for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-    const solver::chunk_move& move = plan.moves[i];
-    const bool kv = move.what == solver::chunk_move::kind::kv;
-    const int tag = me.tag(kv ? message::partial_dkv : message::partial_dq, move.chunk);
-    if (move.to == rank) {
-      if (kv) comm.send(moved_k.at(move.chunk).dkv.data(), 2 * kv_elems, me.owner(move.chunk), transfer_stream, tag);
-      else comm.send(moved_q.at(move.chunk).dq.data(), q_elems, me.owner(move.chunk), transfer_stream, tag);
-    } else if (me.owns(move.chunk)) {
-      device_buffer<float>& into = returned.at(i);
-      comm.recv(into.data(), into.size(), move.to, transfer_stream, tag);
-    }
-  }
-  comm.group_end();
-  cuda_event gradients_home;
-  gradients_home.record(transfer_stream);
-  comm.wait(arrived.get(), "the chunks the plan moves to rank " + std::to_string(rank));
-  wait_for(stream, transfer_stream);
-  for (const auto& [i, sum] : returned) {
-    const solver::chunk_move& move = plan.moves[i];
-    const std::size_t first = static_cast<std::size_t>(me.first_token(move.chunk));
-    if (move.what == solver::chunk_move::kind::kv) {
-      detail::add_into(dk32 + first * hkv * dim, sum.data(), kv_elems, stream);
-      detail::add_into(dv32 + first * hkv * dim, sum.data() + kv_elems, kv_elems, stream);
-    } else {
-      detail::add_into(dq32.data() + first * hq * dim, sum.data(), q_elems, stream);
-    }
-  }
-  if (checks) check_stage(1, false);
-  write_output(tensor_view<const float, 3>(dq32.data(), {local, hq, dim}), dq, stream);
-  write_output(tensor_view<const float, 3>(dk32, {local, hkv, dim}), dk, stream);
-  write_output(tensor_view<const float, 3>(dv32, {local, hkv, dim}), dv, stream);
-  comm.wait(gradients_home.get(), "the gradients returned to or from rank " + std::to_string(rank));
+  detail::solver_backward_backend<HeadDim, Comm, T> backend(plan, check, out, lse, d_out, dq, dk, dv, mode, comm, p, me, indices, q, k, v, softmax_scale,
+                                                            stream, transfer_stream);
+  engine::run_solver_plan(backend, plan, me, check);
 }
 
 }  // namespace stria::device

@@ -109,11 +109,6 @@ class rank_chunks {
   /// Elements of one chunk of a [tokens, heads, dim] tensor.
   [[nodiscard]] std::size_t elements(index_t heads, index_t dim) const { return static_cast<std::size_t>(p_.chunk_tokens) * heads * dim; }
 
-  /// The refusal of a remote task whose chunk no move brings here.
-  [[nodiscard]] invalid_argument missing_move(const char* what, index_t chunk) const {
-    return invalid_argument("plan.remote_tasks", chunk, std::string("names a ") + what + " chunk that no move brings to rank " + std::to_string(rank_));
-  }
-
  private:
   const problem& p_;
   index_t rank_;
