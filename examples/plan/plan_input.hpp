@@ -3,6 +3,7 @@
 // nlohmann/json), apart from plan.cpp so that the fuzz test drives the same code.
 #pragma once
 
+#include <stria/estimator/vertical_slash_top_p.hpp>
 #include <stria/index/cost_model.hpp>
 #include <stria/index/global_selection.hpp>
 
@@ -47,7 +48,9 @@ inline constexpr const char* usage =
     "                   the estimate's top-p (oracle_top_p_*)\n"
     "  --recall-stride N   recall and oracle over the rows of every N-th query block (default 1)\n"
     "  --vertical-max N, --slash-max N, --local-diagonals N, --sink-tokens N, --p X\n"
-    "                   the estimator's settings (defaults: vertical_slash_top_p's; --p sets p_vertical\n"
+    "                   the estimator's settings (defaults: vertical_slash_top_p's: vertical cap\n"
+    "                   S / 32 tokens in [128, 8192], slash cap 1/32 of the block diagonals in\n"
+    "                   [4, 512], 3 local diagonals, 64 sink tokens, p 0.9; --p sets p_vertical\n"
     "                   and p_slash)\n"
     "  --pattern P      synthetic family: rope (default), power_law_slash, periodic_slash,\n"
     "                   clustered_vertical, mixture (stria/host/synthetic_vs.hpp)\n"
@@ -91,7 +94,9 @@ struct options {
   bool json = false;
   std::string svg_file;  // --svg: the picture of the plan
   stria::index_t recall_stride = 0;  // 0: not given (recall only up to 16384 tokens, every row)
-  stria::index_t vertical_max = 0, slash_max = 0, local_diagonals = 1, sink_tokens = 4;
+  stria::index_t vertical_max = 0, slash_max = 0;  // 0: the default caps
+  stria::index_t local_diagonals = stria::estimator::vertical_slash_top_p{}.local_diagonals;
+  stria::index_t sink_tokens = stria::estimator::vertical_slash_top_p{}.sink_tokens;
   double p = 0.9;
   std::string pattern = "rope";
   stria::index_t solver_chunks = 0;  // 0: no solver plan

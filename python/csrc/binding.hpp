@@ -40,10 +40,12 @@ struct padded_selection {
   std::int64_t slash_width = 0;
 };
 
-/// estimator::vertical_slash_top_p's settings (0 for a max: the default cap at the sequence length).
+/// estimator::vertical_slash_top_p's settings (0 for a max: the default cap at the sequence length),
+/// its defaults (python/stria/_ops.py repeats them).
 struct estimator_options {
   double p_vertical = 0.9, p_slash = 0.9;
-  std::int64_t vertical_max = 0, slash_max = 0, sink_tokens = 4, local_diagonals = 1, last_q = 64;
+  std::int64_t vertical_max = 0, slash_max = 0, sink_tokens = estimator::vertical_slash_top_p{}.sink_tokens,
+               local_diagonals = estimator::vertical_slash_top_p{}.local_diagonals, last_q = estimator::vertical_slash_top_p{}.last_q;
 };
 
 inline estimator::vertical_slash_top_p estimator_of(const estimator_options& o) {

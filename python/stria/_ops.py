@@ -116,7 +116,7 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
 
 def estimate_selection(q: torch.Tensor, k: torch.Tensor, softmax_scale: Optional[float] = None, causal: bool = True, *,
                        p_vertical: float = 0.9, p_slash: float = 0.9, vertical_max: int = 0, slash_max: int = 0,
-                       sink_tokens: int = 4, local_diagonals: int = 1, last_q: int = 64) -> Selection:
+                       sink_tokens: int = 64, local_diagonals: int = 3, last_q: int = 64) -> Selection:
     """The Vertical-Slash selection of every (batch element, query head), estimated online from q and k
     (estimator::vertical_slash_top_p: the last `last_q` queries' attention, top-p of its vertical and
     slash mass; a max of 0 picks the default cap at this length)."""

@@ -153,6 +153,9 @@ def test_estimated_selection_shape_and_safeguards():
     slash, vertical = sel.slash.cpu(), sel.vertical.cpu()
     assert bool((slash[..., 0] == 0).all() and (slash[..., 1] == 1).all()), "local diagonals 0 and 1 are always kept"
     assert bool((vertical[..., :4] == torch.arange(4, dtype=torch.int32)).all()), "the 4 sink tokens are always kept"
+    default = stria.estimate_selection(q, k)  # the defaults: the sink block (64 tokens) and local diagonals 0, 1, 2
+    assert bool((default.slash.cpu()[..., :3] == torch.arange(3, dtype=torch.int32)).all()), "local diagonals 0, 1 and 2"
+    assert bool((default.vertical.cpu()[..., :64] == torch.arange(64, dtype=torch.int32)).all()), "the sink block"
 
 
 def test_deterministic_backward_is_bit_identical():

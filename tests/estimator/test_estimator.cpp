@@ -141,8 +141,8 @@ TEST_CASE("single-rank window statistics equal the fp64 definition") {
         }
       for (index_t delta = 0; delta < nb; ++delta)
         CHECK(st.slash_mass[static_cast<std::size_t>(h * nb + delta)] == doctest::Approx(slash[static_cast<std::size_t>(delta)]).epsilon(1e-4).scale(1e-6));
-      // Every token outside the local (last) block is a candidate; each one's mass matches.
-      REQUIRE(st.vertical[static_cast<std::size_t>(h)].size() == static_cast<std::size_t>(s - 64));
+      // Every token outside the local (last local_diagonals) blocks is a candidate; each one's mass matches.
+      REQUIRE(st.vertical[static_cast<std::size_t>(h)].size() == static_cast<std::size_t>(s - 64 * e.local_diagonals));
       for (const vertical_candidate& c : st.vertical[static_cast<std::size_t>(h)])
         CHECK(c.mass == doctest::Approx(vertical[static_cast<std::size_t>(c.token)]).epsilon(1e-4).scale(1e-6));
       CHECK(std::is_sorted(st.vertical[static_cast<std::size_t>(h)].begin(), st.vertical[static_cast<std::size_t>(h)].end()));
@@ -224,10 +224,9 @@ TEST_CASE("budgets bound the selection, and safeguards are always present") {
   const global_selection f = run_distributed(p, sharding::sequential{}, 1, floor, true).second[0];
   for (const head_selection& h : f.heads) {
     CHECK(h.vertical_tokens.size() == 7);
-    // The 5 heaviest diagonals, plus diagonal 0 when it is not among them.
-    CHECK(h.slash_deltas.size() >= 5);
-    CHECK(h.slash_deltas.size() <= 6);
-    CHECK(h.slash_deltas[0] == 0);
+    // The 5 heaviest diagonals beyond the local ones (never among them), and the local diagonals 0, 1, 2.
+    REQUIRE(h.slash_deltas.size() == static_cast<std::size_t>(5 + floor.local_diagonals));
+    for (index_t d = 0; d < floor.local_diagonals; ++d) CHECK(h.slash_deltas[static_cast<std::size_t>(d)] == d);
   }
   estimator::vertical_slash_top_k topk;
   topk.vertical_count = 33;
@@ -239,6 +238,44 @@ TEST_CASE("budgets bound the selection, and safeguards are always present") {
     CHECK(h.slash_deltas.size() >= 6);  // the 6 heaviest, plus diagonal 0 when it is not among them
     CHECK(h.slash_deltas.size() <= 7);
     CHECK(h.slash_deltas[0] == 0);
+  }
+}
+
+TEST_CASE("top-p defaults: vertical cap S / 32 in [128, 8192], the sink block, three local diagonals (those that exist)") {
+  const estimator::vertical_slash_top_p e;
+  CHECK(e.sink_tokens == 64);
+  CHECK(e.local_diagonals == 3);
+  struct expected {
+    index_t seq_len, vertical_cap, slash_cap, local_diagonals;
+  };
+  for (const expected x : {expected{64, 64, 1, 1}, expected{128, 128, 2, 2}, expected{2048, 128, 4, 3}, expected{16384, 512, 8, 3},
+                           expected{131072, 4096, 64, 3}, expected{262144, 8192, 128, 3}, expected{1048576, 8192, 512, 3}}) {
+    CAPTURE(x.seq_len);
+    CHECK_NOTHROW(e.validate(x.seq_len, 1));
+    const estimator::top_p_rule r = e.rule(x.seq_len);
+    CHECK(r.vertical_cap == x.vertical_cap);
+    CHECK(r.slash_cap == x.slash_cap);
+    CHECK(r.sink_tokens == 64);
+    CHECK(r.local_diagonals == x.local_diagonals);
+    CHECK(e.request(x.seq_len).local_blocks == x.local_diagonals);
+    CHECK(e.request(x.seq_len).vertical_candidates == x.vertical_cap);
+  }
+  // Two blocks: the defaults select both diagonals and the sink block.
+  STRIA_SEEDED_RNG(rng);
+  problem p;
+  p.options.seq_len = 128;
+  p.options.heads_q = 2;
+  p.options.heads_kv = 1;
+  p.options.head_dim = 64;
+  p.options.seed = rng.seed;
+  p.options.period_blocks = 1;  // the generator's default period and cluster width need more than two blocks
+  p.options.cluster_tokens = 64;
+  p.data = host::make_synthetic_vs(p.options);
+  const global_selection g = run_distributed(p, sharding::sequential{}, 1, e, true).second[0];
+  for (const head_selection& h : g.heads) {
+    CHECK(h.slash_deltas == std::vector<index_t>{0, 1});
+    REQUIRE(h.vertical_tokens.size() >= 64);
+    for (index_t t = 0; t < 64; ++t) CHECK(h.vertical_tokens[static_cast<std::size_t>(t)] == t);
   }
 }
 
@@ -291,6 +328,12 @@ TEST_CASE("bad estimator settings are rejected with the argument, the value and 
   e = {};
   e.slash = {10, 5};
   expect(e, "slash.min = 10: exceeds the budget's cap 5");
+  e = {};
+  e.local_diagonals = 0;
+  expect(e, "local_diagonals = 0: must be at least 1 (diagonal 0 is always selected)");
+  e = {};
+  e.sink_tokens = 4097;
+  expect(e, "sink_tokens = 4097: must lie in [0, seq_len = 4096]");
   estimator::vertical_slash_top_k k;
   k.vertical_count = 0;
   CHECK_THROWS_WITH_AS(k.validate(4096, 8), doctest::Contains("vertical_count = 0: budgets must be at least 1"), stria::invalid_argument);

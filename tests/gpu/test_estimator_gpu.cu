@@ -274,7 +274,8 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
   }
   SUBCASE("statistics gathered for another rule are refused") {
     const vs_statistics s = random_statistics(rng, 4096, 2, true, 2);
-    estimator::vertical_slash_top_p p;  // local_diagonals 1
+    estimator::vertical_slash_top_p p;
+    p.local_diagonals = 1;  // the statistics have 2
     CHECK_THROWS_WITH_AS(estimator::select_device(estimator::device_statistics::upload(s, stream), p.rule(4096), stream),
                          doctest::Contains("rule.local_diagonals = 1"), stria::invalid_argument);
   }
