@@ -249,10 +249,11 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
     comm.recv(x.lse.data(), lse_elems, move.to, transfer, me.tag(solver::message::partial_lse, move.chunk));
   }
   void add_result(const solver::chunk_move& move, std::size_t i) {
-    const auto [qc, o, l] = query(move.chunk);  // NOLINT: qc unused
+    const auto chunk = query(move.chunk);  // its running O and LSE: elements 1 and 2
     const partial& x = returned.at(i);
     const std::int64_t row_count = static_cast<std::int64_t>(ct) * hq;
-    kernel::merge_partial<float><<<stria::detail::blocks_for(row_count * 32, 256), 256, 0, stream>>>(o.data(), l.data(), x.out.data(), x.lse.data(), ct, hq, dim);
+    kernel::merge_partial<float><<<stria::detail::blocks_for(row_count * 32, 256), 256, 0, stream>>>(
+        std::get<1>(chunk).data(), std::get<2>(chunk).data(), x.out.data(), x.lse.data(), ct, hq, dim);
     STRIA_CUDA_CHECK_LAUNCH("merge_partial");
   }
   void finish() {
