@@ -462,21 +462,23 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
       if (hopper) {
         // On Hopper dQ has its own pass in both modes: a dQ fused into the dK/dV passes goes to global
         // memory by fp32 reductions, and those made the fused passes L2-bound (RESULTS, 2026-12-01).
-        // The atomic mode differs only in the vertical tokens' dK/dV: reductions, query ranges split.
+        // The atomic mode differs only in how dK/dV are added: by reductions (the vertical tokens'
+        // rows meet the block rows in one launch), with the vertical walks split into query ranges.
         constexpr std::size_t bytes = kernel::backward_wgmma_shared_bytes<D>();
         auto dkdv_passes = [&] {  // over the heads of params.head_begin .. head_end
-          detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
-          kernel::sparse_backward_dkdv_wgmma<T, D><<<columns, kernel::attention_threads, bytes, stream>>>(params);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
-          if (entries == 0) return;
-          // Deterministic: (head, group of 64 entries) with the head fastest, as many groups as any
-          // head could have (a head's list holds at most one entry per KV token; the kernel returns
-          // past a head's last group).
+          // The vertical CTAs, then the block CTAs, in one launch. Deterministic: (head, group of 64
+          // entries) with the head fastest, as many groups as any head could have (a head's list
+          // holds at most one entry per KV token; a CTA past its head's last group returns).
           const auto groups = std::min<std::int64_t>((entries + block_tokens - 1) / block_tokens, index.shape.num_kv_blocks);
-          const dim3 grid = Atomic ? tokens : dim3(static_cast<unsigned>(shape.heads_q), static_cast<unsigned>(groups));
-          detail::allow_shared_bytes(kernel::sparse_backward_vertical_wgmma<T, D>, bytes);
-          kernel::sparse_backward_vertical_wgmma<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical_wgmma");
+          kernel::vertical_launch vertical;
+          if (entries > 0)
+            vertical = Atomic ? kernel::vertical_launch{static_cast<index_t>(tokens.x), static_cast<index_t>(tokens.y)}
+                              : kernel::vertical_launch{shape.heads_q, static_cast<index_t>(groups)};
+          const std::int64_t ctas = vertical.ctas() + std::int64_t{columns.x} * columns.y;
+          if (ctas == 0) return;
+          detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
+          kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, stream>>>(params, vertical);
+          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
         if (!store_ds) {
           constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();

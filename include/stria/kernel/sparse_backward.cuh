@@ -221,6 +221,18 @@ __device__ inline void reduce_add_v2(float* at, float x, float y) {
 #endif
 }
 
+/// add_rows by fp32 vector reductions, for rows that other CTAs of the same launch add to as well.
+template <int D, class RowPointer>
+__device__ void reduce_rows(const float (&acc)[D / 8][4], RowPointer row_pointer) {
+  const int row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* row = row_pointer(row0 + fragment_row(2 * half));
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) reduce_add_v2(row + fragment_col(j, 0), acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+}
+
 /// The query tiles of one (local KV block, KV head) in the transposed index, in the order the dK/dV
 /// block passes walk them: for each query head of the group in turn, its ascending query blocks
 /// whose tile with the block is active. A cursor names a query head of the group, an entry and the
@@ -279,10 +291,16 @@ struct vertical_group {
   /// Groups of heads outside [head_begin, head_end) have none either.
   __device__ static bool of(const step_index_view& index, bool head_fastest, vertical_group& g, index_t head_begin = 0,
                             index_t head_end = INT_MAX) {
+    return at(index, head_fastest, g, blockIdx.x, blockIdx.y, gridDim.y, head_begin, head_end);
+  }
+  /// The group of the CTA at (x, y) of a launch whose queries are split into `ranges` (of(), for a
+  /// CTA that is one part of a larger launch).
+  __device__ static bool at(const step_index_view& index, bool head_fastest, vertical_group& g, index_t x, index_t y, index_t ranges,
+                            index_t head_begin = 0, index_t head_end = INT_MAX) {
     auto groups_of = [&](index_t h) { return (index.vtoken_head_ptr[h + 1] - index.vtoken_head_ptr[h] + block_tokens - 1) / block_tokens; };
-    index_t group = blockIdx.x, ranges = gridDim.y, range = blockIdx.y;
+    index_t group = x, range = y;
     if (head_fastest) {
-      g.h = blockIdx.x, group = blockIdx.y, ranges = 1, range = 0;
+      g.h = x, group = y, ranges = 1, range = 0;
       if (group >= groups_of(g.h)) return false;
     } else {
       for (g.h = 0; g.h < index.shape.num_heads; ++g.h) {

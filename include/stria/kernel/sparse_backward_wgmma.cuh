@@ -188,20 +188,14 @@ __device__ void write_ds_rows(const unsigned char* staging, DsRow ds_row) {
   __syncwarp();  // the next tile's rows go to the same place
 }
 
-}  // namespace detail
-
-/// The dK/dV block pass on Hopper: one CTA per (local KV block, KV head) over the transposed index,
+/// A block CTA of the Hopper dK/dV launch: one (local KV block, KV head) over the transposed index,
 /// all query heads of its group, as sparse_backward_dkdv<T, D, false>. The tiles are software
 /// pipelined: tile t + 1's S^T and dP^T are issued while tile t's dK product still runs, so that the
 /// tensor pipe has work queued across the barriers, and tile t's stored dS rows go out under that
 /// product. The Q and dO tiles are double-buffered: tile t + 2's copies start once every warp's
 /// products of tile t have completed.
 template <class T, int D>
-__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dkdv_wgmma(backward_params<T> p) {
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
-
-  const index_t kv_block = blockIdx.x, hk = blockIdx.y;
+__device__ void dkdv_block_cta(const backward_params<T>& p, const backward_wgmma_layout<D>& shared, index_t kv_block, index_t hk) {
   const detail::kv_column column{p.index, kv_block, hk, p.heads_q / p.heads_kv, p.head_begin, p.head_end};
   const index_t tiles = column.tiles();
   if (tiles == 0) return;
@@ -281,19 +275,24 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   auto rows = [&](float* base) {
     return [=, &p](int r) { return base + ((static_cast<std::int64_t>(kv_block) * block_tokens + r) * p.heads_kv + hk) * D; };
   };
-  detail::add_rows<D>(dk, 1.0f, rows(p.dk));  // the scale is in dS already
-  detail::add_rows<D>(dv, 1.0f, rows(p.dv));
+  // The scale is in dS already. In the atomic mode the launch's vertical CTAs add into the same
+  // rows by reductions, so these rows are added by reductions too.
+  if (p.vertical_dk) {
+    detail::add_rows<D>(dk, 1.0f, rows(p.dk));
+    detail::add_rows<D>(dv, 1.0f, rows(p.dv));
+  } else {
+    detail::reduce_rows<D>(dk, rows(p.dk));
+    detail::reduce_rows<D>(dv, rows(p.dv));
+  }
 }
 
-/// The vertical-token pass on Hopper: one CTA per 64 of a head's vertical tokens (and, in the atomic
-/// mode, per range of query blocks: gridDim.y) over the query blocks that use them, as
+/// A vertical CTA of the Hopper dK/dV launch: 64 of a head's vertical tokens (g; in the atomic mode,
+/// over one range of query blocks) against the query blocks that use them, as
 /// sparse_backward_vertical<T, D, false>. The walk runs two rounds ahead, so that a query block's
 /// tiles load while the one before it is computed, and the rounds are pipelined as the block pass's
 /// tiles: the next round's scores are issued while this round's dK product runs.
 template <class T, int D>
-__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_vertical_wgmma(backward_params<T> p) {
-  extern __shared__ __align__(16) unsigned char shared_raw[];
-  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
+__device__ void dkdv_vertical_cta(const backward_params<T>& p, const backward_wgmma_layout<D>& shared, const detail::vertical_group& g) {
   unsigned char *ks = shared.keys(), *vs = shared.values();
   // Per stage (the walk runs ahead of the barriers): nonzero where the column's token uses the
   // round's query block (with stored dS: its rank, 1-based, among those columns), the walk's per-warp
@@ -302,10 +301,6 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   __shared__ index_t warp_min[2][4];
   __shared__ index_t round_entry[2];
 
-  // The deterministic launch (one CTA per group, queries unsplit) is head-fastest, so that the
-  // groups with the longest walks start first.
-  detail::vertical_group g;
-  if (!detail::vertical_group::of(p.index, p.vertical_dk != nullptr, g, p.head_begin, p.head_end)) return;
   using tile_layout = swizzled_tile<D>;
   detail::load_vertical_key_tiles<tile_layout, T, D>(p, g, ks, vs);
   auto load = [&](index_t q_block, int stage) {
@@ -373,6 +368,42 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   if (p.ds_vertical) write_ds(stage);
   detail::dkdv_dk_complete<0, D>(dk, dsf);
   detail::write_vertical_gradients<T, D>(p, g, dk, dv, 1.0f);  // the scale is in dS already
+}
+
+}  // namespace detail
+
+/// The vertical CTAs of the Hopper dK/dV launch: a grid of `groups` x `ranges` (atomic mode: the
+/// heads' groups of 64 tokens, linear, by ranges of query blocks) or `heads` x `groups`
+/// (deterministic: head-fastest, queries unsplit).
+struct vertical_launch {
+  index_t x = 0, y = 0;
+  __host__ __device__ constexpr std::int64_t ctas() const { return std::int64_t{x} * y; }
+};
+
+/// The Hopper dK/dV passes as one launch: vertical.ctas() vertical CTAs first, then one block CTA per
+/// (local KV block, KV head), KV block fastest. The vertical CTAs go first because they are the long
+/// ones (a walk over up to a range's 256 query blocks against some 30 tiles of a block column), and
+/// the short block CTAs then fill the SMs behind them; two launches each ended on their own tail.
+/// In the atomic mode the last query ranges, which the most tokens reach, start first. The two kinds
+/// write disjoint dS rows; their dK/dV rows meet only in the atomic mode, where both add them by
+/// reductions (deterministic: the vertical CTAs write per-entry scratch).
+template <class T, int D>
+__global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
+    sparse_backward_dkdv_wgmma(backward_params<T> p, vertical_launch vertical) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const backward_wgmma_layout<D> shared{detail::align_1024(shared_raw)};
+  const std::int64_t cta = blockIdx.x;
+  if (cta < vertical.ctas()) {
+    const bool head_fastest = p.vertical_dk != nullptr;
+    const auto x = static_cast<index_t>(cta % vertical.x), y = static_cast<index_t>(cta / vertical.x);
+    detail::vertical_group g;
+    if (detail::vertical_group::at(p.index, head_fastest, g, x, head_fastest ? y : vertical.y - 1 - y, vertical.y, p.head_begin, p.head_end))
+      detail::dkdv_vertical_cta<T, D>(p, shared, g);
+    return;
+  }
+  const std::int64_t block = cta - vertical.ctas();
+  const index_t kv_blocks = p.index.shape.num_kv_blocks;
+  detail::dkdv_block_cta<T, D>(p, shared, static_cast<index_t>(block % kv_blocks), static_cast<index_t>(block / kv_blocks));
 }
 
 namespace detail {
