@@ -44,7 +44,7 @@ class window_backend {
       : plan_(plan), owner_(rank == plan.window_owner), k_(k_local), heads_(plan.shape.num_heads), heads_kv_(heads_kv), dim_(dim),
         rows_(plan.shape.window_rows), blocks_(plan.rank_blocks), tokens_(plan.rank_blocks * block_tokens),
         scale_log2_(float(softmax_scale * 1.4426950408889634)), stream_(stream), timing_(timing), last_(start),
-        window_(q_local + static_cast<std::size_t>(plan.window_local_token * heads_ * dim)), key_global_block_(plan.global_blocks(rank), stream) {}
+        window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)), key_global_block_(plan.global_blocks(rank), stream) {}
 
   window_rows& window() {
     host_window_.resize(static_cast<std::size_t>(rows_ * heads_ * dim_));
@@ -65,7 +65,7 @@ class window_backend {
     STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     lap(&estimator::statistics_timing::setup_ms);
-    device_buffer<float> tile_max(static_cast<std::size_t>(heads_ * blocks_ * rows_), stream_), tile_sum(tile_max.size(), stream_);
+    device_buffer<float> tile_max(static_cast<std::size_t>(heads_ * rows_) * static_cast<std::size_t>(blocks_), stream_), tile_sum(tile_max.size(), stream_);
     kernel::window_tile_partials<T><<<grid(), kernel::window_threads, shared, stream_>>>(window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_,
                                                                                         dim_, plan_.first_row(), scale_log2_, plan_.shape.causal, blocks_,
                                                                                         tile_max.data(), tile_sum.data());
@@ -100,9 +100,9 @@ class window_backend {
   /// among equal masses (vertical_candidate's order): each head's run is contiguous and in order.
   void probabilities() {
     lap(&estimator::statistics_timing::softmax_ms);
-    const auto items = static_cast<std::size_t>(heads_ * tokens_);
+    const auto items = static_cast<std::size_t>(heads_) * static_cast<std::size_t>(tokens_);
     device_buffer<float> vertical(items, stream_);
-    tile_mass_ = device_buffer<float>(static_cast<std::size_t>(heads_ * blocks_), stream_);
+    tile_mass_ = device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_), stream_);
     kernel::window_tile_probabilities<T><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T>(dim_), stream_>>>(
         window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, dim_, plan_.first_row(), scale_log2_, plan_.shape.causal, blocks_,
         normaliser_.data(), normaliser_.data() + row_count(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(), tile_mass_.data());
@@ -157,9 +157,9 @@ class window_backend {
   estimator::device_statistics own_statistics() {
     const index_t per_rank = plan_.per_rank, diagonals = plan_.shape.num_diagonals();
     estimator::device_statistics out{plan_.shape, per_rank, device_buffer<float>(static_cast<std::size_t>(heads_), stream_),
-                                     device_buffer<float>(static_cast<std::size_t>(heads_ * diagonals), stream_),
-                                     device_buffer<float>(static_cast<std::size_t>(heads_ * per_rank), stream_),
-                                     device_buffer<index_t>(static_cast<std::size_t>(heads_ * per_rank), stream_)};
+                                     device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(diagonals), stream_),
+                                     device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_),
+                                     device_buffer<index_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_)};
     kernel::single_rank_statistics<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
         tile_mass_.data(), key_global_block_.data(), sorted_keys_.data(), sorted_tokens_.data(), blocks_, tokens_, per_rank, plan_.shape.num_blocks(),
         diagonals, plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data(), out.candidate_mass.data(), out.candidate_token.data());

@@ -183,10 +183,10 @@ inline vs_statistics combine_shares(const window_plan& plan, std::span<const flo
     auto& union_h = st.vertical[static_cast<std::size_t>(h)];
     const index_t w = width[static_cast<std::size_t>(h)];
     for (index_t r = 0; r < plan.world; ++r) {
-      const float* m = mass.data() + static_cast<std::size_t>((r * heads + h) * row);
+      const float* m = mass.data() + static_cast<std::size_t>(r * heads + h) * static_cast<std::size_t>(row);
       for (index_t b = 0; b < plan.rank_blocks; ++b)
-        st.slash_mass[static_cast<std::size_t>(h * st.num_diagonals() + st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) +
-                                               st.diagonal_offset())] = m[b];
+        st.slash_mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(st.num_diagonals()) +
+                      static_cast<std::size_t>(st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset())] = m[b];
       st.window_mass[static_cast<std::size_t>(h)] = r == 0 ? m[row - 1] : st.window_mass[static_cast<std::size_t>(h)] + m[row - 1];
       const auto run = candidates.begin() + r * rank_size + first;
       union_h.insert(union_h.end(), run, run + w);
@@ -236,7 +236,7 @@ typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, co
   const std::size_t share = mine.mass.size() + static_cast<std::size_t>(heads * detail::sketch_points);
   for (index_t h = 0; h < heads; ++h)
     for (index_t i = 0; i < detail::sketch_points; ++i)
-      mine.mass.push_back(per_rank == 0 ? 0.0f : mine.candidates[static_cast<std::size_t>(h * per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
+      mine.mass.push_back(per_rank == 0 ? 0.0f : mine.candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
   std::vector<float> gathered(share * static_cast<std::size_t>(world)), mass, sketch;
   comm.all_gather(mine.mass.data(), gathered.data(), share);
   for (auto first = gathered.begin(); first != gathered.end(); first += static_cast<std::ptrdiff_t>(share)) {
@@ -246,7 +246,8 @@ typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, co
   const std::vector<index_t> width = detail::run_widths(sketch, world, heads, per_rank, plan.keep);
   std::vector<vertical_candidate> sent;  // each head's run up to its width
   for (index_t h = 0; h < heads; ++h)
-    sent.insert(sent.end(), mine.candidates.begin() + h * per_rank, mine.candidates.begin() + h * per_rank + width[static_cast<std::size_t>(h)]);
+    sent.insert(sent.end(), mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank,
+                mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank + width[static_cast<std::size_t>(h)]);
   std::vector<vertical_candidate> candidates(sent.size() * static_cast<std::size_t>(world));
   comm.all_gather(sent.data(), candidates.data(), sent.size());
   return b.global_statistics(combine_shares(plan, mass, candidates, width));

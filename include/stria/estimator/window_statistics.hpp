@@ -97,8 +97,8 @@ class window_backend {
     if (sum_.empty()) sum_ = row_sum(max_);  // one rank: its own max is the global one
     const index_t heads = shape_.heads_q, blocks = plan_.rank_blocks, per_rank = plan_.per_rank;
     const index_t first_local_block = plan_.shape.num_blocks() - plan_.shape.local_blocks;  // its tokens are never vertical candidates
-    share_.mass.resize(static_cast<std::size_t>(heads * (blocks + 1)));
-    share_.candidates.resize(static_cast<std::size_t>(heads * per_rank));
+    share_.mass.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(blocks + 1));
+    share_.candidates.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(per_rank));
     std::vector<double> column_mass(static_cast<std::size_t>(tokens_));
     std::vector<double> block_mass(static_cast<std::size_t>(blocks));
     std::vector<vertical_candidate> column(static_cast<std::size_t>(tokens_));
@@ -122,11 +122,11 @@ class window_backend {
         const index_t token = key_global_[j];
         column[j] = {token / block_tokens >= first_local_block ? -1.0f : float(column_mass[j]), token};
       }
-      float* mass = share_.mass.data() + static_cast<std::size_t>(h * (blocks + 1));
+      float* mass = share_.mass.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(blocks + 1);
       for (index_t b = 0; b < blocks; ++b) mass[b] = float(block_mass[static_cast<std::size_t>(b)]);
       mass[blocks] = float(total);
       std::partial_sort(column.begin(), column.begin() + per_rank, column.end());
-      std::copy(column.begin(), column.begin() + per_rank, share_.candidates.begin() + h * per_rank);
+      std::copy(column.begin(), column.begin() + per_rank, share_.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
     }
   }
 
