@@ -20,38 +20,13 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
+#include "support/counting_comm.hpp"
 #include "support/random.hpp"
 
 namespace third_party {
 
 using stria::index_t;
 using stria::vertical_candidate;
-
-/// Forwards to host_threads and counts the collectives and the bytes every all-gather brings.
-struct counting_comm {
-  stria::comm::host_threads& comm;
-  int broadcasts = 0, all_reduces = 0, all_gathers = 0;
-  std::size_t gathered_bytes = 0;
-
-  index_t rank() const { return comm.rank(); }
-  index_t world_size() const { return comm.world_size(); }
-  template <class T>
-  void broadcast(T* data, std::size_t count, index_t root) {
-    ++broadcasts;
-    comm.broadcast(data, count, root);
-  }
-  template <class T>
-  void all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op op) {
-    ++all_reduces;
-    comm.all_reduce(send, recv, count, op);
-  }
-  template <class T>
-  void all_gather(const T* send, T* recv, std::size_t count) {
-    ++all_gathers;
-    gathered_bytes += count * sizeof(T) * static_cast<std::size_t>(comm.world_size());
-    comm.all_gather(send, recv, count);
-  }
-};
 
 /// A rank's share is given; its window is two rows of its rank, its row max (rank, -rank), its sums
 /// (global max + rank / 2, 1). It records the members the engine calls, in order.
@@ -143,7 +118,7 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
   std::vector<int> collectives(result.size());
   ranks.run([&](comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
-    third_party::counting_comm counting{c};
+    third_party::counting_comm counting(c);
     third_party::share_backend b{plan, c.rank(), shares[r]};
     result[r] = engine::gather_window_statistics(b, counting, plan);
     calls[r] = b.calls;
