@@ -71,7 +71,8 @@ struct share_backend {
   }
   statistics own_statistics() {
     calls.emplace_back("own_statistics");
-    return stria::engine::combine_shares(plan, share.mass, share.candidates, std::vector<index_t>(static_cast<std::size_t>(plan.shape.num_heads), plan.per_rank));
+    const std::vector<index_t> whole_runs(static_cast<std::size_t>(plan.shape.num_heads), plan.per_rank);
+    return stria::engine::combine_shares(plan, share.mass, share.candidates, whole_runs);
   }
 };
 static_assert(stria::engine::window_statistics_backend<share_backend>);

@@ -44,7 +44,8 @@ class window_backend {
       : plan_(plan), owner_(rank == plan.window_owner), k_(k_local), heads_(plan.shape.num_heads), heads_kv_(heads_kv), dim_(dim),
         rows_(plan.shape.window_rows), blocks_(plan.rank_blocks), tokens_(plan.rank_blocks * block_tokens),
         scale_log2_(float(softmax_scale * 1.4426950408889634)), stream_(stream), timing_(timing), last_(start),
-        window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)), key_global_block_(plan.global_blocks(rank), stream) {}
+        window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)),
+        key_global_block_(plan.global_blocks(rank), stream) {}
 
   window_rows& window() {
     host_window_.resize(static_cast<std::size_t>(rows_ * heads_ * dim_));
@@ -65,7 +66,7 @@ class window_backend {
     STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     lap(&estimator::statistics_timing::setup_ms);
-    device_buffer<float> tile_max(static_cast<std::size_t>(heads_ * rows_) * static_cast<std::size_t>(blocks_), stream_), tile_sum(tile_max.size(), stream_);
+    device_buffer<float> tile_max(row_count() * static_cast<std::size_t>(blocks_), stream_), tile_sum(tile_max.size(), stream_);
     kernel::window_tile_partials<T><<<grid(), kernel::window_threads, shared, stream_>>>(window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_,
                                                                                         dim_, plan_.first_row(), scale_log2_, plan_.shape.causal, blocks_,
                                                                                         tile_max.data(), tile_sum.data());

@@ -184,9 +184,10 @@ inline vs_statistics combine_shares(const window_plan& plan, std::span<const flo
     const index_t w = width[static_cast<std::size_t>(h)];
     for (index_t r = 0; r < plan.world; ++r) {
       const float* m = mass.data() + static_cast<std::size_t>(r * heads + h) * static_cast<std::size_t>(row);
-      for (index_t b = 0; b < plan.rank_blocks; ++b)
-        st.slash_mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(st.num_diagonals()) +
-                      static_cast<std::size_t>(st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset())] = m[b];
+      for (index_t b = 0; b < plan.rank_blocks; ++b) {
+        const index_t diagonal = st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset();
+        st.slash_mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(st.num_diagonals()) + static_cast<std::size_t>(diagonal)] = m[b];
+      }
       st.window_mass[static_cast<std::size_t>(h)] = r == 0 ? m[row - 1] : st.window_mass[static_cast<std::size_t>(h)] + m[row - 1];
       const auto run = candidates.begin() + r * rank_size + first;
       union_h.insert(union_h.end(), run, run + w);
@@ -235,8 +236,9 @@ typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, co
   rank_share mine = b.rank_share();
   const std::size_t share = mine.mass.size() + static_cast<std::size_t>(heads * detail::sketch_points);
   for (index_t h = 0; h < heads; ++h)
-    for (index_t i = 0; i < detail::sketch_points; ++i)
-      mine.mass.push_back(per_rank == 0 ? 0.0f : mine.candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
+    for (index_t i = 0; i < detail::sketch_points && per_rank > 0; ++i)
+      mine.mass.push_back(mine.candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
+  mine.mass.resize(share);  // no candidates: a sketch of zeros
   std::vector<float> gathered(share * static_cast<std::size_t>(world)), mass, sketch;
   comm.all_gather(mine.mass.data(), gathered.data(), share);
   for (auto first = gathered.begin(); first != gathered.end(); first += static_cast<std::ptrdiff_t>(share)) {
