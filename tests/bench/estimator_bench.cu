@@ -4,7 +4,8 @@
 //  - S = 128K on one GPU: window statistics + GPU selection (estimate_device), then the step index build;
 //  - S = 128K and 512K over W = 8 ranks sharing the one GPU (threads, host_threads collectives): every rank's
 //    estimate and its 8 step indices; per rank = total / 8 is what one rank would take on its own GPU
-//    if the 8 shared nothing (they share this GPU, so the total is close to the sum of their work).
+//    if the 8 shared nothing (they share this GPU, so the total is close to the sum of their work);
+//    at 128K also rank 0's statistics phase by phase, from one more synchronising run.
 // Medians of repeated runs after warm-up; wall-clock, since the estimate includes its host steps.
 #include <cuda_bf16.h>
 
@@ -44,10 +45,15 @@ double median(std::vector<double> x) {
 
 struct result {
   double estimate_ms, index_ms, density;
+  estimator::statistics_timing phases;  // rank 0's, from the extra synchronising run (with `breakdown`)
+  double statistics_ms, selection_ms;   // that run's statistics and GPU selection on rank 0
+  index_t candidates_per_head;          // the union rank 0 uploads per head
 };
 
 /// All ranks' estimate and index builds on `world` threads sharing the GPU; medians over `repeats`.
-result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, index_t world, int repeats) {
+/// With `breakdown`, one more run outside the medians times rank 0's statistics phase by phase
+/// (each phase ends with a synchronisation; the other ranks run unprofiled).
+result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, index_t world, int repeats, bool breakdown) {
   const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
   const sharding::striped<64> sharding;
   const topology::flat_ring ring(world);
@@ -68,6 +74,7 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
   }
   std::vector<double> estimate_ms, index_ms;
   global_selection selection;
+  result out{};
   comm::host_world ranks(world, std::chrono::seconds(600));
   ranks.run([&](comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
@@ -91,10 +98,29 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
       }
       if (r == 0 && i == repeats + 1) selection = on_device.to_host(stream);
     }
+    if (breakdown) {
+      c.barrier();
+      const auto t0 = clock_type::now();
+      const estimator::device_statistics st = estimator::gather_window_statistics_device(
+          c, sharding, s, true, q_d[r].data(), k_d[r].data(), hq, hkv, d, 1.0 / std::sqrt(double(d)), estimator.request(s), stream,
+          r == 0 ? &out.phases : nullptr);
+      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const auto t1 = clock_type::now();
+      (void)estimator::select_device(st, estimator.rule(s), stream);
+      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (r == 0) {
+        out.statistics_ms = ms(t0, t1);
+        out.selection_ms = ms(t1, clock_type::now());
+        out.candidates_per_head = st.candidates_per_head;
+      }
+    }
     STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
   });
   const ring_workload w = count_ring_workload(selection, sharding, ring);
-  return {median(estimate_ms), median(index_ms), double(w.total()) / (double(s) * (s + 1) / 2.0 * hq)};
+  out.estimate_ms = median(estimate_ms);
+  out.index_ms = median(index_ms);
+  out.density = double(w.total()) / (double(s) * (s + 1) / 2.0 * hq);
+  return out;
 }
 
 }  // namespace
@@ -154,10 +180,16 @@ int main(int argc, char** argv) try {
     const auto t0 = clock_type::now();
     const host::synthetic_vs data = host::make_synthetic_vs(o);
     const double gen_s = std::chrono::duration<double>(clock_type::now() - t0).count();
-    const result r = run(data, o, world, once ? 1 : 9);
+    const bool breakdown = world > 1 && seq == 131072;
+    const result r = run(data, o, world, once ? 1 : 9, breakdown);
     std::printf("%-34s %12.2f %14.2f %9.2f%%   (inputs generated in %.1f s)\n", name, r.estimate_ms, r.index_ms, 100 * r.density, gen_s);
     if (world > 1)
       std::printf("%-34s %12.2f %14.2f\n", "  per rank (total / 8)", r.estimate_ms / world, r.index_ms / world);
+    if (breakdown)
+      std::printf("  rank 0's statistics phases (ms, a separate synchronising run): setup %.2f, pass 1 %.2f, softmax %.2f, pass 2 %.2f,"
+                  " top-k %.2f, collectives %.2f; statistics %.2f + GPU selection %.2f; union kept per head %d\n",
+                  r.phases.setup_ms, r.phases.pass1_ms, r.phases.softmax_ms, r.phases.pass2_ms, r.phases.topk_ms, r.phases.collectives_ms,
+                  r.statistics_ms, r.selection_ms, static_cast<int>(r.candidates_per_head));
   }
   return 0;
 } catch (const std::exception& e) {

@@ -17,6 +17,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "support/oracle.hpp"
+#include "support/counting_comm.hpp"
 #include "support/random.hpp"
 #include "support/selection.hpp"
 
@@ -24,43 +25,6 @@ namespace third_party {
 
 using stria::index_t;
 
-/// One rank of a world of threads, through host_threads, counting what it moves.
-class counting_comm {
- public:
-  explicit counting_comm(stria::comm::host_threads& inner) : inner_(inner) {}
-
-  [[nodiscard]] index_t rank() const { return inner_.rank(); }
-  [[nodiscard]] index_t world_size() const { return inner_.world_size(); }
-  template <class T>
-  void send(const T* data, std::size_t count, index_t peer, int tag) {
-    ++messages;
-    inner_.send(data, count, peer, tag);
-  }
-  template <class T>
-  void recv(T* data, std::size_t count, index_t peer, int tag) {
-    inner_.recv(data, count, peer, tag);
-  }
-  template <class T>
-  void broadcast(T* data, std::size_t count, index_t root) {
-    ++collectives;
-    inner_.broadcast(data, count, root);
-  }
-  template <class T>
-  void all_reduce(const T* send_data, T* recv_data, std::size_t count, stria::comm::reduce_op op) {
-    ++collectives;
-    inner_.all_reduce(send_data, recv_data, count, op);
-  }
-  template <class T>
-  void all_gather(const T* send_data, T* recv_data, std::size_t count) {
-    ++collectives;
-    inner_.all_gather(send_data, recv_data, count);
-  }
-
-  int messages = 0, collectives = 0;
-
- private:
-  stria::comm::host_threads& inner_;
-};
 static_assert(stria::host_communicator<counting_comm>);
 
 /// Collectives only (what an estimator needs, e.g. a world of one rank): not enough for the host ring.

@@ -69,11 +69,11 @@ struct device_statistics {
 /// synchronises the stream at each phase end, so pass a pointer only when profiling.
 struct statistics_timing {
   double setup_ms = 0;        // checks, window broadcast, uploads
-  double pass1_ms = 0;        // row max / sum kernels and their download
-  double softmax_ms = 0;      // the two collectives of the global softmax
+  double pass1_ms = 0;        // row max / sum kernels
+  double softmax_ms = 0;      // their download and the two collectives of the global softmax
   double pass2_ms = 0;        // probability kernel
   double topk_ms = 0;         // candidate sort
-  double collectives_ms = 0;  // downloads, slash/window all-reduces, candidate all-gather, union, upload
+  double collectives_ms = 0;  // downloads, the masses' and the candidates' all-gathers, union, upload
                               // (one rank: the kernel that finishes the statistics on the device)
 };
 

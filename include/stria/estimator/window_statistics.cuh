@@ -1,19 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// Window statistics on the GPU: the same algorithm and the same statistics as
-// gather_window_statistics (window_statistics.hpp), kept in device memory (device_statistics), with
-// the heavy work in kernels (device/window_statistics.cuh launches them); then estimate_device,
-// which selects on the GPU too. The collectives exchange small host arrays (rows x heads, diagonals
-// x heads, candidates), so any host_collectives communicator works; a world of one rank needs no
-// collective and no host round trip.
+// Window statistics on the GPU: the engine of gather_window_statistics (window_statistics.hpp) on
+// the device backend, the statistics kept in device memory (device_statistics); then
+// estimate_device, which selects on the GPU too. The collectives exchange small host arrays (rows x
+// heads, blocks x heads, candidates), so any host_collectives communicator works; a world of one
+// rank needs no collective and no host round trip.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <concepts>
+#include <cstdint>
+#include <utility>
 
 #include "stria/comm/host_threads.hpp"
+#include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
+#include "stria/core/error.hpp"
 #include "stria/device/window_statistics.cuh"
+#include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/device_statistics.cuh"
 #include "stria/estimator/select.cuh"
 #include "stria/estimator/statistics.hpp"
@@ -22,17 +27,30 @@
 
 namespace stria::estimator {
 
-/// The window statistics, identical on every rank, in device memory, queued on `stream`.
-/// q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous device tensors of bf16,
-/// fp16 or float. device/window_statistics.cuh launches the kernels.
+/// The window statistics, identical on every rank, in device memory, queued on `stream`:
+/// engine::gather_window_statistics on the device backend (device/window_statistics.cuh). Each
+/// head's candidates are the first request.vertical_candidates of the host statistics' union, all
+/// that a selection reads. q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous
+/// device tensors of bf16, fp16 or float. With `timing`, every phase ends with a synchronisation.
 template <class Comm, sharding_policy Sharding, class T>
 device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                               statistics_request request, cudaStream_t stream,
                                               statistics_timing* timing = nullptr) {
   static_assert(check_host_collectives<Comm>());
-  return device::gather_window_statistics(comm, sharding, seq_len, causal, q_local, k_local, heads_q, heads_kv, dim, softmax_scale, request,
-                                          stream, timing);
+  const auto start = std::chrono::steady_clock::now();
+  const shard_layout layout{seq_len / block_tokens, comm.world_size()};
+  sharding.validate(layout);
+  const index_t local_tokens = sharding.local_blocks(layout) * block_tokens;
+  attention_shape{local_tokens, local_tokens, heads_q, heads_kv, dim}.validate();
+  if (q_local == nullptr) throw invalid_argument("q_local", "nullptr", "must point to device memory");
+  if (k_local == nullptr) throw invalid_argument("k_local", "nullptr", "must point to device memory");
+  for (const auto& [name, pointer] : {std::pair{"q_local", static_cast<const void*>(q_local)}, std::pair{"k_local", static_cast<const void*>(k_local)}})
+    if (reinterpret_cast<std::uintptr_t>(pointer) % 16 != 0)
+      throw invalid_argument(name, pointer, "must be 16-byte aligned (the kernels load 16-byte vectors)");
+  const engine::window_plan plan = engine::make_window_plan(sharding, seq_len, layout.world_size, causal, heads_q, request, request.vertical_candidates);
+  device::detail::window_backend<T> backend(plan, comm.rank(), q_local, k_local, heads_kv, dim, softmax_scale, stream, timing, start);
+  return engine::gather_window_statistics(backend, comm, plan);
 }
 
 /// estimate() on the GPU: the window statistics, then the selection, into a device_selection for

@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host gathering of the observation window's statistics across ranks (DESIGN 7, steps 1-3), and
-// estimate(): statistics then selection. Runs on any communicator with the host_threads surface.
+// The host backend of the window statistics engine (engine/window_statistics_engine.hpp) and
+// estimate(): statistics then selection. Runs on any communicator with the host_collectives surface.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -14,53 +15,13 @@
 #include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
 #include "stria/core/tensor_view.hpp"
+#include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/statistics.hpp"
 #include "stria/index/global_selection.hpp"
 
 namespace stria::estimator {
 
 namespace detail {
-
-/// Statistics of `heads` query heads with zeroed slash and window masses, ready to be filled.
-inline vs_statistics empty_statistics(index_t seq_len, index_t heads, bool causal, index_t window_rows, index_t local_blocks) {
-  vs_statistics st;
-  st.seq_len = seq_len;
-  st.num_heads = heads;
-  st.causal = causal;
-  st.window_rows = window_rows;
-  st.local_blocks = local_blocks;
-  st.slash_mass.assign(static_cast<std::size_t>(heads) * static_cast<std::size_t>(st.num_diagonals()), 0.0f);
-  st.window_mass.assign(static_cast<std::size_t>(heads), 0.0f);
-  return st;
-}
-
-/// The collectives that finish every rank's statistics, shared by the host and device paths: slash
-/// and window mass summed over ranks (in rank order), and each rank's `per_rank` top candidates per
-/// head ([heads, per_rank] in `mine`) gathered into every head's union, in selection order, without
-/// the local-block sentinels (mass -1).
-template <class Comm>
-void finish_statistics(Comm& comm, vs_statistics& st, const std::vector<vertical_candidate>& mine, index_t per_rank) {
-  comm.all_reduce(st.slash_mass.data(), st.slash_mass.data(), st.slash_mass.size(), comm::reduce_op::sum);
-  comm.all_reduce(st.window_mass.data(), st.window_mass.data(), st.window_mass.size(), comm::reduce_op::sum);
-  const index_t world = comm.world_size(), heads = st.num_heads;
-  std::vector<vertical_candidate> all(mine.size() * static_cast<std::size_t>(world));
-  comm.all_gather(mine.data(), all.data(), mine.size());
-  st.vertical.assign(static_cast<std::size_t>(heads), {});
-  for (index_t h = 0; h < heads; ++h) {
-    // Each rank's run is already in selection order: merge the runs pairwise instead of sorting.
-    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
-    union_h.reserve(static_cast<std::size_t>(world) * static_cast<std::size_t>(per_rank));
-    for (index_t r = 0; r < world; ++r) {
-      const auto begin = all.begin() + (static_cast<std::ptrdiff_t>(r) * heads + h) * per_rank;
-      union_h.insert(union_h.end(), begin, begin + per_rank);
-    }
-    for (index_t width = per_rank; width < static_cast<index_t>(union_h.size()); width *= 2)
-      for (index_t first = 0; first + width < static_cast<index_t>(union_h.size()); first += 2 * width)
-        std::inplace_merge(union_h.begin() + first, union_h.begin() + first + width,
-                           union_h.begin() + std::min<index_t>(first + 2 * width, static_cast<index_t>(union_h.size())));
-    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
-  }
-}
 
 /// The selection when an estimator asks for no statistics: select() on the shape alone.
 template <index_estimator Estimator>
@@ -72,131 +33,142 @@ global_selection select_without_statistics(const Estimator& estimator, index_t s
   return estimator.select(shape);
 }
 
+/// The host backend of the window statistics engine: the reference tile math in plain loops on this
+/// rank's shards, scores in fp32, sums of exp and probabilities in fp64.
+template <class T>
+class window_backend {
+ public:
+  using window_rows = std::vector<float>;  // [rows, Hq, D]
+  using statistics = vs_statistics;
+
+  window_backend(const engine::window_plan& plan, index_t rank, const attention_shape& shape, tensor_view<const T, 3> q_local,
+                 tensor_view<const T, 3> k_local, double softmax_scale)
+      : plan_(plan), shape_(shape), k_(k_local), scale_(softmax_scale), rows_(plan.shape.window_rows), tokens_(plan.rank_blocks * block_tokens),
+        window_(static_cast<std::size_t>(rows_ * shape.heads_q * shape.head_dim), 0.0f) {
+    for (const index_t block : plan.global_blocks(rank))
+      for (index_t t = 0; t < block_tokens; ++t) key_global_.push_back(block * block_tokens + t);
+    for (std::size_t i = 0; rank == plan.window_owner && i < window_.size(); ++i) {  // i = (row * Hq + h) * D + d
+      const auto d = static_cast<index_t>(i) % shape.head_dim, row_head = static_cast<index_t>(i) / shape.head_dim;
+      window_[i] = float(q_local(plan.window_local_token + row_head / shape.heads_q, row_head % shape.heads_q, d));
+    }
+  }
+
+  window_rows& window() { return window_; }
+
+  /// Scores against the local keys [Hq, rows, local tokens], -inf where causally masked, and the row max.
+  void score_window() {
+    const index_t heads = shape_.heads_q, dim = shape_.head_dim;
+    score_.resize(static_cast<std::size_t>(heads * rows_) * static_cast<std::size_t>(tokens_));
+    max_.assign(static_cast<std::size_t>(heads * rows_), neg_inf);
+    for (index_t r = 0; r < heads * rows_; ++r) {  // r = h * rows + a
+      const index_t h = r / rows_, a = r % rows_, hk = shape_.kv_head(h);
+      const float* q = window_.data() + static_cast<std::size_t>((a * heads + h) * dim);
+      for (index_t j = 0; j < tokens_; ++j) {
+        float& s = score_[static_cast<std::size_t>(r) * static_cast<std::size_t>(tokens_) + static_cast<std::size_t>(j)];
+        s = neg_inf;
+        if (plan_.shape.causal && key_global_[static_cast<std::size_t>(j)] > plan_.first_row() + a) continue;
+        float dot = 0;
+        for (index_t d = 0; d < dim; ++d) dot += q[d] * float(k_(j, hk, d));
+        s = dot * float(scale_);
+        max_[static_cast<std::size_t>(r)] = std::max(max_[static_cast<std::size_t>(r)], s);
+      }
+    }
+  }
+
+  std::vector<float> row_max() const { return max_; }
+  /// Sums of many small terms accumulate in fp64 here, then travel as fp32.
+  std::vector<float> row_sum(const std::vector<float>& global_max) const {
+    std::vector<float> sum(global_max.size());
+    for (std::size_t r = 0; r < sum.size(); ++r) {
+      double total = 0;
+      for (std::size_t j = 0; j < static_cast<std::size_t>(tokens_); ++j)
+        if (const float s = score_[r * static_cast<std::size_t>(tokens_) + j]; s != neg_inf) total += std::exp(double(s) - double(global_max[r]));
+      sum[r] = float(total);
+    }
+    return sum;
+  }
+  void place_normaliser(const std::vector<float>& global_max, const std::vector<float>& global_sum) {
+    max_ = global_max;
+    sum_ = global_sum;
+  }
+
+  /// Probabilities into window mass per key token (the candidates) and per key block; each head's top candidates.
+  void probabilities() {
+    if (sum_.empty()) sum_ = row_sum(max_);  // one rank: its own max is the global one
+    const index_t heads = shape_.heads_q, blocks = plan_.rank_blocks, per_rank = plan_.per_rank;
+    const index_t first_local_block = plan_.shape.num_blocks() - plan_.shape.local_blocks;  // its tokens are never vertical candidates
+    share_.mass.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(blocks + 1));
+    share_.candidates.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(per_rank));
+    std::vector<double> column_mass(static_cast<std::size_t>(tokens_));
+    std::vector<double> block_mass(static_cast<std::size_t>(blocks));
+    std::vector<vertical_candidate> column(static_cast<std::size_t>(tokens_));
+    for (index_t h = 0; h < heads; ++h) {
+      std::fill(column_mass.begin(), column_mass.end(), 0.0);
+      std::fill(block_mass.begin(), block_mass.end(), 0.0);
+      double total = 0;
+      for (index_t a = 0; a < rows_; ++a) {
+        const auto r = static_cast<std::size_t>(h * rows_ + a);
+        if (sum_[r] == 0.0f) continue;  // a row with no keys anywhere contributes nothing
+        for (std::size_t j = 0; j < column.size(); ++j) {
+          const float s = score_[r * column.size() + j];
+          if (s == neg_inf) continue;
+          const double p = std::exp(double(s) - double(max_[r])) / double(sum_[r]);
+          column_mass[j] += p;
+          block_mass[j / block_tokens] += p;
+          total += p;
+        }
+      }
+      for (std::size_t j = 0; j < column.size(); ++j) {  // local-block tokens sort last: never among the candidates
+        const index_t token = key_global_[j];
+        column[j] = {token / block_tokens >= first_local_block ? -1.0f : float(column_mass[j]), token};
+      }
+      float* mass = share_.mass.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(blocks + 1);
+      for (index_t b = 0; b < blocks; ++b) mass[b] = float(block_mass[static_cast<std::size_t>(b)]);
+      mass[blocks] = float(total);
+      std::partial_sort(column.begin(), column.begin() + per_rank, column.end());
+      std::copy(column.begin(), column.begin() + per_rank, share_.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
+    }
+  }
+
+  engine::rank_share rank_share() { return std::move(share_); }
+  vs_statistics global_statistics(vs_statistics st) { return st; }
+  vs_statistics own_statistics() {
+    return engine::combine_shares(plan_, share_.mass, share_.candidates, std::vector<index_t>(static_cast<std::size_t>(shape_.heads_q), plan_.per_rank));
+  }
+
+ private:
+  static constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  const engine::window_plan& plan_;
+  attention_shape shape_;
+  tensor_view<const T, 3> k_;
+  double scale_;
+  index_t rows_, tokens_;
+  std::vector<float> window_;                 // [rows, Hq, D]
+  std::vector<index_t> key_global_;           // [local tokens]
+  std::vector<float> score_, max_, sum_;      // [Hq, rows, local tokens], [Hq, rows] x 2
+  engine::rank_share share_;
+};
+
 }  // namespace detail
 
-/// Gathers the window statistics of `request` on every rank, identically:
-/// 1. the window (the last window_rows global query tokens) reaches every rank: each owner writes its
-///    rows into a zeroed buffer and an all-reduce sums them (exact: every element has one writer);
-/// 2. each rank scores the window against its local keys (scaled, causal by global position);
-/// 3. the softmax becomes global: all-reduce of the row max, then of the row sum of exp;
-/// 4. slash mass per block diagonal is summed locally and all-reduced; each rank contributes its
-///    top vertical candidates per head, and an all-gather gives every rank their union.
+/// Gathers the window statistics of `request` on every rank, identically: engine::gather_window_statistics
+/// on the host backend; each head's union holds every rank's top candidates.
 ///   q_local [S_local, Hq, D]   k_local [S_local, Hkv, D]   (this rank's shards under `sharding`)
 template <class Comm, sharding_policy Sharding, class T>
 vs_statistics gather_window_statistics(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                                        tensor_view<const T, 3> q_local, tensor_view<const T, 3> k_local, double softmax_scale,
                                        statistics_request request) {
   static_assert(check_host_collectives<Comm>());
-  const index_t world = comm.world_size(), rank = comm.rank();
   const attention_shape shape{q_local.extent(0), k_local.extent(0), q_local.extent(1), k_local.extent(1), q_local.extent(2)};
   shape.validate();
-  const shard_layout layout{seq_len / block_tokens, world};
+  const shard_layout layout{seq_len / block_tokens, comm.world_size()};
   sharding.validate(layout);
   const index_t local_tokens = sharding.local_blocks(layout) * block_tokens;
   check_extents(q_local, {local_tokens, shape.heads_q, shape.head_dim}, "q_local");
   check_extents(k_local, {local_tokens, shape.heads_kv, shape.head_dim}, "k_local");
-  if (request.window_rows < 1 || request.window_rows > std::min(seq_len, block_tokens))
-    throw invalid_argument("request.window_rows", request.window_rows, "must lie in [1, 64]: the window is the end of the last block");
-  if (request.local_blocks < 0 || request.local_blocks > seq_len / block_tokens)
-    throw invalid_argument("request.local_blocks", request.local_blocks, "must lie in [0, seq_len / 64]");
-
-  const index_t rows = request.window_rows, heads = shape.heads_q, dim = shape.head_dim;
-  const index_t first_row = seq_len - rows;  // global token of window row 0
-  auto global_token = [&](index_t local_token) {
-    return sharding.global_block(layout, {rank, local_token / block_tokens}) * block_tokens + local_token % block_tokens;
-  };
-
-  // 1. The window's queries on every rank: [rows, Hq, D].
-  std::vector<float> window(static_cast<std::size_t>(rows) * heads * dim, 0.0f);
-  for (index_t a = 0; a < rows; ++a) {
-    const index_t token = first_row + a;
-    const block_location where = sharding.locate(layout, token / block_tokens);
-    if (where.rank != rank) continue;
-    const index_t local = where.local_block * block_tokens + token % block_tokens;
-    for (index_t h = 0; h < heads; ++h)
-      for (index_t d = 0; d < dim; ++d) window[(static_cast<std::size_t>(a) * heads + h) * dim + d] = float(q_local(local, h, d));
-  }
-  comm.all_reduce(window.data(), window.data(), window.size(), comm::reduce_op::sum);
-
-  // 2. Scores against the local keys, [Hq, rows, local_tokens]; -inf where causally masked.
-  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<index_t> key_global(static_cast<std::size_t>(local_tokens));
-  for (index_t j = 0; j < local_tokens; ++j) key_global[static_cast<std::size_t>(j)] = global_token(j);
-  std::vector<float> score(static_cast<std::size_t>(heads) * rows * local_tokens);
-  std::vector<float> row_max(static_cast<std::size_t>(heads) * rows, neg_inf);
-  for (index_t h = 0; h < heads; ++h) {
-    const index_t hk = shape.kv_head(h);
-    for (index_t a = 0; a < rows; ++a) {
-      const float* qrow = window.data() + (static_cast<std::size_t>(a) * heads + h) * dim;
-      float& top = row_max[static_cast<std::size_t>(h) * rows + a];
-      for (index_t j = 0; j < local_tokens; ++j) {
-        float& s = score[(static_cast<std::size_t>(h) * rows + a) * local_tokens + j];
-        if (causal && key_global[static_cast<std::size_t>(j)] > first_row + a) {
-          s = neg_inf;
-          continue;
-        }
-        float dot = 0;
-        for (index_t d = 0; d < dim; ++d) dot += qrow[d] * float(k_local(j, hk, d));
-        s = dot * float(softmax_scale);
-        top = std::max(top, s);
-      }
-    }
-  }
-  // 3. Global softmax normaliser.
-  comm.all_reduce(row_max.data(), row_max.data(), row_max.size(), comm::reduce_op::max);
-  // Sums of many small terms accumulate in double here, then travel as float.
-  std::vector<float> row_sum(row_max.size(), 0.0f);
-  for (std::size_t r = 0; r < row_max.size(); ++r) {
-    double sum = 0;
-    for (index_t j = 0; j < local_tokens; ++j) {
-      const float s = score[r * static_cast<std::size_t>(local_tokens) + static_cast<std::size_t>(j)];
-      if (s != neg_inf) sum += std::exp(double(s) - double(row_max[r]));
-    }
-    row_sum[r] = float(sum);
-  }
-  comm.all_reduce(row_sum.data(), row_sum.data(), row_sum.size(), comm::reduce_op::sum);
-
-  // 4. Probabilities into vertical (per key token) and slash (per block diagonal) sums.
-  vs_statistics st = detail::empty_statistics(seq_len, heads, causal, rows, request.local_blocks);
-  const index_t first_local_block = layout.num_blocks - request.local_blocks;  // its tokens are never vertical candidates
-  const index_t diagonals = st.num_diagonals(), offset = st.diagonal_offset();
-  // Every rank sends the same number of candidates (one all-gather); local-block tokens carry mass
-  // -1, sort last, and are dropped from the union, so its top-k is exact for k <= per_rank.
-  const index_t per_rank = std::min(request.vertical_candidates, local_tokens);
-  std::vector<vertical_candidate> mine(static_cast<std::size_t>(heads) * per_rank);
-  std::vector<vertical_candidate> column(static_cast<std::size_t>(local_tokens));
-  std::vector<double> column_mass(static_cast<std::size_t>(local_tokens)), slash(static_cast<std::size_t>(diagonals));
-  for (index_t h = 0; h < heads; ++h) {
-    std::fill(column_mass.begin(), column_mass.end(), 0.0);
-    std::fill(slash.begin(), slash.end(), 0.0);
-    double total = 0;
-    for (index_t a = 0; a < rows; ++a) {
-      const std::size_t r = static_cast<std::size_t>(h) * rows + a;
-      if (row_sum[r] == 0.0f) continue;  // a row with no keys anywhere contributes nothing
-      const index_t q_block = (first_row + a) / block_tokens;
-      for (index_t j = 0; j < local_tokens; ++j) {
-        const float s = score[r * static_cast<std::size_t>(local_tokens) + static_cast<std::size_t>(j)];
-        if (s == neg_inf) continue;
-        const double p = std::exp(double(s) - double(row_max[r])) / double(row_sum[r]);
-        column_mass[static_cast<std::size_t>(j)] += p;
-        slash[static_cast<std::size_t>(q_block - key_global[static_cast<std::size_t>(j)] / block_tokens + offset)] += p;
-        total += p;
-      }
-    }
-    // Tokens of the local blocks get no vertical mass: they sort last and are never among the candidates.
-    for (index_t j = 0; j < local_tokens; ++j) {
-      const index_t token = key_global[static_cast<std::size_t>(j)];
-      const bool local_block = token / block_tokens >= first_local_block;
-      column[static_cast<std::size_t>(j)] = {local_block ? -1.0f : float(column_mass[static_cast<std::size_t>(j)]), token};
-    }
-    for (index_t x = 0; x < diagonals; ++x)
-      st.slash_mass[static_cast<std::size_t>(h) * diagonals + static_cast<std::size_t>(x)] = float(slash[static_cast<std::size_t>(x)]);
-    st.window_mass[static_cast<std::size_t>(h)] = float(total);
-    std::partial_sort(column.begin(), column.begin() + per_rank, column.end());
-    std::copy(column.begin(), column.begin() + per_rank, mine.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
-  }
-  detail::finish_statistics(comm, st, mine, per_rank);
-  return st;
+  const engine::window_plan plan = engine::make_window_plan(sharding, seq_len, layout.world_size, causal, shape.heads_q, request);
+  detail::window_backend<T> backend(plan, comm.rank(), shape, q_local, k_local, softmax_scale);
+  return engine::gather_window_statistics(backend, comm, plan);
 }
 
 /// The estimator's global selection, identical on every rank: statistics (when it asks for any),

@@ -1,0 +1,258 @@
+// SPDX-License-Identifier: Apache-2.0
+// The estimator's window statistics, written once for the host and the device backend (DESIGN 7
+// and 10): the steps of one rank's gathering and the collectives that make them global.
+#pragma once
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "stria/core/concepts.hpp"
+#include "stria/core/error.hpp"
+#include "stria/core/tile.hpp"
+#include "stria/estimator/statistics.hpp"
+
+namespace stria::engine {
+
+/// Statistics of `heads` query heads with zeroed slash and window masses, ready to be filled.
+inline vs_statistics empty_statistics(index_t seq_len, index_t heads, bool causal, index_t window_rows, index_t local_blocks) {
+  vs_statistics st{seq_len, heads, causal, window_rows, {}, {}, {}, local_blocks};
+  st.slash_mass.assign(static_cast<std::size_t>(heads) * static_cast<std::size_t>(st.num_diagonals()), 0.0f);
+  st.window_mass.assign(static_cast<std::size_t>(heads), 0.0f);
+  return st;
+}
+
+/// One call's window statistics as the engine and both backends see them (make_window_plan).
+struct window_plan {
+  vs_statistics shape;  // seq_len, heads, causal, window rows and the request's local_blocks; masses zero
+  index_t world, rank_blocks;                // ranks; key blocks per rank
+  index_t window_owner, window_local_token;  // the last block's owner, and window row 0 as its local token
+  index_t per_rank, keep;                    // candidates per head each rank contributes; union entries kept per head
+  std::vector<index_t> key_global_block;     // [world, rank_blocks]: every rank's local key blocks as global blocks
+
+  [[nodiscard]] index_t first_row() const { return shape.seq_len - shape.window_rows; }  // global token of window row 0
+  [[nodiscard]] std::span<const index_t> global_blocks(index_t rank) const {
+    return std::span(key_global_block).subspan(static_cast<std::size_t>(rank * rank_blocks), static_cast<std::size_t>(rank_blocks));
+  }
+};
+
+/// make_window_plan's `keep` that keeps every rank's candidates in the union.
+inline constexpr index_t whole_union = std::numeric_limits<index_t>::max();
+
+/// The plan of `request` over `world` ranks under `sharding`, already validated on {seq_len / 64,
+/// world}. Each head's union keeps its first `keep` entries, the global top `keep` when keep <=
+/// per_rank (or every rank sends all its tokens): a selection that reads no more than its cap loses
+/// nothing when `keep` is that cap.
+template <sharding_policy Sharding>
+window_plan make_window_plan(const Sharding& sharding, index_t seq_len, index_t world, bool causal, index_t heads, const statistics_request& request,
+                             index_t keep = whole_union) {
+  if (request.window_rows < 1 || request.window_rows > std::min(seq_len, block_tokens))
+    throw invalid_argument("request.window_rows", request.window_rows, "must lie in [1, 64]: the window is the end of the last block");
+  if (request.local_blocks < 0 || request.local_blocks > seq_len / block_tokens)
+    throw invalid_argument("request.local_blocks", request.local_blocks, "must lie in [0, seq_len / 64]");
+  if (request.vertical_candidates < 0) throw invalid_argument("request.vertical_candidates", request.vertical_candidates, "must be >= 0");
+  const shard_layout layout{seq_len / block_tokens, world};
+  const index_t blocks = sharding.local_blocks(layout);
+  const block_location owner = sharding.locate(layout, layout.num_blocks - 1);
+  window_plan p{empty_statistics(seq_len, heads, causal, request.window_rows, request.local_blocks),
+                world, blocks, owner.rank, owner.local_block * block_tokens + (seq_len - request.window_rows) % block_tokens,
+                std::min(request.vertical_candidates, blocks * block_tokens), keep, {}};
+  for (index_t r = 0; r < world; ++r)
+    for (index_t b = 0; b < blocks; ++b) p.key_global_block.push_back(sharding.global_block(layout, {r, b}));
+  return p;
+}
+
+/// One rank's share of the statistics, what the collectives of step 5 combine.
+struct rank_share {
+  /// [Hq, rank_blocks + 1]: the window mass on each local key block (the window lies in the last
+  /// block, so a key block's mass is all on one block diagonal), then the rank's whole window mass.
+  std::vector<float> mass;
+  /// [Hq, per_rank]: each head's top vertical candidates in selection order; tokens of the request's
+  /// local blocks carry mass -1, so they sort last and never enter the union.
+  std::vector<vertical_candidate> candidates;
+};
+
+/// Requirements of a window statistics backend B, one rank's local work (built-ins:
+/// estimator::detail::window_backend, device::detail::window_backend). The engine makes every
+/// collective. Over one rank, where they are identities, it makes none and calls no member marked
+/// (W > 1): the backend's own window, row max and sums are then the global ones.
+/// - `b.window()` (W > 1): the window rows, a host array `B::window_rows&` that the owner has filled and
+///   the broadcast fills on the other ranks; `b.score_window()`: pass 1 against the local keys;
+/// - `b.row_max()` (W > 1): this rank's row max [Hq, rows]; `b.row_sum(global_max)` (W > 1): its
+///   sums of exp against the global max; `b.place_normaliser(global_max, global_sum)` (W > 1);
+/// - `b.probabilities()`: pass 2, each key token's and key block's window mass, each head's top
+///   per_rank candidates;
+/// - `b.rank_share()` (W > 1); `b.global_statistics(st)` (W > 1): the result `B::statistics` from the
+///   combined shares; `b.own_statistics()` (W = 1): the result from this rank's share alone.
+template <class B>
+concept window_statistics_backend = requires(B& b, const std::vector<float>& f, vs_statistics st) {
+  { b.window() } -> std::same_as<typename B::window_rows&>;
+  b.score_window();
+  { b.row_max() } -> std::same_as<std::vector<float>>;
+  { b.row_sum(f) } -> std::same_as<std::vector<float>>;
+  b.place_normaliser(f, f);
+  b.probabilities();
+  { b.rank_share() } -> std::same_as<rank_share>;
+  { b.global_statistics(std::move(st)) } -> std::same_as<typename B::statistics>;
+  { b.own_statistics() } -> std::same_as<typename B::statistics>;
+};
+
+/// window_statistics_backend<B> as one static_assert per requirement, each naming the missing member.
+template <class B>
+constexpr bool check_window_statistics_backend() {
+  using floats = const std::vector<float>&;
+  static_assert(requires { typename B::window_rows; }, "stria: Backend must have a member type window_rows (a host array)");
+  static_assert(requires { typename B::statistics; }, "stria: Backend must have a member type statistics (the gathering's result)");
+  static_assert(requires(B& b) { { b.window() } -> std::same_as<typename B::window_rows&>; },
+                "stria: Backend must have window() returning window_rows&");
+  static_assert(requires(B& b) { b.score_window(); }, "stria: Backend must have score_window()");
+  static_assert(requires(B& b) { { b.row_max() } -> std::same_as<std::vector<float>>; },
+                "stria: Backend must have row_max() returning std::vector<float>");
+  static_assert(requires(B& b, floats m) { { b.row_sum(m) } -> std::same_as<std::vector<float>>; },
+                "stria: Backend must have row_sum(const std::vector<float>& global_max) returning std::vector<float>");
+  static_assert(requires(B& b, floats m) { b.place_normaliser(m, m); },
+                "stria: Backend must have place_normaliser(const std::vector<float>& global_max, const std::vector<float>& global_sum)");
+  static_assert(requires(B& b) { b.probabilities(); }, "stria: Backend must have probabilities()");
+  static_assert(requires(B& b) { { b.rank_share() } -> std::same_as<rank_share>; },
+                "stria: Backend must have rank_share() returning stria::engine::rank_share");
+  static_assert(requires(B& b, vs_statistics st) { { b.global_statistics(std::move(st)) } -> std::same_as<typename B::statistics>; },
+                "stria: Backend must have global_statistics(stria::vs_statistics) returning statistics");
+  static_assert(requires(B& b) { { b.own_statistics() } -> std::same_as<typename B::statistics>; },
+                "stria: Backend must have own_statistics() returning statistics");
+  return true;
+}
+
+namespace detail {
+
+/// A head's sketch of a rank's run: the masses at positions ceil((i + 1) * per_rank / 64), i < 64.
+inline constexpr index_t sketch_points = 64;
+inline std::size_t sketch_position(index_t i, index_t per_rank) { return static_cast<std::size_t>((i + 1) * std::int64_t{per_rank} + 63) / 64; }
+
+/// How many entries of each head's run every rank sends, from the sketches [world, Hq, 64]: the
+/// first p_i entries of a run weigh >= its sketch point i, the rest <= it. So T, the largest sketch
+/// mass that `keep` entries are known to reach, has `keep` entries ahead of any lighter one, and a
+/// run is needed only before its first point lighter than T. All ranks send a head's largest need.
+inline std::vector<index_t> run_widths(std::span<const float> sketch, index_t world, index_t heads, index_t per_rank, index_t keep) {
+  std::vector<index_t> width(static_cast<std::size_t>(heads), per_rank);
+  for (index_t h = 0; h < heads && per_rank > 0; ++h) {
+    const auto reach = [&](index_t r, float t) {  // sketch points of rank r that weigh >= t (a run descends)
+      const float* s = sketch.data() + static_cast<std::size_t>((r * heads + h) * sketch_points);
+      return static_cast<index_t>(std::partition_point(s, s + sketch_points, [t](float m) { return m >= t; }) - s);
+    };
+    const auto known_below_keep = [&](float t) {
+      std::size_t known = 0;
+      for (index_t r = 0; r < world; ++r)
+        if (const index_t j = reach(r, t); j > 0) known += sketch_position(j - 1, per_rank);
+      return known < static_cast<std::size_t>(keep);
+    };
+    std::vector<float> masses;
+    for (index_t r = 0; r < world; ++r)
+      for (index_t i = 0; i < sketch_points; ++i)
+        if (const float m = sketch[static_cast<std::size_t>((r * heads + h) * sketch_points + i)]; m == m) masses.push_back(m);  // NaN: no threshold
+    std::sort(masses.begin(), masses.end(), std::greater<>());
+    const auto threshold = std::partition_point(masses.begin(), masses.end(), known_below_keep);
+    if (threshold == masses.end()) continue;  // `keep` reaches past every run: all of them
+    index_t& need = width[static_cast<std::size_t>(h)] = 0;
+    for (index_t r = 0; r < world; ++r)
+      need = std::max(need, reach(r, *threshold) < sketch_points ? static_cast<index_t>(sketch_position(reach(r, *threshold), per_rank)) - 1 : per_rank);
+  }
+  return width;
+}
+
+}  // namespace detail
+
+/// The statistics of `plan` from the ranks' shares: mass [world, Hq, rank_blocks + 1] (as in
+/// rank_share) and candidates [world, Hq, width[h]], each run in selection order. Each key block's
+/// mass lands on its block diagonal, window masses add up in rank order, and each head's union
+/// (runs merged pairwise, as the ranks' order fixes no tie: tokens differ) keeps its first plan.keep
+/// entries, the sentinels (mass -1) left out.
+inline vs_statistics combine_shares(const window_plan& plan, std::span<const float> mass, std::span<const vertical_candidate> candidates,
+                                    const std::vector<index_t>& width) {
+  vs_statistics st = plan.shape;
+  const index_t heads = st.num_heads, row = plan.rank_blocks + 1;
+  const auto rank_size = static_cast<std::ptrdiff_t>(candidates.size()) / plan.world;
+  st.vertical.assign(static_cast<std::size_t>(heads), {});
+  for (index_t h = 0, first = 0; h < heads; first += width[static_cast<std::size_t>(h++)]) {
+    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
+    const index_t w = width[static_cast<std::size_t>(h)];
+    for (index_t r = 0; r < plan.world; ++r) {
+      const float* m = mass.data() + static_cast<std::size_t>(r * heads + h) * static_cast<std::size_t>(row);
+      for (index_t b = 0; b < plan.rank_blocks; ++b) {
+        const index_t diagonal = st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset();
+        st.slash_mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(st.num_diagonals()) + static_cast<std::size_t>(diagonal)] = m[b];
+      }
+      st.window_mass[static_cast<std::size_t>(h)] = r == 0 ? m[row - 1] : st.window_mass[static_cast<std::size_t>(h)] + m[row - 1];
+      const auto run = candidates.begin() + r * rank_size + first;
+      union_h.insert(union_h.end(), run, run + w);
+    }
+    for (index_t merged = w; merged > 0 && merged < static_cast<index_t>(union_h.size()); merged *= 2)
+      for (index_t at = 0; at + merged < static_cast<index_t>(union_h.size()); at += 2 * merged)
+        std::inplace_merge(union_h.begin() + at, union_h.begin() + at + merged,
+                           union_h.begin() + std::min<index_t>(at + 2 * merged, static_cast<index_t>(union_h.size())));
+    union_h.resize(std::min<std::size_t>(union_h.size(), static_cast<std::size_t>(plan.keep)));
+    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
+  }
+  return st;
+}
+
+/// One rank's window statistics of `plan` on backend `b`, identical on every rank (DESIGN 7):
+/// 1. the window (the last window_rows global query tokens, all in the last block, so one rank owns
+///    them) reaches every rank: its owner broadcasts the rows;
+/// 2. each rank scores it against its local keys (scaled, causal by global position);
+/// 3. the softmax becomes global: all-reduce of the row max, then of every rank's sum of exp against it;
+/// 4. the probabilities give each key token's and each key block's window mass, and each rank its
+///    top per_rank vertical candidates per head;
+/// 5. an all-gather brings every rank's block and window masses with its candidates' sketch, a
+///    second the candidates that may reach a union's first plan.keep entries (with whole_union: all
+///    of them), and combine_shares makes the statistics.
+template <class Backend, class Comm>
+typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, const window_plan& plan) {
+  static_assert(check_window_statistics_backend<Backend>());
+  static_assert(check_host_collectives<Comm>());
+  const index_t world = comm.world_size(), heads = plan.shape.num_heads, per_rank = plan.per_rank;
+  if (world != plan.world) throw invalid_argument("comm.world_size()", world, "must equal the plan's world " + std::to_string(plan.world));
+  if (world == 1) {  // every collective is an identity
+    b.score_window();
+    b.probabilities();
+    return b.own_statistics();
+  }
+  typename Backend::window_rows& rows = b.window();
+  comm.broadcast(rows.data(), rows.size(), plan.window_owner);
+  b.score_window();
+  std::vector<float> max = b.row_max();
+  comm.all_reduce(max.data(), max.data(), max.size(), comm::reduce_op::max);
+  std::vector<float> sum = b.row_sum(max);
+  comm.all_reduce(sum.data(), sum.data(), sum.size(), comm::reduce_op::sum);
+  b.place_normaliser(max, sum);
+  b.probabilities();
+
+  rank_share mine = b.rank_share();
+  const std::size_t share = mine.mass.size() + static_cast<std::size_t>(heads * detail::sketch_points);
+  for (index_t h = 0; h < heads; ++h)
+    for (index_t i = 0; i < detail::sketch_points && per_rank > 0; ++i)
+      mine.mass.push_back(mine.candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
+  mine.mass.resize(share);  // no candidates: a sketch of zeros
+  std::vector<float> gathered(share * static_cast<std::size_t>(world)), mass, sketch;
+  comm.all_gather(mine.mass.data(), gathered.data(), share);
+  for (auto first = gathered.begin(); first != gathered.end(); first += static_cast<std::ptrdiff_t>(share)) {
+    mass.insert(mass.end(), first, first + static_cast<std::ptrdiff_t>(share) - heads * detail::sketch_points);
+    sketch.insert(sketch.end(), first + static_cast<std::ptrdiff_t>(share) - heads * detail::sketch_points, first + static_cast<std::ptrdiff_t>(share));
+  }
+  const std::vector<index_t> width = detail::run_widths(sketch, world, heads, per_rank, plan.keep);
+  std::vector<vertical_candidate> sent;  // each head's run up to its width
+  for (index_t h = 0; h < heads; ++h)
+    sent.insert(sent.end(), mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank,
+                mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank + width[static_cast<std::size_t>(h)]);
+  std::vector<vertical_candidate> candidates(sent.size() * static_cast<std::size_t>(world));
+  comm.all_gather(sent.data(), candidates.data(), sent.size());
+  return b.global_statistics(combine_shares(plan, mass, candidates, width));
+}
+
+}  // namespace stria::engine

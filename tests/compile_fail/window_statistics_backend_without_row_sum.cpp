@@ -1,0 +1,31 @@
+// SPDX-License-Identifier: Apache-2.0
+// Must not compile: the window statistics engine asks Backend::row_sum for this rank's sums of exp
+// against the global row max, which this backend lacks.
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/engine/window_statistics_engine.hpp"
+#include "stria/sharding/sequential.hpp"
+
+struct without_row_sum {
+  using window_rows = std::vector<float>;
+  using statistics = stria::vs_statistics;
+  window_rows rows;
+  window_rows& window() { return rows; }
+  void score_window() {}
+  std::vector<float> row_max() { return {}; }
+  void place_normaliser(const std::vector<float>&, const std::vector<float>&) {}
+  void probabilities() {}
+  stria::engine::rank_share rank_share() { return {}; }
+  statistics global_statistics(stria::vs_statistics st) { return st; }
+  statistics own_statistics() { return {}; }
+};
+
+int main() {
+  const stria::engine::window_plan plan = stria::engine::make_window_plan(stria::sharding::sequential{}, 64, 1, true, 1, {64, 1, 1});
+  stria::comm::host_world one(1);
+  one.run([&](stria::comm::host_threads& c) {
+    without_row_sum backend;
+    (void)stria::engine::gather_window_statistics(backend, c, plan);
+  });
+}

@@ -1,0 +1,272 @@
+// SPDX-License-Identifier: Apache-2.0
+// The window statistics engine on a backend written as a third party would, with no attention math:
+// the window and the normaliser reach every rank, block masses land on their diagonals, and each
+// head's union keeps exactly the global top `keep` candidates (ties, skewed ranks, every world 1-8)
+// while the candidates' all-gather sends only what can reach it; one rank makes no collective. On
+// the host backend, statistics cut to the vertical cap select exactly what the whole union selects.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "stria/comm/host_threads.hpp"
+#include "stria/engine/window_statistics_engine.hpp"
+#include "stria/estimator/vertical_slash_top_k.hpp"
+#include "stria/estimator/vertical_slash_top_p.hpp"
+#include "stria/estimator/window_statistics.hpp"
+#include "stria/host/synthetic_vs.hpp"
+#include "stria/sharding/dispatch.hpp"
+#include "stria/sharding/sequential.hpp"
+#include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
+#include "support/counting_comm.hpp"
+#include "support/random.hpp"
+
+namespace third_party {
+
+using stria::index_t;
+using stria::vertical_candidate;
+
+/// A rank's share is given; its window is two rows of its rank, its row max (rank, -rank), its sums
+/// (global max + rank / 2, 1). It records the members the engine calls, in order.
+struct share_backend {
+  using window_rows = std::vector<float>;
+  using statistics = stria::vs_statistics;
+
+  const stria::engine::window_plan& plan;
+  index_t rank;
+  const stria::engine::rank_share& share;
+  window_rows rows{};
+  std::vector<float> global_max{}, global_sum{};
+  std::vector<std::string> calls{};
+
+  window_rows& window() {
+    calls.emplace_back("window");
+    rows.assign(2, static_cast<float>(rank));
+    return rows;
+  }
+  void score_window() { calls.emplace_back("score_window"); }
+  std::vector<float> row_max() {
+    calls.emplace_back("row_max");
+    return {static_cast<float>(rank), static_cast<float>(-rank)};
+  }
+  std::vector<float> row_sum(const std::vector<float>& max) {
+    calls.emplace_back("row_sum");
+    return {max[0] + 0.5f * static_cast<float>(rank), 1.0f};
+  }
+  void place_normaliser(const std::vector<float>& max, const std::vector<float>& sum) {
+    calls.emplace_back("place_normaliser");
+    global_max = max;
+    global_sum = sum;
+  }
+  void probabilities() { calls.emplace_back("probabilities"); }
+  stria::engine::rank_share rank_share() {
+    calls.emplace_back("rank_share");
+    return share;
+  }
+  statistics global_statistics(stria::vs_statistics st) {
+    calls.emplace_back("global_statistics");
+    return st;
+  }
+  statistics own_statistics() {
+    calls.emplace_back("own_statistics");
+    const std::vector<index_t> whole_runs(static_cast<std::size_t>(plan.shape.num_heads), plan.per_rank);
+    return stria::engine::combine_shares(plan, share.mass, share.candidates, whole_runs);
+  }
+};
+static_assert(stria::engine::window_statistics_backend<share_backend>);
+
+}  // namespace third_party
+
+namespace {
+
+using namespace stria;
+
+enum class masses { spread, one_rank_heavy, all_equal };
+
+/// Rank r's share under `plan`: block masses on a grid, and per head its tokens' masses on a coarse
+/// grid (many exact ties), the local blocks' tokens as sentinels, the top per_rank in selection order.
+engine::rank_share make_share(const engine::window_plan& plan, index_t r, masses kind, test::seeded_rng& rng) {
+  const index_t heads = plan.shape.num_heads, first_local_block = plan.shape.num_blocks() - plan.shape.local_blocks;
+  engine::rank_share share;
+  for (index_t i = 0; i < heads * (plan.rank_blocks + 1); ++i) share.mass.push_back(static_cast<float>(rng.integer(0, 64)) / 256.0f);
+  for (index_t h = 0; h < heads; ++h) {
+    std::vector<vertical_candidate> run;
+    for (const index_t block : plan.global_blocks(r))
+      for (index_t t = 0; t < block_tokens; ++t) {
+        float m = kind == masses::all_equal ? 0.25f : static_cast<float>(rng.integer(0, 40)) / 64.0f;
+        if (kind == masses::one_rank_heavy && r == plan.world / 2) m += 1.0f;
+        run.push_back({block >= first_local_block ? -1.0f : m, block * block_tokens + t});
+      }
+    std::sort(run.begin(), run.end());
+    share.candidates.insert(share.candidates.end(), run.begin(), run.begin() + plan.per_rank);
+  }
+  return share;
+}
+
+template <class Sharding>
+void check_engine(const Sharding& sharding, index_t world, index_t vertical_candidates, index_t keep, masses kind, test::seeded_rng& rng) {
+  const index_t seq_len = 256 * world, heads = 3;
+  const engine::window_plan plan = engine::make_window_plan(sharding, seq_len, world, true, heads, {64, vertical_candidates, 1}, keep);
+  std::vector<engine::rank_share> shares;
+  for (index_t r = 0; r < world; ++r) shares.push_back(make_share(plan, r, kind, rng));
+  std::vector<vs_statistics> result(static_cast<std::size_t>(world));
+  std::vector<std::vector<std::string>> calls(result.size());
+  comm::host_world ranks(world);
+  std::vector<std::vector<float>> rows(result.size()), max(result.size()), sum(result.size());
+  std::vector<std::size_t> gathered(result.size());
+  std::vector<int> collectives(result.size());
+  ranks.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    third_party::counting_comm counting(c);
+    third_party::share_backend b{plan, c.rank(), shares[r]};
+    result[r] = engine::gather_window_statistics(b, counting, plan);
+    calls[r] = b.calls;
+    rows[r] = b.rows;
+    max[r] = b.global_max;
+    sum[r] = b.global_sum;
+    gathered[r] = counting.gathered_bytes;
+    collectives[r] = counting.broadcasts * 100 + counting.all_reduces * 10 + counting.all_gathers;
+  });
+
+  // The reference: every rank's run, sorted together, sentinels out, the first `keep`.
+  for (index_t r = 0; r < world; ++r) {
+    CAPTURE(r);
+    const auto rank = static_cast<std::size_t>(r);
+    if (world == 1) {
+      CHECK(calls[rank] == std::vector<std::string>{"score_window", "probabilities", "own_statistics"});
+      CHECK(collectives[rank] == 0);
+    } else {
+      CHECK(calls[rank] == std::vector<std::string>{"window", "score_window", "row_max", "row_sum", "place_normaliser", "probabilities",
+                                                   "rank_share", "global_statistics"});
+      CHECK(collectives[rank] == 122);  // one broadcast, two all-reduces, two all-gathers
+      CHECK(rows[rank] == std::vector<float>(2, static_cast<float>(plan.window_owner)));
+      CHECK(max[rank] == std::vector<float>{static_cast<float>(world - 1), 0.0f});
+      float first_sum = static_cast<float>(world - 1);
+      for (index_t s = 1; s < world; ++s) first_sum += static_cast<float>(world - 1) + 0.5f * static_cast<float>(s);  // in rank order
+      CHECK(sum[rank] == std::vector<float>{first_sum, static_cast<float>(world)});
+    }
+    const vs_statistics& st = result[rank];
+    CHECK(st.slash_mass == result[0].slash_mass);
+    CHECK(st.window_mass == result[0].window_mass);
+    CHECK(st.vertical == result[0].vertical);
+  }
+  const vs_statistics& st = result[0];
+  for (index_t h = 0; h < heads; ++h) {
+    CAPTURE(h);
+    float window = 0;
+    std::vector<vertical_candidate> all;
+    for (index_t r = 0; r < world; ++r) {
+      const engine::rank_share& share = shares[static_cast<std::size_t>(r)];
+      const float* m = share.mass.data() + h * (plan.rank_blocks + 1);
+      for (index_t b = 0; b < plan.rank_blocks; ++b) {
+        const index_t block = plan.global_blocks(r)[static_cast<std::size_t>(b)];
+        CHECK(st.slash_mass[static_cast<std::size_t>(h * st.num_diagonals() + st.diagonal_of(block * block_tokens))] == m[b]);
+      }
+      window = r == 0 ? m[plan.rank_blocks] : window + m[plan.rank_blocks];
+      all.insert(all.end(), share.candidates.begin() + h * plan.per_rank, share.candidates.begin() + (h + 1) * plan.per_rank);
+    }
+    CHECK(st.window_mass[static_cast<std::size_t>(h)] == window);
+    std::sort(all.begin(), all.end());
+    all.erase(std::find_if(all.begin(), all.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), all.end());
+    const std::vector<vertical_candidate> expected(all.begin(), all.begin() + std::min<std::ptrdiff_t>(keep, static_cast<std::ptrdiff_t>(all.size())));
+    CHECK(st.vertical[static_cast<std::size_t>(h)] == expected);
+  }
+  // The candidates' all-gather sends less than every rank's whole runs when keep is their length
+  // and the heavy candidates are spread over the ranks.
+  const std::size_t whole_runs = static_cast<std::size_t>(world * heads * plan.per_rank) * sizeof(vertical_candidate);
+  if (world == 8 && kind == masses::spread && keep == plan.per_rank && plan.per_rank >= 100)
+    CHECK(gathered[0] - static_cast<std::size_t>(world * heads * (plan.rank_blocks + 1 + 64)) * sizeof(float) < whole_runs / 2);
+}
+
+/// The host backend through the engine: the first `keep` of each head's union, and nothing else differs.
+template <class Sharding>
+void check_truncation(const host::synthetic_vs& data, const host::synthetic_vs_options& o, const Sharding& sharding, index_t world) {
+  const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
+  const auto q = stria::sharding::split(sharding, std::span<const float>(data.q), std::array<index_t, 3>{s, hq, d}, world);
+  const auto k = stria::sharding::split(sharding, std::span<const float>(data.k), std::array<index_t, 3>{s, hkv, d}, world);
+  estimator::vertical_slash_top_p p, narrow;
+  narrow.vertical = {1, 20};
+  narrow.p_vertical = 0.99;
+  estimator::vertical_slash_top_k top_k;
+  top_k.vertical_count = 9;
+  comm::host_world ranks(world);
+  ranks.run([&](comm::host_threads& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    const tensor_view<const float, 3> qv(q[r].data(), {local, hq, d}), kv(k[r].data(), {local, hkv, d});
+    const attention_shape shape{local, local, hq, hkv, d};
+    auto check = [&](const auto& e) {
+      const statistics_request request = e.request(s);
+      const vs_statistics whole = estimator::gather_window_statistics(c, sharding, s, true, qv, kv, 0.125, request);
+      const engine::window_plan plan = engine::make_window_plan(sharding, s, world, true, hq, request, request.vertical_candidates);
+      estimator::detail::window_backend<float> backend(plan, c.rank(), shape, qv, kv, 0.125);
+      const vs_statistics cut = engine::gather_window_statistics(backend, c, plan);
+      CHECK(cut.slash_mass == whole.slash_mass);
+      CHECK(cut.window_mass == whole.window_mass);
+      for (index_t h = 0; h < hq; ++h) {
+        const auto& all = whole.vertical[static_cast<std::size_t>(h)];
+        const auto kept = std::min<std::size_t>(all.size(), static_cast<std::size_t>(request.vertical_candidates));
+        CHECK(cut.vertical[static_cast<std::size_t>(h)] == std::vector<vertical_candidate>(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(kept)));
+      }
+      const global_selection a = e.select(cut), b = e.select(whole);
+      for (index_t h = 0; h < hq; ++h) {
+        CHECK(a.heads[static_cast<std::size_t>(h)].vertical_tokens == b.heads[static_cast<std::size_t>(h)].vertical_tokens);
+        CHECK(a.heads[static_cast<std::size_t>(h)].slash_deltas == b.heads[static_cast<std::size_t>(h)].slash_deltas);
+      }
+    };
+    check(p);
+    check(narrow);
+    check(top_k);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("the window statistics engine on a third-party backend: collectives, diagonals and the exact union, for W = 1-8") {
+  STRIA_SEEDED_RNG(rng);
+  for (index_t world = 1; world <= 8; ++world)
+    for (const masses kind : {masses::spread, masses::one_rank_heavy, masses::all_equal})
+      for (const index_t candidates : {1, 37, 100, 256, 300}) {
+        CAPTURE(world);
+        CAPTURE(static_cast<int>(kind));
+        CAPTURE(candidates);
+        check_engine(sharding::striped<64>{}, world, candidates, candidates, kind, rng);
+        check_engine(sharding::zigzag{}, world, candidates, engine::whole_union, kind, rng);
+        check_engine(sharding::sequential{}, world, candidates, std::max(1, candidates / 3), kind, rng);
+      }
+}
+
+TEST_CASE("window statistics cut to the vertical cap select exactly what the whole union selects, for W = 1-8") {
+  for (index_t world = 1; world <= 8; ++world) {
+    CAPTURE(world);
+    host::synthetic_vs_options o;
+    o.seq_len = 128 * world * std::max<index_t>(2, (12 + world - 1) / world);
+    o.heads_q = 4;
+    o.heads_kv = 2;
+    o.head_dim = 64;
+    o.seed = static_cast<std::uint64_t>(world);
+    const host::synthetic_vs data = host::make_synthetic_vs(o);
+    check_truncation(data, o, sharding::striped<64>{}, world);
+    check_truncation(data, o, sharding::zigzag{}, world);
+    if (world % 2 == 1) check_truncation(data, o, sharding::sequential{}, world);
+  }
+}
+
+TEST_CASE("make_window_plan rejects requests the window cannot satisfy, naming the field") {
+  const sharding::striped<64> striped;
+  CHECK_THROWS_WITH_AS(engine::make_window_plan(striped, 1024, 2, true, 2, {65, 10, 1}), doctest::Contains("request.window_rows = 65"),
+                       const invalid_argument&);
+  CHECK_THROWS_WITH_AS(engine::make_window_plan(striped, 1024, 2, true, 2, {64, 10, 17}), doctest::Contains("request.local_blocks = 17"),
+                       const invalid_argument&);
+  CHECK_THROWS_WITH_AS(engine::make_window_plan(striped, 1024, 2, true, 2, {64, -1, 1}), doctest::Contains("request.vertical_candidates = -1"),
+                       const invalid_argument&);
+  comm::host_world ranks(2);
+  const engine::window_plan plan = engine::make_window_plan(striped, 1024, 3, true, 2, {64, 10, 1});
+  ranks.run([&](comm::host_threads& c) {
+    const engine::rank_share share;
+    third_party::share_backend b{plan, c.rank(), share};
+    CHECK_THROWS_WITH_AS(engine::gather_window_statistics(b, c, plan), doctest::Contains("comm.world_size() = 2: must equal the plan's world 3"),
+                         const invalid_argument&);
+  });
+}
