@@ -6,7 +6,8 @@
 // deterministic; the mma.sync kernels beside the Hopper ones) medians of CUDA-event timings after warm-up, random non-zero inputs,
 // outputs poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry forward, 2.5x that backward,
 // ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
-// rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts.
+// rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts, timed in turns with the bare
+// kernels (row `_front_w1_bare`), so that both are measured at the same clocks.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
 //                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
@@ -20,6 +21,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "stria/comm/local_device.cuh"
@@ -131,14 +133,19 @@ void write_json(const std::string& path, const std::string& commit, const std::s
   if (!out) throw invalid_argument("--json", path, "could not be written");
 }
 
-/// Forward and backward medians of the selection through the front template with one rank.
-template <int D>
-std::pair<double, double> front_template_ms(const global_selection& g, const device_buffer<T>& q, const device_buffer<T>& k,
-                                            const device_buffer<T>& v, const device_buffer<T>& d_out, index_t hq, index_t hkv, int repeats,
-                                            std::uint64_t& bad) {
+/// Forward and backward medians of the selection through the front template with one rank, each
+/// timed in turns with the bare kernels' run on the same selection (`bare_forward`, `bare_backward`,
+/// on the default stream), so that the two are compared at the same clocks.
+struct front_times {
+  double forward_ms, backward_ms, bare_forward_ms, bare_backward_ms;
+};
+template <int D, class BareForward, class BareBackward>
+front_times front_template_ms(const global_selection& g, const device_buffer<T>& q, const device_buffer<T>& k, const device_buffer<T>& v,
+                              const device_buffer<T>& d_out, index_t hq, index_t hkv, int repeats, BareForward bare_forward,
+                              BareBackward bare_backward, std::uint64_t& bad) {
   using attention = sparse_attention<estimator::vertical_slash_top_p, sharding::sequential, topology::flat_ring, tile<64, 64, D>>;
   const index_t s = g.seq_len;
-  std::pair<double, double> ms{NAN, NAN};
+  front_times ms{NAN, NAN, NAN, NAN};
   comm::local_device_world ranks(1);
   ranks.run([&](comm::local_device& c) {
     const cuda_stream stream;
@@ -156,8 +163,8 @@ std::pair<double, double> front_template_ms(const global_selection& g, const dev
       layer.backward(c, in(q, hq), in(k, hkv), in(v, hkv), in(out, hq), in(d_out, hq), tensor_view<const float, 2>(lse.data(), {hq, s}),
                      to(dq, hq), to(dk, hkv), to(dv, hkv), st);
     };
-    ms.first = bench::median_ms(repeats, forward, st);
-    ms.second = bench::median_ms(repeats, backward, st);
+    std::tie(ms.forward_ms, ms.bare_forward_ms) = bench::median_ms_alternating(repeats, forward, st, bare_forward, nullptr);
+    std::tie(ms.backward_ms, ms.bare_backward_ms) = bench::median_ms_alternating(repeats, backward, st, bare_backward, nullptr);
     stream.synchronize();
     for (const auto* b : {&out, &dq, &dk, &dv})
       for (const T x : b->download()) bad += std::isfinite(to_float(x)) ? 0 : 1;
@@ -328,13 +335,20 @@ int main(int argc, char** argv) try {
       }
       if (with_front && with_backward) {
         std::uint64_t front_bad = 0;
-        const auto [front_fwd, front_bwd] = dim == 64 ? front_template_ms<64>(g, q, k, v, d_out, hq, hkv, repeats, front_bad)
-                                                      : front_template_ms<128>(g, q, k, v, d_out, hq, hkv, repeats, front_bad);
+        const auto bare_forward = forward(device::forward_kernel::automatic);
+        const auto bare_backward = backward(device::determinism::atomic);
+        const front_times f = dim == 64 ? front_template_ms<64>(g, q, k, v, d_out, hq, hkv, repeats, bare_forward, bare_backward, front_bad)
+                                        : front_template_ms<128>(g, q, k, v, d_out, hq, hkv, repeats, bare_forward, bare_backward, front_bad);
         std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f   (front template, one rank: fwd and bwd of the layer) %s\n", s,
-                    (name + "_front_w1").c_str(), 100.0 * density, front_fwd, fwd_flops / front_fwd * 1e-9, front_bwd,
-                    bwd_flops / front_bwd * 1e-9, front_bad == 0 ? "ok" : "NON-FINITE");
+                    (name + "_front_w1").c_str(), 100.0 * density, f.forward_ms, fwd_flops / f.forward_ms * 1e-9, f.backward_ms,
+                    bwd_flops / f.backward_ms * 1e-9, front_bad == 0 ? "ok" : "NON-FINITE");
+        std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f   (the bare kernels, timed in turns with the front: it takes %+.1f%% / %+.1f%%)\n",
+                    s, (name + "_front_w1_bare").c_str(), 100.0 * density, f.bare_forward_ms, fwd_flops / f.bare_forward_ms * 1e-9,
+                    f.bare_backward_ms, bwd_flops / f.bare_backward_ms * 1e-9, 100.0 * (f.forward_ms / f.bare_forward_ms - 1.0),
+                    100.0 * (f.backward_ms / f.bare_backward_ms - 1.0));
         std::fflush(stdout);
-        rows.push_back({name + "_front_w1", s, dim, hq, hkv, density, front_fwd, front_bwd, entries});
+        rows.push_back({name + "_front_w1", s, dim, hq, hkv, density, f.forward_ms, f.backward_ms, entries});
+        rows.push_back({name + "_front_w1_bare", s, dim, hq, hkv, density, f.bare_forward_ms, f.bare_backward_ms, entries});
         bad += front_bad;
       }
       if (bad != 0) return 1;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "stria/core/cuda_check.cuh"
@@ -37,6 +38,23 @@ inline device_buffer<__nv_bfloat16> random_buffer(std::size_t n, std::uint64_t s
   return x;
 }
 
+/// Milliseconds of one run() between events recorded on `stream` (the stream run() queues its work on).
+template <class Run>
+float time_ms(Run& run, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
+  STRIA_CUDA_CHECK(cudaEventRecord(start, stream));
+  run();
+  STRIA_CUDA_CHECK(cudaEventRecord(stop, stream));
+  STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  return ms;
+}
+
+inline double median_of(std::vector<float> times) {
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 /// Median of `repeats` timings of run() after three warm-up runs, events recorded on `stream` (the
 /// stream run() queues its work on).
 template <class Run>
@@ -46,19 +64,35 @@ double median_ms(int repeats, Run run, cudaStream_t stream = nullptr) {
   STRIA_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) run();  // warm-up
   std::vector<float> times;
+  for (int i = 0; i < repeats; ++i) times.push_back(time_ms(run, stream, start, stop));
+  STRIA_CUDA_CHECK(cudaEventDestroy(start));
+  STRIA_CUDA_CHECK(cudaEventDestroy(stop));
+  return median_of(times);
+}
+
+/// Medians of `repeats` timings each of run_a() (on stream_a) and run_b() (on stream_b), taken in
+/// turns after three warm-up runs of each: how two paths are compared. Measured one after the
+/// other, in separate loops, the same kernels differed by up to 5% between the loops (RESULTS,
+/// 2026-12-03, ninth), as much as the difference being measured.
+template <class RunA, class RunB>
+std::pair<double, double> median_ms_alternating(int repeats, RunA run_a, cudaStream_t stream_a, RunB run_b, cudaStream_t stream_b) {
+  cudaEvent_t start, stop;
+  STRIA_CUDA_CHECK(cudaEventCreate(&start));
+  STRIA_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) {  // warm-up
+    run_a();
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_a));
+    run_b();
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_b));
+  }
+  std::vector<float> a, b;
   for (int i = 0; i < repeats; ++i) {
-    STRIA_CUDA_CHECK(cudaEventRecord(start, stream));
-    run();
-    STRIA_CUDA_CHECK(cudaEventRecord(stop, stream));
-    STRIA_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    STRIA_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
+    a.push_back(time_ms(run_a, stream_a, start, stop));
+    b.push_back(time_ms(run_b, stream_b, start, stop));
   }
   STRIA_CUDA_CHECK(cudaEventDestroy(start));
   STRIA_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return {median_of(a), median_of(b)};
 }
 
 }  // namespace stria::bench
