@@ -215,8 +215,8 @@ class host_threads {
   template <class T>
   void all_gather(const T* send_data, T* recv_data, std::size_t count) {
     collective({"all_gather", detail::type_name<T>(), count}, send_data, [&](const std::vector<const void*>& all) {
-      for (std::size_t r = 0; r < all.size(); ++r)
-        std::memcpy(recv_data + r * count, all[r], count * sizeof(T));
+      for (std::size_t r = 0; r < all.size(); ++r)  // in place (rank r's part already there): nothing to copy
+        if (all[r] != recv_data + r * count) std::memcpy(recv_data + r * count, all[r], count * sizeof(T));
     });
   }
 
@@ -330,7 +330,12 @@ class host_threads {
         s.fail(reason);
         throw comm_error(reason);
       }
-    consume(s.data);
+    // The ranks read in parallel, without the lock: every rank's data stays put until all have
+    // departed, and each writes only its own output.
+    const std::vector<const void*> all = s.data;
+    lock.unlock();
+    consume(all);
+    lock.lock();
     // Depart: the last one out resets the rendezvous for the next collective.
     if (++s.departed == s.world_size) {
       s.arrived = 0;
