@@ -334,17 +334,26 @@ class host_threads {
     // departed, and each writes only its own output.
     const std::vector<const void*> all = s.data;
     lock.unlock();
-    consume(all);
+    std::exception_ptr error;
+    try {
+      consume(all);
+    } catch (...) {
+      error = std::current_exception();  // still departs: the others wait for every reader
+    }
     lock.lock();
-    // Depart: the last one out resets the rendezvous for the next collective.
+    // Depart: the last one out resets the rendezvous for the next collective. The others wait for
+    // it whatever happens meanwhile (a failure, the timeout), as a peer may still be reading their
+    // data; every rank here has nothing left but its copies.
     if (++s.departed == s.world_size) {
       s.arrived = 0;
       s.departed = 0;
       ++s.generation;
       s.changed.notify_all();
     } else {
-      s.wait(lock, rank_, op.text() + " (waiting for peers to read)", [&] { return s.generation != generation; });
+      s.changed.wait(lock, [&] { return s.generation != generation; });
     }
+    if (error) std::rethrow_exception(error);
+    if (!s.failure.empty()) throw comm_error("rank " + std::to_string(rank_) + " stopped after " + op.text() + ": " + s.failure);
   }
 
   std::shared_ptr<detail::world_state> state_;
