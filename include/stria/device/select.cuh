@@ -4,7 +4,7 @@
 // host read (the list sizes).
 #pragma once
 
-#include <cub/device/device_segmented_sort.cuh>
+#include <cub/device/device_segmented_radix_sort.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 
@@ -15,7 +15,6 @@
 
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
-#include "stria/core/pinned_buffer.cuh"
 #include "stria/core/error.hpp"
 #include "stria/device/local_index.cuh"
 #include "stria/estimator/device_statistics.cuh"
@@ -51,7 +50,9 @@ inline device_selection select_with_rule(const estimator::device_statistics& st,
   device_buffer<index_t> diagonal(items, stream), sorted_diagonal(items, stream), slash_flag(items, stream);
   device_buffer<std::uint64_t> bits(static_cast<std::size_t>(heads) * static_cast<std::size_t>(kernel::detail::bitmap_words(shape.seq_len)),
                                     stream);
-  device_buffer<index_t> vertical_count(static_cast<std::size_t>(heads), stream), slash_count(vertical_count.size(), stream);
+  device_buffer<index_t> vertical_count(static_cast<std::size_t>(heads) + 1, stream), slash_count(vertical_count.size(), stream);
+  vertical_count.fill_bytes(0, stream);
+  slash_count.fill_bytes(0, stream);
 
   kernel::selection_params p{heads,
                              shape.seq_len,
@@ -84,18 +85,16 @@ inline device_selection select_with_rule(const estimator::device_statistics& st,
   STRIA_CUDA_CHECK_LAUNCH("select_verticals");
 
   // Each head's diagonals by residual mass, descending; the sort is stable, so equal masses keep the
-  // smaller diagonal first (the host's tie rule), and -0.0 equals +0.0 as on the host (the residuals
-  // hold no -0.0 and no NaN). With few segments CUB sorts each in one CTA, all passes in one launch
-  // (the segmented radix sort launched once per 6-7 bits of the 64).
+  // smaller diagonal first (the host's tie rule), and -0.0 equals +0.0 as on the host.
   const auto begin = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), detail::segment_start{diagonals});
   std::size_t temp_bytes = 0;
-  STRIA_CUDA_CHECK(cub::DeviceSegmentedSort::StableSortPairsDescending(nullptr, temp_bytes, residual.data(), sorted_residual.data(), diagonal.data(),
-                                                                       sorted_diagonal.data(), static_cast<std::int64_t>(items),
-                                                                       static_cast<std::int64_t>(heads), begin, begin + 1, stream));
+  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, residual.data(), sorted_residual.data(),
+                                                                      diagonal.data(), sorted_diagonal.data(), static_cast<int>(items),
+                                                                      static_cast<int>(heads), begin, begin + 1, 0, 64, stream));
   device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
-  STRIA_CUDA_CHECK(cub::DeviceSegmentedSort::StableSortPairsDescending(temp.data(), temp_bytes, residual.data(), sorted_residual.data(),
-                                                                       diagonal.data(), sorted_diagonal.data(), static_cast<std::int64_t>(items),
-                                                                       static_cast<std::int64_t>(heads), begin, begin + 1, stream));
+  STRIA_CUDA_CHECK(cub::DeviceSegmentedRadixSort::SortPairsDescending(temp.data(), temp_bytes, residual.data(), sorted_residual.data(),
+                                                                      diagonal.data(), sorted_diagonal.data(), static_cast<int>(items),
+                                                                      static_cast<int>(heads), begin, begin + 1, 0, 64, stream));
 
   kernel::select_slashes<><<<grid, kernel::select_threads, 0, stream>>>(p, sorted_residual.data(), sorted_diagonal.data());
   STRIA_CUDA_CHECK_LAUNCH("select_slashes");
@@ -103,13 +102,13 @@ inline device_selection select_with_rule(const estimator::device_statistics& st,
   STRIA_CUDA_CHECK_LAUNCH("count_selection");
 
   device_selection::lists out;
-  out.vertical_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) + 1, stream);
-  out.slash_ptr = device_buffer<index_t>(out.vertical_ptr.size(), stream);
-  device_buffer<index_t> totals_d(2, stream);
-  kernel::selection_offsets<><<<1, kernel::select_threads, 0, stream>>>(p, out.vertical_ptr.data(), out.slash_ptr.data(), totals_d.data());
-  STRIA_CUDA_CHECK_LAUNCH("selection_offsets");
-  const pinned_buffer<index_t> totals(2, stream);
-  STRIA_CUDA_CHECK(cudaMemcpyAsync(totals.data(), totals_d.data(), totals_d.bytes(), cudaMemcpyDeviceToHost, stream));
+  out.vertical_ptr = device_buffer<index_t>(vertical_count.size(), stream);
+  out.slash_ptr = device_buffer<index_t>(slash_count.size(), stream);
+  stria::detail::exclusive_scan(vertical_count, out.vertical_ptr, stream);
+  stria::detail::exclusive_scan(slash_count, out.slash_ptr, stream);
+  index_t totals[2] = {};
+  STRIA_CUDA_CHECK(cudaMemcpyAsync(&totals[0], out.vertical_ptr.data() + heads, sizeof(index_t), cudaMemcpyDeviceToHost, stream));
+  STRIA_CUDA_CHECK(cudaMemcpyAsync(&totals[1], out.slash_ptr.data() + heads, sizeof(index_t), cudaMemcpyDeviceToHost, stream));
   STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
 
   out.vertical = device_buffer<index_t>(static_cast<std::size_t>(totals[0]), stream);

@@ -36,8 +36,8 @@ struct selection_params {
   double* covered;               // [heads]: window mass of the local diagonals and the verticals
   std::uint64_t* vertical_bits;  // [heads, words]: bitmap of the selected tokens
   index_t* slash_flag;           // [heads, diagonals]: 1 where the diagonal is selected
-  index_t* vertical_count;       // [heads]: selected tokens per head
-  index_t* slash_count;          // [heads]: selected diagonals per head
+  index_t* vertical_count;       // [heads + 1]: selected tokens per head (0 tail for the scan)
+  index_t* slash_count;          // [heads + 1]
 };
 
 namespace detail {
@@ -179,34 +179,6 @@ __global__ void __launch_bounds__(select_threads) count_selection(selection_para
   if (threadIdx.x == 0) {
     p.vertical_count[h] = token_total;
     p.slash_count[h] = diagonal_total;
-  }
-}
-
-/// The lists' offsets [heads + 1] (exclusive sums of the counts, the total last) and the two totals
-/// side by side, for one copy to the host: one launch where two device-wide scans took six. One CTA.
-template <int Unused = 0>
-__global__ void __launch_bounds__(select_threads)
-    selection_offsets(selection_params p, index_t* __restrict__ vertical_ptr, index_t* __restrict__ slash_ptr, index_t* __restrict__ totals) {
-  using scan = cub::BlockScan<index_t, select_threads>;
-  __shared__ typename scan::TempStorage temp;
-  index_t vertical_base = 0, slash_base = 0;
-  for (index_t first = 0; first <= p.heads; first += select_threads) {  // whole CTA in every round (the scans)
-    const index_t h = first + static_cast<index_t>(threadIdx.x);
-    index_t vertical_at = 0, vertical_round = 0, slash_at = 0, slash_round = 0;
-    scan(temp).ExclusiveSum(h < p.heads ? p.vertical_count[h] : 0, vertical_at, vertical_round);
-    __syncthreads();
-    scan(temp).ExclusiveSum(h < p.heads ? p.slash_count[h] : 0, slash_at, slash_round);
-    __syncthreads();
-    if (h <= p.heads) {
-      vertical_ptr[h] = vertical_base + vertical_at;
-      slash_ptr[h] = slash_base + slash_at;
-    }
-    vertical_base += vertical_round;
-    slash_base += slash_round;
-  }
-  if (threadIdx.x == 0) {
-    totals[0] = vertical_base;
-    totals[1] = slash_base;
   }
 }
 
