@@ -17,6 +17,7 @@ struct without_row_sum {
   void place_normaliser(const std::vector<float>&, const std::vector<float>&) {}
   void probabilities() {}
   stria::engine::rank_share rank_share() { return {}; }
+  std::vector<stria::vertical_candidate> candidates(const std::vector<stria::index_t>&) { return {}; }
   statistics global_statistics(stria::vs_statistics st) { return st; }
   statistics own_statistics() { return {}; }
 };

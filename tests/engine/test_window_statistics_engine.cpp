@@ -28,6 +28,12 @@ namespace third_party {
 using stria::index_t;
 using stria::vertical_candidate;
 
+/// A rank's share as a test gives it: its masses [Hq, rank_blocks + 1] and candidates [Hq, per_rank].
+struct given_share {
+  std::vector<float> mass;
+  std::vector<vertical_candidate> candidates;
+};
+
 /// A rank's share is given; its window is two rows of its rank, its row max (rank, -rank), its sums
 /// (global max + rank / 2, 1). It records the members the engine calls, in order.
 struct share_backend {
@@ -36,7 +42,7 @@ struct share_backend {
 
   const stria::engine::window_plan& plan;
   index_t rank;
-  const stria::engine::rank_share& share;
+  const given_share& share;
   window_rows rows{};
   std::vector<float> global_max{}, global_sum{};
   std::vector<std::string> calls{};
@@ -63,7 +69,11 @@ struct share_backend {
   void probabilities() { calls.emplace_back("probabilities"); }
   stria::engine::rank_share rank_share() {
     calls.emplace_back("rank_share");
-    return share;
+    return {share.mass, stria::engine::sketch_of(share.candidates, plan.shape.num_heads, plan.per_rank)};
+  }
+  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) {
+    calls.emplace_back("candidates");
+    return stria::engine::runs_up_to(share.candidates, plan.per_rank, width);
   }
   statistics global_statistics(stria::vs_statistics st) {
     calls.emplace_back("global_statistics");
@@ -87,9 +97,9 @@ enum class masses { spread, one_rank_heavy, all_equal };
 
 /// Rank r's share under `plan`: block masses on a grid, and per head its tokens' masses on a coarse
 /// grid (many exact ties), the local blocks' tokens as sentinels, the top per_rank in selection order.
-engine::rank_share make_share(const engine::window_plan& plan, index_t r, masses kind, test::seeded_rng& rng) {
+third_party::given_share make_share(const engine::window_plan& plan, index_t r, masses kind, test::seeded_rng& rng) {
   const index_t heads = plan.shape.num_heads, first_local_block = plan.shape.num_blocks() - plan.shape.local_blocks;
-  engine::rank_share share;
+  third_party::given_share share;
   for (index_t i = 0; i < heads * (plan.rank_blocks + 1); ++i) share.mass.push_back(static_cast<float>(rng.integer(0, 64)) / 256.0f);
   for (index_t h = 0; h < heads; ++h) {
     std::vector<vertical_candidate> run;
@@ -109,7 +119,7 @@ template <class Sharding>
 void check_engine(const Sharding& sharding, index_t world, index_t vertical_candidates, index_t keep, masses kind, test::seeded_rng& rng) {
   const index_t seq_len = 256 * world, heads = 3;
   const engine::window_plan plan = engine::make_window_plan(sharding, seq_len, world, true, heads, {64, vertical_candidates, 1}, keep);
-  std::vector<engine::rank_share> shares;
+  std::vector<third_party::given_share> shares;
   for (index_t r = 0; r < world; ++r) shares.push_back(make_share(plan, r, kind, rng));
   std::vector<vs_statistics> result(static_cast<std::size_t>(world));
   std::vector<std::vector<std::string>> calls(result.size());
@@ -139,7 +149,7 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
       CHECK(collectives[rank] == 0);
     } else {
       CHECK(calls[rank] == std::vector<std::string>{"window", "score_window", "row_max", "row_sum", "place_normaliser", "probabilities",
-                                                   "rank_share", "global_statistics"});
+                                                   "rank_share", "candidates", "global_statistics"});
       CHECK(collectives[rank] == 122);  // one broadcast, two all-reduces, two all-gathers
       CHECK(rows[rank] == std::vector<float>(2, static_cast<float>(plan.window_owner)));
       CHECK(max[rank] == std::vector<float>{static_cast<float>(world - 1), 0.0f});
@@ -158,7 +168,7 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
     float window = 0;
     std::vector<vertical_candidate> all;
     for (index_t r = 0; r < world; ++r) {
-      const engine::rank_share& share = shares[static_cast<std::size_t>(r)];
+      const third_party::given_share& share = shares[static_cast<std::size_t>(r)];
       const float* m = share.mass.data() + h * (plan.rank_blocks + 1);
       for (index_t b = 0; b < plan.rank_blocks; ++b) {
         const index_t block = plan.global_blocks(r)[static_cast<std::size_t>(b)];
@@ -264,7 +274,7 @@ TEST_CASE("make_window_plan rejects requests the window cannot satisfy, naming t
   comm::host_world ranks(2);
   const engine::window_plan plan = engine::make_window_plan(striped, 1024, 3, true, 2, {64, 10, 1});
   ranks.run([&](comm::host_threads& c) {
-    const engine::rank_share share;
+    const third_party::given_share share;
     third_party::share_backend b{plan, c.rank(), share};
     CHECK_THROWS_WITH_AS(engine::gather_window_statistics(b, c, plan), doctest::Contains("comm.world_size() = 2: must equal the plan's world 3"),
                          const invalid_argument&);

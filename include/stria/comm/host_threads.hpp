@@ -215,8 +215,8 @@ class host_threads {
   template <class T>
   void all_gather(const T* send_data, T* recv_data, std::size_t count) {
     collective({"all_gather", detail::type_name<T>(), count}, send_data, [&](const std::vector<const void*>& all) {
-      for (std::size_t r = 0; r < all.size(); ++r)
-        std::memcpy(recv_data + r * count, all[r], count * sizeof(T));
+      for (std::size_t r = 0; r < all.size(); ++r)  // in place (rank r's part already there): nothing to copy
+        if (all[r] != recv_data + r * count) std::memcpy(recv_data + r * count, all[r], count * sizeof(T));
     });
   }
 
@@ -330,16 +330,30 @@ class host_threads {
         s.fail(reason);
         throw comm_error(reason);
       }
-    consume(s.data);
-    // Depart: the last one out resets the rendezvous for the next collective.
+    // The ranks read in parallel, without the lock: every rank's data stays put until all have
+    // departed, and each writes only its own output.
+    const std::vector<const void*> all = s.data;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      consume(all);
+    } catch (...) {
+      error = std::current_exception();  // still departs: the others wait for every reader
+    }
+    lock.lock();
+    // Depart: the last one out resets the rendezvous for the next collective. The others wait for
+    // it whatever happens meanwhile (a failure, the timeout), as a peer may still be reading their
+    // data; every rank here has nothing left but its copies.
     if (++s.departed == s.world_size) {
       s.arrived = 0;
       s.departed = 0;
       ++s.generation;
       s.changed.notify_all();
     } else {
-      s.wait(lock, rank_, op.text() + " (waiting for peers to read)", [&] { return s.generation != generation; });
+      s.changed.wait(lock, [&] { return s.generation != generation; });
     }
+    if (error) std::rethrow_exception(error);
+    if (!s.failure.empty()) throw comm_error("rank " + std::to_string(rank_) + " stopped after " + op.text() + ": " + s.failure);
   }
 
   std::shared_ptr<detail::world_state> state_;

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -38,6 +39,7 @@
 #include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/nccl_check.cuh"
+#include "stria/core/pinned_buffer.cuh"
 #include "stria/topology/ring_steps.hpp"
 
 namespace stria::comm {
@@ -84,6 +86,8 @@ struct nccl_options {
 /// each goes through a device staging buffer on the communicator's own stream and returns with the
 /// result on the host. Each is confirmed through the communicator's bounded wait() before its
 /// result is read back, so a failed or stuck peer raises nccl_error instead of hanging the rank.
+/// The host side is page-locked (pinned_buffer): the copies are DMA, and the result's copy back is
+/// queued behind the collective, so one wait covers both.
 class nccl_host_surface {
  public:
   explicit nccl_host_surface(nccl& owner) : owner_(&owner) {}
@@ -345,32 +349,38 @@ inline void nccl_host_surface::confirm(const std::string& what) {
 template <class T>
 void nccl_host_surface::broadcast(T* data, std::size_t count, index_t root) {
   const cudaStream_t stream = owner_->own_stream();
-  device_buffer<T> staged(std::span<const T>(data, count), stream);
+  const pinned_buffer<T> host(count, stream);
+  std::copy(data, data + count, host.begin());
+  device_buffer<T> staged(std::span<const T>(host.span()), stream);
   owner_->broadcast(staged.data(), count, root, stream);
+  if (count > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data(), staged.data(), staged.bytes(), cudaMemcpyDeviceToHost, stream));
   confirm("broadcast of " + std::to_string(count) + " elements from rank " + std::to_string(root));
-  const std::vector<T> result = staged.download(stream);
-  std::copy(result.begin(), result.end(), data);
+  std::copy(host.begin(), host.end(), data);
 }
 
 template <class T>
 void nccl_host_surface::all_reduce(const T* send_data, T* recv_data, std::size_t count, reduce_op op) {
   const cudaStream_t stream = owner_->own_stream();
-  device_buffer<T> staged(std::span<const T>(send_data, count), stream);
+  const pinned_buffer<T> host(count, stream);
+  std::copy(send_data, send_data + count, host.begin());
+  device_buffer<T> staged(std::span<const T>(host.span()), stream);
   owner_->all_reduce(staged.data(), staged.data(), count, op, stream);
+  if (count > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data(), staged.data(), staged.bytes(), cudaMemcpyDeviceToHost, stream));
   confirm("all_reduce of " + std::to_string(count) + " elements");
-  const std::vector<T> result = staged.download(stream);
-  std::copy(result.begin(), result.end(), recv_data);
+  std::copy(host.begin(), host.end(), recv_data);
 }
 
 template <class T>
 void nccl_host_surface::all_gather(const T* send_data, T* recv_data, std::size_t count) {
   const cudaStream_t stream = owner_->own_stream();
-  const device_buffer<T> staged(std::span<const T>(send_data, count), stream);
-  device_buffer<T> gathered(count * static_cast<std::size_t>(owner_->world_size()), stream);
+  const pinned_buffer<T> host(count * static_cast<std::size_t>(owner_->world_size()), stream);  // this rank's part, then every rank's
+  std::copy(send_data, send_data + count, host.begin());
+  const device_buffer<T> staged(std::span<const T>(host.data(), count), stream);
+  device_buffer<T> gathered(host.size(), stream);
   owner_->all_gather(staged.data(), gathered.data(), count, stream);
+  if (count > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data(), gathered.data(), gathered.bytes(), cudaMemcpyDeviceToHost, stream));
   confirm("all_gather of " + std::to_string(count) + " elements per rank");
-  const std::vector<T> result = gathered.download(stream);
-  std::copy(result.begin(), result.end(), recv_data);
+  std::copy(host.begin(), host.end(), recv_data);
 }
 
 inline void nccl_host_surface::barrier() {

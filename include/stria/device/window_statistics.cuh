@@ -22,6 +22,7 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/numeric.cuh"
+#include "stria/core/pinned_buffer.cuh"
 #include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/device_statistics.cuh"
 #include "stria/estimator/statistics.hpp"
@@ -32,11 +33,14 @@ namespace stria::device::detail {
 /// The device backend of the window statistics engine: the window against this rank's keys in the
 /// kernels of kernel/window_statistics.cuh and the candidates' top-k by one CUB radix sort, every
 /// buffer in stream order on `stream`. The window is read where it lies: in q_local on its owner
-/// (and on the only rank), uploaded on the others. With `timing`, each phase ends by synchronising.
+/// (and on the only rank), uploaded on the others. Its host round trips go through page-locked
+/// memory, so that ranks sharing a GPU copy at once rather than one after another through the
+/// driver's staging; of the candidates only those the union can use come down (candidates).
+/// With `timing`, each phase ends by synchronising.
 template <class T>
 class window_backend {
  public:
-  using window_rows = std::vector<T>;  // [rows, Hq, D] in the input type: every rank scores the same values
+  using window_rows = pinned_buffer<T>;  // [rows, Hq, D] in the input type: every rank scores the same values
   using statistics = estimator::device_statistics;
 
   window_backend(const engine::window_plan& plan, index_t rank, const T* q_local, const T* k_local, index_t heads_kv, index_t dim,
@@ -48,7 +52,7 @@ class window_backend {
         key_global_block_(plan.global_blocks(rank), stream) {}
 
   window_rows& window() {
-    host_window_.resize(static_cast<std::size_t>(rows_ * heads_ * dim_));
+    host_window_ = pinned_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
     if (owner_) {
       STRIA_CUDA_CHECK(cudaMemcpyAsync(host_window_.data(), window_, host_window_.size() * sizeof(T), cudaMemcpyDeviceToHost, stream_));
       STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -58,8 +62,8 @@ class window_backend {
 
   /// Pass 1: per (head, local block, row) the max score and sum of exp2, then this rank's per row.
   void score_window() {
-    if (!owner_ && !host_window_.empty()) {  // the broadcast rows
-      uploaded_window_ = device_buffer<T>(std::span<const T>(host_window_), stream_);
+    if (!owner_ && host_window_.size() > 0) {  // the broadcast rows
+      uploaded_window_ = device_buffer<T>(std::span<const T>(host_window_.span()), stream_);
       window_ = uploaded_window_.data();
     }
     const std::size_t shared = kernel::window_shared_bytes<T>(dim_);
@@ -80,7 +84,10 @@ class window_backend {
 
   /// This rank's row max; its sums come down with it (one synchronisation).
   std::vector<float> row_max() {
-    own_ = normaliser_.download(stream_);
+    host_normaliser_ = pinned_buffer<float>(normaliser_.size(), stream_);
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(host_normaliser_.data(), normaliser_.data(), normaliser_.bytes(), cudaMemcpyDeviceToHost, stream_));
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    own_.assign(host_normaliser_.begin(), host_normaliser_.end());
     return {own_.begin(), own_.begin() + static_cast<std::ptrdiff_t>(row_count())};
   }
   /// Each row's sum of exp2, rescaled from this rank's max to the global one.
@@ -90,10 +97,13 @@ class window_backend {
       sum[i] = own_[i] == -INFINITY ? 0.0f : float(double(sum[i]) * std::exp2(double(own_[i]) - double(global_max[i])));
     return sum;
   }
+  /// The global max and sums replace this rank's (row_max's download has finished: it synchronised).
   void place_normaliser(const std::vector<float>& global_max, const std::vector<float>& global_sum) {
-    std::vector<float> both(global_max);
-    both.insert(both.end(), global_sum.begin(), global_sum.end());
-    normaliser_.upload(both, stream_);
+    if (global_max.size() + global_sum.size() != host_normaliser_.size())
+      throw invalid_argument("global_max.size() + global_sum.size()", global_max.size() + global_sum.size(),
+                             "must be 2 * Hq * rows = " + std::to_string(host_normaliser_.size()));
+    std::copy(global_sum.begin(), global_sum.end(), std::copy(global_max.begin(), global_max.end(), host_normaliser_.begin()));
+    normaliser_.upload(std::span<const float>(host_normaliser_.span()), stream_);
   }
 
   /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's candidates
@@ -126,26 +136,46 @@ class window_backend {
     lap(&estimator::statistics_timing::topk_ms);
   }
 
-  /// The tile masses, each head's window mass and first per_rank candidates, on the host (one synchronisation).
+  /// The tile masses, each head's window mass and its candidates' sketch, on the host (one synchronisation).
   engine::rank_share rank_share() const {
-    const auto per_rank = static_cast<std::size_t>(plan_.per_rank);
-    std::vector<std::uint64_t> top_key(static_cast<std::size_t>(heads_) * per_rank);
-    std::vector<index_t> top_token(top_key.size());
-    if (per_rank > 0) {
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_key.data(), per_rank * sizeof(std::uint64_t), sorted_keys_.data(), tokens_ * sizeof(std::uint64_t),
-                                         per_rank * sizeof(std::uint64_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(top_token.data(), per_rank * sizeof(index_t), sorted_tokens_.data(), tokens_ * sizeof(index_t),
-                                         per_rank * sizeof(index_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
+    const std::size_t tiles = tile_mass_.size(), sketch = plan_.per_rank > 0 ? static_cast<std::size_t>(heads_ * engine::sketch_points) : 0;
+    device_buffer<float> sketch_d(sketch, stream_);
+    if (sketch > 0) {
+      kernel::candidate_sketch<><<<static_cast<unsigned>(heads_), static_cast<unsigned>(engine::sketch_points), 0, stream_>>>(
+          sorted_keys_.data(), tokens_, plan_.per_rank, sketch_d.data());
+      STRIA_CUDA_CHECK_LAUNCH("candidate_sketch");
     }
-    const std::vector<float> tiles = tile_mass_.download(stream_);  // synchronises the stream
+    const pinned_buffer<float> host(tiles + sketch, stream_);
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data(), tile_mass_.data(), tile_mass_.bytes(), cudaMemcpyDeviceToHost, stream_));
+    if (sketch > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data() + tiles, sketch_d.data(), sketch_d.bytes(), cudaMemcpyDeviceToHost, stream_));
+    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
     engine::rank_share share;
-    for (auto head = tiles.begin(); head != tiles.end(); head += blocks_) {
+    for (const float* head = host.data(); head != host.data() + tiles; head += blocks_) {
       share.mass.insert(share.mass.end(), head, head + blocks_);
       share.mass.push_back(float(std::accumulate(head, head + blocks_, 0.0)));  // in fp64, in block order
     }
-    for (std::size_t i = 0; i < top_key.size(); ++i)
-      share.candidates.push_back({kernel::mass_of_descending_bits(static_cast<std::uint32_t>(top_key[i])), top_token[i]});
+    share.sketch.assign(host.data() + tiles, host.end());
     return share;
+  }
+
+  /// Each head's first width[h] candidates, head after head: one copy of the widest run's length
+  /// per head (one synchronisation).
+  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) const {
+    const std::size_t most = width.empty() ? 0 : static_cast<std::size_t>(*std::max_element(width.begin(), width.end()));
+    const pinned_buffer<std::uint64_t> key(static_cast<std::size_t>(heads_) * most, stream_);
+    const pinned_buffer<index_t> token(key.size(), stream_);
+    if (most > 0) {
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(key.data(), most * sizeof(std::uint64_t), sorted_keys_.data(), tokens_ * sizeof(std::uint64_t),
+                                         most * sizeof(std::uint64_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(token.data(), most * sizeof(index_t), sorted_tokens_.data(), tokens_ * sizeof(index_t),
+                                         most * sizeof(index_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
+      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    std::vector<vertical_candidate> sent;
+    for (std::size_t h = 0; h < width.size(); ++h)
+      for (std::size_t i = h * most; i < h * most + static_cast<std::size_t>(width[h]); ++i)
+        sent.push_back({kernel::mass_of_descending_bits(static_cast<std::uint32_t>(key[i])), token[i]});
+    return sent;
   }
 
   estimator::device_statistics global_statistics(vs_statistics st) {
@@ -192,10 +222,11 @@ class window_backend {
   estimator::statistics_timing* timing_;
   std::chrono::steady_clock::time_point last_;
   const T* window_;  // [rows, Hq, D]: in q_local, or uploaded_window_
-  window_rows host_window_;
+  window_rows host_window_;                  // the window's rows on the host, when W > 1
   device_buffer<T> uploaded_window_;
   device_buffer<index_t> key_global_block_;  // [local blocks]
   device_buffer<float> normaliser_;          // [2, Hq, rows]: row max, then sum of exp2 (this rank's, then the global ones)
+  pinned_buffer<float> host_normaliser_;     // normaliser_'s host side: this rank's, then the global one
   std::vector<float> own_;                   // this rank's, on the host
   device_buffer<float> tile_mass_;           // [Hq, local blocks]
   device_buffer<std::uint64_t> sorted_keys_;  // [Hq, local tokens]: (head, mass descending)

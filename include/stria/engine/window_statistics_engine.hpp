@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <span>
 #include <string>
 #include <utility>
@@ -69,15 +70,42 @@ window_plan make_window_plan(const Sharding& sharding, index_t seq_len, index_t 
   return p;
 }
 
-/// One rank's share of the statistics, what the collectives of step 5 combine.
+/// A head's sketch of a rank's run of candidates: the masses at positions sketch_position(i) - 1,
+/// i < sketch_points, ceil((i + 1) * per_rank / 64).
+inline constexpr index_t sketch_points = 64;
+inline std::size_t sketch_position(index_t i, index_t per_rank) { return static_cast<std::size_t>((i + 1) * std::int64_t{per_rank} + 63) / 64; }
+
+/// One rank's share of the statistics, what the first all-gather of step 5 combines. A rank's
+/// candidates, each head's top per_rank vertical candidates in selection order (tokens of the
+/// request's local blocks carry mass -1, so they sort last and never enter the union), stay with
+/// the backend until the engine knows how many of each head's run can matter (b.candidates).
 struct rank_share {
   /// [Hq, rank_blocks + 1]: the window mass on each local key block (the window lies in the last
   /// block, so a key block's mass is all on one block diagonal), then the rank's whole window mass.
   std::vector<float> mass;
-  /// [Hq, per_rank]: each head's top vertical candidates in selection order; tokens of the request's
-  /// local blocks carry mass -1, so they sort last and never enter the union.
-  std::vector<vertical_candidate> candidates;
+  /// [Hq, sketch_points]: each head's sketch of its candidates (sketch_of); empty when per_rank is 0.
+  std::vector<float> sketch;
 };
+
+/// The sketches of `candidates` [Hq, per_rank] (rank_share::sketch), for backends that hold them on the host.
+inline std::vector<float> sketch_of(std::span<const vertical_candidate> candidates, index_t heads, index_t per_rank) {
+  std::vector<float> sketch;
+  for (index_t h = 0; h < heads && per_rank > 0; ++h)
+    for (index_t i = 0; i < sketch_points; ++i)
+      sketch.push_back(candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + sketch_position(i, per_rank) - 1].mass);
+  return sketch;
+}
+
+/// Each head's first width[h] of `candidates` [Hq, per_rank], head after head (what b.candidates
+/// returns), for backends that hold them on the host.
+inline std::vector<vertical_candidate> runs_up_to(std::span<const vertical_candidate> candidates, index_t per_rank, std::span<const index_t> width) {
+  std::vector<vertical_candidate> sent;
+  for (std::size_t h = 0; h < width.size(); ++h) {
+    const auto first = candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank;
+    sent.insert(sent.end(), first, first + width[h]);
+  }
+  return sent;
+}
 
 /// Requirements of a window statistics backend B, one rank's local work (built-ins:
 /// estimator::detail::window_backend, device::detail::window_backend). The engine makes every
@@ -89,10 +117,13 @@ struct rank_share {
 ///   sums of exp against the global max; `b.place_normaliser(global_max, global_sum)` (W > 1);
 /// - `b.probabilities()`: pass 2, each key token's and key block's window mass, each head's top
 ///   per_rank candidates;
-/// - `b.rank_share()` (W > 1); `b.global_statistics(st)` (W > 1): the result `B::statistics` from the
-///   combined shares; `b.own_statistics()` (W = 1): the result from this rank's share alone.
+/// - `b.rank_share()` (W > 1): the masses and the candidates' sketches; `b.candidates(width)` (W > 1):
+///   a `std::vector<vertical_candidate>` of each head's first width[h] candidates, head after head
+///   (width: `const std::vector<index_t>&`, Hq entries, each <= per_rank);
+/// - `b.global_statistics(st)` (W > 1): the result `B::statistics` from the combined shares;
+///   `b.own_statistics()` (W = 1): the result from this rank's share alone.
 template <class B>
-concept window_statistics_backend = requires(B& b, const std::vector<float>& f, vs_statistics st) {
+concept window_statistics_backend = requires(B& b, const std::vector<float>& f, const std::vector<index_t>& w, vs_statistics st) {
   { b.window() } -> std::same_as<typename B::window_rows&>;
   b.score_window();
   { b.row_max() } -> std::same_as<std::vector<float>>;
@@ -100,6 +131,7 @@ concept window_statistics_backend = requires(B& b, const std::vector<float>& f, 
   b.place_normaliser(f, f);
   b.probabilities();
   { b.rank_share() } -> std::same_as<rank_share>;
+  { b.candidates(w) } -> std::same_as<std::vector<vertical_candidate>>;
   { b.global_statistics(std::move(st)) } -> std::same_as<typename B::statistics>;
   { b.own_statistics() } -> std::same_as<typename B::statistics>;
 };
@@ -122,6 +154,8 @@ constexpr bool check_window_statistics_backend() {
   static_assert(requires(B& b) { b.probabilities(); }, "stria: Backend must have probabilities()");
   static_assert(requires(B& b) { { b.rank_share() } -> std::same_as<rank_share>; },
                 "stria: Backend must have rank_share() returning stria::engine::rank_share");
+  static_assert(requires(B& b, const std::vector<index_t>& w) { { b.candidates(w) } -> std::same_as<std::vector<vertical_candidate>>; },
+                "stria: Backend must have candidates(const std::vector<index_t>& width) returning std::vector<stria::vertical_candidate>");
   static_assert(requires(B& b, vs_statistics st) { { b.global_statistics(std::move(st)) } -> std::same_as<typename B::statistics>; },
                 "stria: Backend must have global_statistics(stria::vs_statistics) returning statistics");
   static_assert(requires(B& b) { { b.own_statistics() } -> std::same_as<typename B::statistics>; },
@@ -130,10 +164,6 @@ constexpr bool check_window_statistics_backend() {
 }
 
 namespace detail {
-
-/// A head's sketch of a rank's run: the masses at positions ceil((i + 1) * per_rank / 64), i < 64.
-inline constexpr index_t sketch_points = 64;
-inline std::size_t sketch_position(index_t i, index_t per_rank) { return static_cast<std::size_t>((i + 1) * std::int64_t{per_rank} + 63) / 64; }
 
 /// How many entries of each head's run every rank sends, from the sketches [world, Hq, 64]: the
 /// first p_i entries of a run weigh >= its sketch point i, the rest <= it. So T, the largest sketch
@@ -211,7 +241,8 @@ inline vs_statistics combine_shares(const window_plan& plan, std::span<const flo
 ///    top per_rank vertical candidates per head;
 /// 5. an all-gather brings every rank's block and window masses with its candidates' sketch, a
 ///    second the candidates that may reach a union's first plan.keep entries (with whole_union: all
-///    of them), and combine_shares makes the statistics.
+///    of them), and combine_shares makes the statistics. The backend hands over only those
+///    candidates (b.candidates), so a device backend copies no more of them to the host.
 template <class Backend, class Comm>
 typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, const window_plan& plan) {
   static_assert(check_window_statistics_backend<Backend>());
@@ -234,22 +265,25 @@ typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, co
   b.probabilities();
 
   rank_share mine = b.rank_share();
-  const std::size_t share = mine.mass.size() + static_cast<std::size_t>(heads * detail::sketch_points);
-  for (index_t h = 0; h < heads; ++h)
-    for (index_t i = 0; i < detail::sketch_points && per_rank > 0; ++i)
-      mine.mass.push_back(mine.candidates[static_cast<std::size_t>(h) * static_cast<std::size_t>(per_rank) + detail::sketch_position(i, per_rank) - 1].mass);
+  const auto masses = static_cast<std::size_t>(heads) * static_cast<std::size_t>(plan.rank_blocks + 1),
+             sketches = static_cast<std::size_t>(heads * sketch_points);
+  if (mine.mass.size() != masses)
+    throw invalid_argument("b.rank_share().mass.size()", mine.mass.size(), "must be Hq * (rank_blocks + 1) = " + std::to_string(masses));
+  if (mine.sketch.size() != (per_rank > 0 ? sketches : 0))
+    throw invalid_argument("b.rank_share().sketch.size()", mine.sketch.size(), "must be Hq * 64 = " + std::to_string(sketches) + " (0 without candidates)");
+  mine.mass.insert(mine.mass.end(), mine.sketch.begin(), mine.sketch.end());
+  const std::size_t share = masses + sketches;
   mine.mass.resize(share);  // no candidates: a sketch of zeros
   std::vector<float> gathered(share * static_cast<std::size_t>(world)), mass, sketch;
   comm.all_gather(mine.mass.data(), gathered.data(), share);
   for (auto first = gathered.begin(); first != gathered.end(); first += static_cast<std::ptrdiff_t>(share)) {
-    mass.insert(mass.end(), first, first + static_cast<std::ptrdiff_t>(share) - heads * detail::sketch_points);
-    sketch.insert(sketch.end(), first + static_cast<std::ptrdiff_t>(share) - heads * detail::sketch_points, first + static_cast<std::ptrdiff_t>(share));
+    mass.insert(mass.end(), first, first + static_cast<std::ptrdiff_t>(masses));
+    sketch.insert(sketch.end(), first + static_cast<std::ptrdiff_t>(masses), first + static_cast<std::ptrdiff_t>(share));
   }
   const std::vector<index_t> width = detail::run_widths(sketch, world, heads, per_rank, plan.keep);
-  std::vector<vertical_candidate> sent;  // each head's run up to its width
-  for (index_t h = 0; h < heads; ++h)
-    sent.insert(sent.end(), mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank,
-                mine.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank + width[static_cast<std::size_t>(h)]);
+  const std::vector<vertical_candidate> sent = b.candidates(width);  // each head's run up to its width
+  if (const auto expected = static_cast<std::size_t>(std::accumulate(width.begin(), width.end(), std::int64_t{0})); sent.size() != expected)
+    throw invalid_argument("b.candidates(width).size()", sent.size(), "must be the widths' sum " + std::to_string(expected));
   std::vector<vertical_candidate> candidates(sent.size() * static_cast<std::size_t>(world));
   comm.all_gather(sent.data(), candidates.data(), sent.size());
   return b.global_statistics(combine_shares(plan, mass, candidates, width));

@@ -11,6 +11,7 @@
 
 #include "stria/core/config.hpp"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/pinned_buffer.cuh"
 #include "stria/estimator/statistics.hpp"
 
 namespace stria::estimator {
@@ -25,7 +26,8 @@ struct device_statistics {
   device_buffer<float> candidate_mass;     // [Hq, candidates_per_head]
   device_buffer<index_t> candidate_token;  // [Hq, candidates_per_head] global key tokens
 
-  /// Host statistics copied to the device, ordered on `stream`.
+  /// Host statistics copied to the device, ordered on `stream`. The arrays are laid out in
+  /// page-locked memory first, so the copies return at once (and overlap other threads' copies).
   static device_statistics upload(const vs_statistics& s, cudaStream_t stream) {
     device_statistics d;
     d.shape = s;
@@ -33,17 +35,23 @@ struct device_statistics {
     d.shape.slash_mass.clear();
     d.shape.vertical.clear();
     for (const auto& head : s.vertical) d.candidates_per_head = std::max(d.candidates_per_head, static_cast<index_t>(head.size()));
-    std::vector<float> mass(static_cast<std::size_t>(s.num_heads) * static_cast<std::size_t>(d.candidates_per_head), -1.0f);
-    std::vector<index_t> token(mass.size(), 0);
+    const std::size_t window = s.window_mass.size(), slash = s.slash_mass.size(),
+                      candidates = static_cast<std::size_t>(s.num_heads) * static_cast<std::size_t>(d.candidates_per_head);
+    const pinned_buffer<float> masses(window + slash + candidates, stream);  // window, slash, then candidate masses
+    const pinned_buffer<index_t> token(candidates, stream);
+    std::copy(s.slash_mass.begin(), s.slash_mass.end(), std::copy(s.window_mass.begin(), s.window_mass.end(), masses.begin()));
+    float* mass = masses.data() + window + slash;
+    std::fill(mass, mass + candidates, -1.0f);
+    std::fill(token.begin(), token.end(), index_t{0});
     for (std::size_t h = 0; h < s.vertical.size(); ++h)
       for (std::size_t i = 0; i < s.vertical[h].size(); ++i) {
         mass[h * static_cast<std::size_t>(d.candidates_per_head) + i] = s.vertical[h][i].mass;
         token[h * static_cast<std::size_t>(d.candidates_per_head) + i] = s.vertical[h][i].token;
       }
-    d.window_mass = device_buffer<float>(std::span<const float>(s.window_mass), stream);
-    d.slash_mass = device_buffer<float>(std::span<const float>(s.slash_mass), stream);
-    d.candidate_mass = device_buffer<float>(std::span<const float>(mass), stream);
-    d.candidate_token = device_buffer<index_t>(std::span<const index_t>(token), stream);
+    d.window_mass = device_buffer<float>(std::span<const float>(masses.data(), window), stream);
+    d.slash_mass = device_buffer<float>(std::span<const float>(masses.data() + window, slash), stream);
+    d.candidate_mass = device_buffer<float>(std::span<const float>(mass, candidates), stream);
+    d.candidate_token = device_buffer<index_t>(std::span<const index_t>(token.span()), stream);
     return d;
   }
 

@@ -97,8 +97,8 @@ class window_backend {
     if (sum_.empty()) sum_ = row_sum(max_);  // one rank: its own max is the global one
     const index_t heads = shape_.heads_q, blocks = plan_.rank_blocks, per_rank = plan_.per_rank;
     const index_t first_local_block = plan_.shape.num_blocks() - plan_.shape.local_blocks;  // its tokens are never vertical candidates
-    share_.mass.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(blocks + 1));
-    share_.candidates.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(per_rank));
+    mass_.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(blocks + 1));
+    candidates_.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(per_rank));
     std::vector<double> column_mass(static_cast<std::size_t>(tokens_));
     std::vector<double> block_mass(static_cast<std::size_t>(blocks));
     std::vector<vertical_candidate> column(static_cast<std::size_t>(tokens_));
@@ -122,18 +122,21 @@ class window_backend {
         const index_t token = key_global_[j];
         column[j] = {token / block_tokens >= first_local_block ? -1.0f : float(column_mass[j]), token};
       }
-      float* mass = share_.mass.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(blocks + 1);
+      float* mass = mass_.data() + static_cast<std::size_t>(h) * static_cast<std::size_t>(blocks + 1);
       for (index_t b = 0; b < blocks; ++b) mass[b] = float(block_mass[static_cast<std::size_t>(b)]);
       mass[blocks] = float(total);
       std::partial_sort(column.begin(), column.begin() + per_rank, column.end());
-      std::copy(column.begin(), column.begin() + per_rank, share_.candidates.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
+      std::copy(column.begin(), column.begin() + per_rank, candidates_.begin() + static_cast<std::ptrdiff_t>(h) * per_rank);
     }
   }
 
-  engine::rank_share rank_share() { return std::move(share_); }
+  engine::rank_share rank_share() { return {std::move(mass_), engine::sketch_of(candidates_, shape_.heads_q, plan_.per_rank)}; }
+  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) const {
+    return engine::runs_up_to(candidates_, plan_.per_rank, width);
+  }
   vs_statistics global_statistics(vs_statistics st) { return st; }
   vs_statistics own_statistics() {
-    return engine::combine_shares(plan_, share_.mass, share_.candidates, std::vector<index_t>(static_cast<std::size_t>(shape_.heads_q), plan_.per_rank));
+    return engine::combine_shares(plan_, mass_, candidates_, std::vector<index_t>(static_cast<std::size_t>(shape_.heads_q), plan_.per_rank));
   }
 
  private:
@@ -146,7 +149,8 @@ class window_backend {
   std::vector<float> window_;                 // [rows, Hq, D]
   std::vector<index_t> key_global_;           // [local tokens]
   std::vector<float> score_, max_, sum_;      // [Hq, rows, local tokens], [Hq, rows] x 2
-  engine::rank_share share_;
+  std::vector<float> mass_;                   // [Hq, local blocks + 1]: rank_share's
+  std::vector<vertical_candidate> candidates_;  // [Hq, per_rank]: each head's top candidates in selection order
 };
 
 }  // namespace detail

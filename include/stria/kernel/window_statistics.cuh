@@ -302,6 +302,15 @@ __global__ void candidate_keys(const float* __restrict__ vertical, const index_t
   values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
 }
 
+/// Each head's sketch of its sorted candidates (engine::rank_share::sketch): the masses at positions
+/// ceil((i + 1) * per_rank / points) - 1, i < points (engine::sketch_position). Grid: Hq; block: points.
+template <int Unused = 0>
+__global__ void candidate_sketch(const std::uint64_t* __restrict__ sorted_keys, index_t local_tokens, index_t per_rank, float* __restrict__ sketch) {
+  const std::int64_t h = blockIdx.x, i = threadIdx.x, points = blockDim.x;
+  const std::int64_t position = ((i + 1) * per_rank + points - 1) / points - 1;
+  sketch[h * points + i] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[h * local_tokens + position]));
+}
+
 /// One rank's statistics are already global (the collectives over one rank are identities): the
 /// tile masses become slash masses (each key block lies on one block diagonal), their sum the window
 /// mass, and each head's first `per_rank` sorted candidates its candidate row (-1 pads included).
