@@ -199,7 +199,8 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
   detail::check_kv_layout(k, v);
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
   const index_t steps = topology.num_steps();
-  device_buffer<float> running(static_cast<std::size_t>(q.size()), stream);  // [Sq, Hq, D] fp32
+  // [Sq, Hq, D] fp32; a single step writes `out` directly and needs none.
+  device_buffer<float> running(steps > 1 ? static_cast<std::size_t>(q.size()) : 0, stream);
   std::optional<step_check> checks;
   if (check == finite_check::every_step) checks.emplace(stream);
   detail::ring_backend<Comm, T> backend(comm, steps, k, v, stream, transfer_stream);

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -64,13 +66,29 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
 enum class dq_source { automatic, stored, recomputed };
 
-/// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
-/// sm_90a (probed once per device with a one-thread kernel).
-inline bool hopper_kernels_available() {
-  static std::mutex mutex;
-  static std::map<int, bool> known;
+namespace detail {
+
+/// Devices whose per-process facts (below) are read without a lock; others take a mutex each time.
+inline constexpr int lock_free_devices = 64;
+
+inline int current_device() {
   int device = 0;
   STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+}  // namespace detail
+
+/// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
+/// sm_90a (probed once per device with a one-thread kernel; every launch asks, so the answer is
+/// read without a lock once known).
+inline bool hopper_kernels_available() {
+  static std::array<std::atomic<int>, detail::lock_free_devices> answer{};  // 0 not probed, 1 no, 2 yes
+  static std::mutex mutex;
+  static std::map<int, bool> known;
+  const int device = detail::current_device();
+  if (device < detail::lock_free_devices)
+    if (const int a = answer[static_cast<std::size_t>(device)].load(std::memory_order_acquire); a != 0) return a == 2;
   const std::lock_guard lock(mutex);
   if (auto it = known.find(device); it != known.end()) return it->second;
   int major = 0;
@@ -84,6 +102,7 @@ inline bool hopper_kernels_available() {
     available = flag.download()[0] == 1;
   }
   known.emplace(device, available);
+  if (device < detail::lock_free_devices) answer[static_cast<std::size_t>(device)].store(available ? 2 : 1, std::memory_order_release);
   return available;
 }
 
@@ -174,9 +193,21 @@ void with_head_dim(index_t head_dim, Launch&& launch) {
   }
 }
 
-template <class Kernel>
-void allow_shared_bytes(Kernel kernel, std::size_t bytes) {
-  STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+/// Lets `Kernel` launch with `bytes` of dynamic shared memory on the current device. The attribute
+/// is set once per kernel and device, and raised only where a call needs more: set before every
+/// launch it cost host time on every ring step. (A cudaDeviceReset clears it behind this record:
+/// the next launch past 48 KiB then fails with a CUDA error.)
+template <auto Kernel>
+void allow_shared_bytes(std::size_t bytes) {
+  static std::array<std::atomic<std::size_t>, lock_free_devices> allowed{};
+  static std::mutex raising;
+  const int device = current_device();
+  const bool recorded = device < lock_free_devices;
+  if (recorded && allowed[static_cast<std::size_t>(device)].load(std::memory_order_acquire) >= bytes) return;
+  const std::lock_guard lock(raising);  // raises never lower what another thread set meanwhile
+  const std::size_t limit = recorded ? std::max(bytes, allowed[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) : bytes;
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  if (recorded) allowed[static_cast<std::size_t>(device)].store(limit, std::memory_order_release);
 }
 
 }  // namespace detail
@@ -228,12 +259,12 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
   detail::with_head_dim<HeadDim>(shape.head_dim, [&]<int D>() {
     if (hopper) {
       constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
-      detail::allow_shared_bytes(kernel::sparse_forward_wgmma<T, D>, bytes);
+      detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D>>(bytes);
       kernel::sparse_forward_wgmma<T, D><<<grid, kernel::forward_wgmma_threads, bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
     } else {
       constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
-      detail::allow_shared_bytes(kernel::sparse_forward<T, D>, bytes);
+      detail::allow_shared_bytes<&kernel::sparse_forward<T, D>>(bytes);
       kernel::sparse_forward<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
     }
@@ -476,13 +507,13 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
                               : kernel::vertical_launch{shape.heads_q, static_cast<index_t>(groups)};
           const std::int64_t ctas = vertical.ctas() + std::int64_t{columns.x} * columns.y;
           if (ctas == 0) return;
-          detail::allow_shared_bytes(kernel::sparse_backward_dkdv_wgmma<T, D>, bytes);
+          detail::allow_shared_bytes<&kernel::sparse_backward_dkdv_wgmma<T, D>>(bytes);
           kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, stream>>>(params, vertical);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
         if (!store_ds) {
           constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
-          detail::allow_shared_bytes(kernel::sparse_backward_dq_wgmma<T, D>, dq_bytes);
+          detail::allow_shared_bytes<&kernel::sparse_backward_dq_wgmma<T, D>>(dq_bytes);
           kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
           dkdv_passes();
@@ -498,7 +529,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
           dkdv_passes();
           // After both dK/dV passes, which wrote every dS it reads.
           constexpr std::size_t dq_bytes = kernel::backward_dq_stored_shared_bytes<D>();
-          detail::allow_shared_bytes(kernel::sparse_backward_dq_stored_wgmma<T, D>, dq_bytes);
+          detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D>>(dq_bytes);
           const dim3 range_rows(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(range.end - range.begin));
           kernel::sparse_backward_dq_stored_wgmma<T, D><<<range_rows, kernel::attention_threads, dq_bytes, stream>>>(params);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
@@ -507,17 +538,17 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
       }
       if constexpr (!Atomic) {
         constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
-        detail::allow_shared_bytes(kernel::sparse_backward_dq<T, D>, dq_bytes);
+        detail::allow_shared_bytes<&kernel::sparse_backward_dq<T, D>>(dq_bytes);
         kernel::sparse_backward_dq<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
         STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
       }
       constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T, Atomic>();
-      detail::allow_shared_bytes(kernel::sparse_backward_dkdv<T, D, Atomic>, dkdv_bytes);
+      detail::allow_shared_bytes<&kernel::sparse_backward_dkdv<T, D, Atomic>>(dkdv_bytes);
       kernel::sparse_backward_dkdv<T, D, Atomic><<<columns, kernel::attention_threads, dkdv_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
       if (entries == 0) return;
       constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, Atomic>();
-      detail::allow_shared_bytes(kernel::sparse_backward_vertical<T, D, Atomic>, vertical_bytes);
+      detail::allow_shared_bytes<&kernel::sparse_backward_vertical<T, D, Atomic>>(vertical_bytes);
       kernel::sparse_backward_vertical<T, D, Atomic><<<tokens, kernel::attention_threads, vertical_bytes, stream>>>(params);
       STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
     };
