@@ -87,14 +87,14 @@ class window_backend {
     host_normaliser_ = pinned_buffer<float>(normaliser_.size(), stream_);
     STRIA_CUDA_CHECK(cudaMemcpyAsync(host_normaliser_.data(), normaliser_.data(), normaliser_.bytes(), cudaMemcpyDeviceToHost, stream_));
     STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    own_.assign(host_normaliser_.begin(), host_normaliser_.end());
-    return {own_.begin(), own_.begin() + static_cast<std::ptrdiff_t>(row_count())};
+    return {host_normaliser_.begin(), host_normaliser_.begin() + row_count()};
   }
   /// Each row's sum of exp2, rescaled from this rank's max to the global one.
   std::vector<float> row_sum(const std::vector<float>& global_max) const {
-    std::vector<float> sum(own_.begin() + static_cast<std::ptrdiff_t>(row_count()), own_.end());
+    const float* own = host_normaliser_.data();  // this rank's max, then its sums, until place_normaliser
+    std::vector<float> sum(own + row_count(), own + 2 * row_count());
     for (std::size_t i = 0; i < sum.size(); ++i)
-      sum[i] = own_[i] == -INFINITY ? 0.0f : float(double(sum[i]) * std::exp2(double(own_[i]) - double(global_max[i])));
+      sum[i] = own[i] == -INFINITY ? 0.0f : float(double(sum[i]) * std::exp2(double(own[i]) - double(global_max[i])));
     return sum;
   }
   /// The global max and sums replace this rank's (row_max's download has finished: it synchronised).
@@ -227,7 +227,6 @@ class window_backend {
   device_buffer<index_t> key_global_block_;  // [local blocks]
   device_buffer<float> normaliser_;          // [2, Hq, rows]: row max, then sum of exp2 (this rank's, then the global ones)
   pinned_buffer<float> host_normaliser_;     // normaliser_'s host side: this rank's, then the global one
-  std::vector<float> own_;                   // this rank's, on the host
   device_buffer<float> tile_mass_;           // [Hq, local blocks]
   device_buffer<std::uint64_t> sorted_keys_;  // [Hq, local tokens]: (head, mass descending)
   device_buffer<index_t> sorted_tokens_;      // [Hq, local tokens]: their global key tokens
