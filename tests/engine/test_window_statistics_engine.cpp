@@ -4,9 +4,12 @@
 // head's union keeps exactly the global top `keep` candidates (ties, skewed ranks, every world 1-8)
 // while the candidates' all-gather sends only what can reach it; one rank makes no collective. On
 // the host backend, statistics cut to the vertical cap select exactly what the whole union selects.
+// combine_shares alone matches every run sorted together, bit for bit, for W up to 16, causal or not.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -190,6 +193,62 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
     CHECK(gathered[0] - static_cast<std::size_t>(world * heads * (plan.rank_blocks + 1 + 64)) * sizeof(float) < whole_runs / 2);
 }
 
+/// combine_shares on given arguments against the plainest reading of its contract: block masses
+/// on their diagonals, window masses summed in rank order, and each head's union the first `keep`
+/// of every rank's run sorted together, sentinels out. Masses on a coarse grid (many exact ties,
+/// zeros of both signs), any width per head, causal or not.
+void check_combine(index_t world, index_t blocks_per_rank, bool causal, index_t cap, index_t keep, test::seeded_rng& rng) {
+  const index_t heads = 3, seq_len = world * blocks_per_rank * block_tokens;
+  const engine::window_plan plan =
+      engine::make_window_plan(sharding::striped<64>{}, seq_len, world, causal, heads, {64, cap, rng.integer(0, blocks_per_rank)}, keep);
+  const index_t first_local_block = plan.shape.num_blocks() - plan.shape.local_blocks;
+  std::vector<index_t> width;
+  for (index_t h = 0; h < heads; ++h) width.push_back(rng.integer(0, 3) == 0 ? plan.per_rank : rng.integer(0, plan.per_rank));
+  std::vector<float> mass;
+  std::vector<vertical_candidate> candidates;
+  for (index_t r = 0; r < world; ++r) {
+    for (index_t i = 0; i < heads * (plan.rank_blocks + 1); ++i) mass.push_back(static_cast<float>(rng.integer(0, 99)) / 97.0f);
+    for (index_t h = 0; h < heads; ++h) {
+      std::vector<vertical_candidate> run;
+      for (const index_t block : plan.global_blocks(r))
+        for (index_t t = 0; t < block_tokens; ++t) {
+          const float m = rng.integer(0, 4) == 0 ? (rng.integer(0, 1) ? -0.0f : 0.0f) : static_cast<float>(rng.integer(1, 12)) / 16.0f;
+          run.push_back({block >= first_local_block ? -1.0f : m, block * block_tokens + t});
+        }
+      std::sort(run.begin(), run.end());
+      candidates.insert(candidates.end(), run.begin(), run.begin() + width[static_cast<std::size_t>(h)]);
+    }
+  }
+  const vs_statistics st = engine::combine_shares(plan, mass, candidates, width);
+  const std::size_t rank_size = candidates.size() / static_cast<std::size_t>(world);
+  for (index_t h = 0, offset = 0; h < heads; offset += width[static_cast<std::size_t>(h++)]) {
+    CAPTURE(h);
+    std::vector<float> slash(static_cast<std::size_t>(st.num_diagonals()), 0.0f);
+    float window = 0;
+    std::vector<vertical_candidate> all;
+    for (index_t r = 0; r < world; ++r) {
+      const float* m = mass.data() + (r * heads + h) * (plan.rank_blocks + 1);
+      for (index_t b = 0; b < plan.rank_blocks; ++b)
+        slash[static_cast<std::size_t>(st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset())] = m[b];
+      window = r == 0 ? m[plan.rank_blocks] : window + m[plan.rank_blocks];
+      const auto run = candidates.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * rank_size) + offset;
+      all.insert(all.end(), run, run + width[static_cast<std::size_t>(h)]);
+    }
+    CHECK(std::equal(slash.begin(), slash.end(), st.slash_mass.begin() + h * st.num_diagonals()));
+    CHECK(st.window_mass[static_cast<std::size_t>(h)] == window);
+    std::stable_sort(all.begin(), all.end());  // tokens differ: one order, whatever the sort
+    all.resize(std::min<std::size_t>(all.size(), static_cast<std::size_t>(keep)));
+    all.erase(std::find_if(all.begin(), all.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), all.end());
+    const auto& got = st.vertical[static_cast<std::size_t>(h)];
+    REQUIRE(got.size() == all.size());
+    for (std::size_t i = 0; i < all.size(); ++i) {  // bit for bit: a zero keeps its sign
+      CAPTURE(i);
+      CHECK(std::bit_cast<std::uint32_t>(got[i].mass) == std::bit_cast<std::uint32_t>(all[i].mass));
+      CHECK(got[i].token == all[i].token);
+    }
+  }
+}
+
 /// The host backend through the engine: the first `keep` of each head's union, and nothing else differs.
 template <class Sharding>
 void check_truncation(const host::synthetic_vs& data, const host::synthetic_vs_options& o, const Sharding& sharding, index_t world) {
@@ -245,6 +304,24 @@ TEST_CASE("the window statistics engine on a third-party backend: collectives, d
         check_engine(sharding::zigzag{}, world, candidates, engine::whole_union, kind, rng);
         check_engine(sharding::sequential{}, world, candidates, std::max(1, candidates / 3), kind, rng);
       }
+}
+
+TEST_CASE("combine_shares: the diagonals, the window sums and each union against every run sorted together, for W = 1-16") {
+  STRIA_SEEDED_RNG(rng);
+  for (const index_t world : {1, 2, 3, 5, 8, 16})
+    for (const index_t blocks_per_rank : {1, 3})
+      for (const bool causal : {true, false})
+        for (const index_t cap : {0, 1, 37, 64, 150})
+          for (const int keep_choice : {0, 1, 2}) {
+            CAPTURE(world);
+            CAPTURE(blocks_per_rank);
+            CAPTURE(causal);
+            CAPTURE(cap);
+            CAPTURE(keep_choice);
+            const index_t per_rank = std::min(cap, blocks_per_rank * block_tokens);
+            const index_t keep = keep_choice == 0 ? per_rank : keep_choice == 1 ? engine::whole_union : rng.integer(1, world * per_rank + 1);
+            check_combine(world, blocks_per_rank, causal, cap, keep, rng);
+          }
 }
 
 TEST_CASE("window statistics cut to the vertical cap select exactly what the whole union selects, for W = 1-8") {

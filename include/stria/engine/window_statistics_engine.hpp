@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -196,38 +198,132 @@ inline std::vector<index_t> run_widths(std::span<const float> sketch, index_t wo
   return width;
 }
 
+/// A candidate as one integer whose order is selection order (vertical_candidate's operator<,
+/// smaller first), so that a merge compares one integer instead of two fields: the mass's bits,
+/// turned to sort heavier first, above token * 2 (tokens lie in [0, 2^31)), and in the last bit the
+/// sign of a zero mass (-0.0 == 0.0 in selection order, so both share their mass bits). A NaN mass
+/// has no place in selection order; here it sorts as its bits say.
+inline std::uint64_t selection_key(const vertical_candidate& c) {
+  const auto bits = std::bit_cast<std::uint32_t>(c.mass);
+  const std::uint32_t negative_zero = bits == 0x80000000u, mass = bits & ~(negative_zero << 31);
+  // Non-negative masses: their 31 bits reversed, heaviest first; then the negative ones as they are.
+  const std::uint32_t order = mass ^ (((mass >> 31) - 1u) & 0x7fffffffu);
+  return std::uint64_t{order} << 32 | static_cast<std::uint64_t>(c.token) << 1 | negative_zero;
+}
+inline vertical_candidate candidate_of(std::uint64_t key) {
+  const auto order = static_cast<std::uint32_t>(key >> 32), mass = order ^ (((order >> 31) - 1u) & 0x7fffffffu);
+  return {std::bit_cast<float>(key & 1 ? 0x80000000u : mass), static_cast<index_t>(static_cast<std::uint32_t>(key) >> 1)};
+}
+/// The first key of a negative mass (a sentinel): every lighter candidate's key is at least this.
+inline constexpr std::uint64_t negative_masses = std::uint64_t{1} << 63;
+/// Closes every run of keys: larger than any candidate's key.
+inline constexpr std::uint64_t end_of_run = std::numeric_limits<std::uint64_t>::max();
+
+/// How many of the first k entries of the merge of sorted runs a and b (ties to a) come from a:
+/// the least i for which b[k - i - 1] comes before a[i] (the merge path's crossing of diagonal k).
+inline std::size_t taken_from_first(std::span<const std::uint64_t> a, std::span<const std::uint64_t> b, std::size_t k) {
+  std::size_t low = k > b.size() ? k - b.size() : 0, high = std::min(k, a.size());
+  while (low < high)
+    if (const std::size_t i = (low + high) / 2; b[k - i - 1] < a[i]) high = i;
+    else low = i + 1;
+  return low;
+}
+
+/// The first `count` entries (count <= |a| + |b|) of the merge of sorted runs a and b, each closed
+/// by end_of_run, written to `out` and closed by end_of_run too. The merge path splits the output
+/// into `lanes` independent merges of equal length, each run one step at a time in turn: a merge
+/// step waits on the previous one's compare, so interleaved lanes keep the processor busy. Within
+/// a lane no run ends early (the next key of the other run, or end_of_run, always loses), so no
+/// step branches.
+inline void merge_first(std::span<const std::uint64_t> a, std::span<const std::uint64_t> b, std::uint64_t* out, std::size_t count) {
+  constexpr std::size_t lanes = 4;
+  struct lane {
+    const std::uint64_t *x, *y;
+    std::uint64_t *out, *out_end;
+    void step() {
+      const std::uint64_t from_x = *x, from_y = *y;
+      const bool take_y = from_y < from_x;
+      *out++ = take_y ? from_y : from_x;
+      x += !take_y;
+      y += take_y;
+    }
+  };
+  std::array<lane, lanes> lane_of{};
+  for (std::size_t l = 0, begin = 0, from_a = 0; l < lanes; ++l) {
+    const std::size_t end = count * (l + 1) / lanes, end_from_a = taken_from_first(a, b, end);
+    lane_of[l] = {a.data() + from_a, b.data() + (begin - from_a), out + begin, out + end};
+    begin = end;
+    from_a = end_from_a;
+  }
+  for (std::size_t step = 0; step < count / lanes; ++step)
+    for (lane& l : lane_of) l.step();
+  for (lane& l : lane_of)
+    while (l.out != l.out_end) l.step();
+  out[count] = end_of_run;
+}
+
 }  // namespace detail
 
 /// The statistics of `plan` from the ranks' shares: mass [world, Hq, rank_blocks + 1] (as in
 /// rank_share) and candidates [world, Hq, width[h]], each run in selection order. Each key block's
 /// mass lands on its block diagonal, window masses add up in rank order, and each head's union
 /// (runs merged pairwise, as the ranks' order fixes no tie: tokens differ) keeps its first plan.keep
-/// entries, the sentinels (mass -1) left out.
+/// entries, the sentinels (mass -1) left out. A union's first `keep` entries come from the first
+/// `keep` of each run merged into it, so every merge stops there.
 inline vs_statistics combine_shares(const window_plan& plan, std::span<const float> mass, std::span<const vertical_candidate> candidates,
                                     const std::vector<index_t>& width) {
   vs_statistics st = plan.shape;
-  const index_t heads = st.num_heads, row = plan.rank_blocks + 1;
-  const auto rank_size = static_cast<std::ptrdiff_t>(candidates.size()) / plan.world;
-  st.vertical.assign(static_cast<std::size_t>(heads), {});
-  for (index_t h = 0, first = 0; h < heads; first += width[static_cast<std::size_t>(h++)]) {
-    auto& union_h = st.vertical[static_cast<std::size_t>(h)];
-    const index_t w = width[static_cast<std::size_t>(h)];
-    for (index_t r = 0; r < plan.world; ++r) {
-      const float* m = mass.data() + static_cast<std::size_t>(r * heads + h) * static_cast<std::size_t>(row);
-      for (index_t b = 0; b < plan.rank_blocks; ++b) {
-        const index_t diagonal = st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset();
-        st.slash_mass[static_cast<std::size_t>(h) * static_cast<std::size_t>(st.num_diagonals()) + static_cast<std::size_t>(diagonal)] = m[b];
-      }
-      st.window_mass[static_cast<std::size_t>(h)] = r == 0 ? m[row - 1] : st.window_mass[static_cast<std::size_t>(h)] + m[row - 1];
-      const auto run = candidates.begin() + r * rank_size + first;
-      union_h.insert(union_h.end(), run, run + w);
+  const index_t heads = st.num_heads, world = plan.world;
+  const auto row = static_cast<std::size_t>(plan.rank_blocks + 1), diagonals = static_cast<std::size_t>(st.num_diagonals());
+  std::vector<std::size_t> diagonal;  // [world, rank_blocks]: each rank's key blocks' diagonals, as slash_mass indexes them
+  for (const index_t block : plan.key_global_block)
+    diagonal.push_back(static_cast<std::size_t>(st.diagonal_of(block * block_tokens) + st.diagonal_offset()));
+  for (index_t h = 0; h < heads; ++h) {
+    float* slash = st.slash_mass.data() + static_cast<std::size_t>(h) * diagonals;
+    float& window = st.window_mass[static_cast<std::size_t>(h)];
+    for (index_t r = 0; r < world; ++r) {
+      const float* m = mass.data() + static_cast<std::size_t>(r * heads + h) * row;
+      for (std::size_t b = 0; b + 1 < row; ++b) slash[diagonal[static_cast<std::size_t>(r) * (row - 1) + b]] = m[b];
+      window = r == 0 ? m[row - 1] : window + m[row - 1];
     }
-    for (index_t merged = w; merged > 0 && merged < static_cast<index_t>(union_h.size()); merged *= 2)
-      for (index_t at = 0; at + merged < static_cast<index_t>(union_h.size()); at += 2 * merged)
-        std::inplace_merge(union_h.begin() + at, union_h.begin() + at + merged,
-                           union_h.begin() + std::min<index_t>(at + 2 * merged, static_cast<index_t>(union_h.size())));
-    union_h.resize(std::min<std::size_t>(union_h.size(), static_cast<std::size_t>(plan.keep)));
-    union_h.erase(std::find_if(union_h.begin(), union_h.end(), [](const vertical_candidate& c) { return c.mass < 0.0f; }), union_h.end());
+  }
+
+  // Each head's runs as selection keys, each closed by end_of_run: pass after pass, runs 2i and
+  // 2i + 1 merge into run i of the next, until one is left.
+  const std::size_t rank_size = candidates.size() / static_cast<std::size_t>(world), keep = static_cast<std::size_t>(plan.keep);
+  std::vector<std::uint64_t> runs, merged;
+  std::vector<std::size_t> first, next_first;  // run i is runs[first[i], first[i + 1] - 1), then its end_of_run
+  st.vertical.assign(static_cast<std::size_t>(heads), {});
+  for (std::size_t h = 0, offset = 0; h < static_cast<std::size_t>(heads); offset += static_cast<std::size_t>(width[h++])) {
+    const std::size_t cut = std::min(static_cast<std::size_t>(width[h]), keep);
+    runs.resize((cut + 1) * static_cast<std::size_t>(world));
+    first.assign(1, 0);
+    for (std::size_t r = 0; r < static_cast<std::size_t>(world); ++r) {
+      const auto run = candidates.subspan(r * rank_size + offset, cut);
+      std::transform(run.begin(), run.end(), runs.begin() + static_cast<std::ptrdiff_t>(first.back()), detail::selection_key);
+      first.push_back(first.back() + cut + 1);
+      runs[first.back() - 1] = detail::end_of_run;
+    }
+    while (first.size() > 2) {
+      const auto run = [&](std::size_t i) {  // past the last run: an empty one, at the last one's end_of_run
+        const std::span<const std::uint64_t> all(runs);
+        return i + 1 < first.size() ? all.subspan(first[i], first[i + 1] - 1 - first[i]) : all.subspan(first.back() - 1, 0);
+      };
+      merged.resize(runs.size());
+      next_first.assign(1, 0);
+      for (std::size_t i = 0; i + 1 < first.size(); i += 2) {
+        const std::size_t length = std::min(run(i).size() + run(i + 1).size(), keep);
+        detail::merge_first(run(i), run(i + 1), merged.data() + next_first.back(), length);
+        next_first.push_back(next_first.back() + length + 1);
+      }
+      std::swap(runs, merged);
+      std::swap(first, next_first);
+    }
+    // The union: the first `keep`, down to the first sentinel.
+    const auto kept = std::span(runs).first(first[1] - 1);
+    auto& union_h = st.vertical[h];
+    union_h.resize(static_cast<std::size_t>(std::lower_bound(kept.begin(), kept.end(), detail::negative_masses) - kept.begin()));
+    std::transform(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(union_h.size()), union_h.begin(), detail::candidate_of);
   }
   return st;
 }
