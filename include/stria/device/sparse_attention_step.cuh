@@ -23,6 +23,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/tensor_view.hpp"
+#include "stria/device/launch.cuh"
 #include "stria/device/local_index.cuh"
 #include "stria/index/device_index.cuh"
 #include "stria/index/step_index.hpp"
@@ -65,19 +66,6 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
 /// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
 enum class dq_source { automatic, stored, recomputed };
-
-namespace detail {
-
-/// Devices whose per-process facts (below) are read without a lock; others take a mutex each time.
-inline constexpr int lock_free_devices = 64;
-
-inline int current_device() {
-  int device = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
-}  // namespace detail
 
 /// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
 /// sm_90a (probed once per device with a one-thread kernel; every launch asks, so the answer is
@@ -191,23 +179,6 @@ void with_head_dim(index_t head_dim, Launch&& launch) {
   } else {
     launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
   }
-}
-
-/// Lets `Kernel` launch with `bytes` of dynamic shared memory on the current device. The attribute
-/// is set once per kernel and device, and raised only where a call needs more: set before every
-/// launch it cost host time on every ring step. (A cudaDeviceReset clears it behind this record:
-/// the next launch past 48 KiB then fails with a CUDA error.)
-template <auto Kernel>
-void allow_shared_bytes(std::size_t bytes) {
-  static std::array<std::atomic<std::size_t>, lock_free_devices> allowed{};
-  static std::mutex raising;
-  const int device = current_device();
-  const bool recorded = device < lock_free_devices;
-  if (recorded && allowed[static_cast<std::size_t>(device)].load(std::memory_order_acquire) >= bytes) return;
-  const std::lock_guard lock(raising);  // raises never lower what another thread set meanwhile
-  const std::size_t limit = recorded ? std::max(bytes, allowed[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) : bytes;
-  STRIA_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
-  if (recorded) allowed[static_cast<std::size_t>(device)].store(limit, std::memory_order_release);
 }
 
 }  // namespace detail

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <numeric>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
@@ -23,6 +24,7 @@
 #include "stria/core/error.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/core/pinned_buffer.cuh"
+#include "stria/device/launch.cuh"
 #include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/device_statistics.cuh"
 #include "stria/estimator/statistics.hpp"
@@ -49,7 +51,12 @@ class window_backend {
         rows_(plan.shape.window_rows), blocks_(plan.rank_blocks), tokens_(plan.rank_blocks * block_tokens),
         scale_log2_(float(softmax_scale * 1.4426950408889634)), stream_(stream), timing_(timing), last_(start),
         window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)),
-        key_global_block_(plan.global_blocks(rank), stream) {}
+        key_global_block_(plan.global_blocks(rank), stream) {
+    constexpr index_t most = 65535 * kernel::window_blocks_per_cta * block_tokens;  // the grid's y extent counts chunks
+    if (tokens_ > most)
+      throw invalid_argument("local key tokens (seq_len / world)", tokens_,
+                             "must be at most " + std::to_string(most) + " for the device window statistics");
+  }
 
   window_rows& window() {
     host_window_ = pinned_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
@@ -60,24 +67,24 @@ class window_backend {
     return host_window_;
   }
 
-  /// Pass 1: per (head, local block, row) the max score and sum of exp2, then this rank's per row.
+  /// Pass 1: per (head, chunk, row) the max score and sum of exp2, then this rank's per row.
   void score_window() {
     if (!owner_ && host_window_.size() > 0) {  // the broadcast rows
       uploaded_window_ = device_buffer<T>(std::span<const T>(host_window_.span()), stream_);
       window_ = uploaded_window_.data();
     }
-    const std::size_t shared = kernel::window_shared_bytes<T>(dim_);
-    STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_partials<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-    STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::window_tile_probabilities<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
     lap(&estimator::statistics_timing::setup_ms);
-    device_buffer<float> tile_max(row_count() * static_cast<std::size_t>(blocks_), stream_), tile_sum(tile_max.size(), stream_);
-    kernel::window_tile_partials<T><<<grid(), kernel::window_threads, shared, stream_>>>(window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_,
-                                                                                        dim_, plan_.first_row(), scale_log2_, plan_.shape.causal, blocks_,
-                                                                                        tile_max.data(), tile_sum.data());
-    STRIA_CUDA_CHECK_LAUNCH("window_tile_partials");
+    const index_t chunks = grid().y;
+    device_buffer<float> partial_max(row_count() * static_cast<std::size_t>(chunks), stream_), partial_sum(partial_max.size(), stream_);
+    with_dim([&]<int D>() {
+      allow_shared_bytes<&kernel::window_partials<T, D>>(kernel::window_shared_bytes<T, D>());
+      kernel::window_partials<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(params(), partial_max.data(),
+                                                                                                                    partial_sum.data());
+    });
+    STRIA_CUDA_CHECK_LAUNCH("window_partials");
     normaliser_ = device_buffer<float>(2 * row_count(), stream_);
-    kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(tile_max.data(), tile_sum.data(), heads_, blocks_, rows_,
-                                                                                          normaliser_.data(), normaliser_.data() + row_count());
+    kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), heads_, chunks,
+                                                                                          rows_, normaliser_.data(), normaliser_.data() + row_count());
     STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
     lap(&estimator::statistics_timing::pass1_ms);
   }
@@ -114,10 +121,13 @@ class window_backend {
     const auto items = static_cast<std::size_t>(heads_) * static_cast<std::size_t>(tokens_);
     device_buffer<float> vertical(items, stream_);
     tile_mass_ = device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_), stream_);
-    kernel::window_tile_probabilities<T><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T>(dim_), stream_>>>(
-        window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, dim_, plan_.first_row(), scale_log2_, plan_.shape.causal, blocks_,
-        normaliser_.data(), normaliser_.data() + row_count(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(), tile_mass_.data());
-    STRIA_CUDA_CHECK_LAUNCH("window_tile_probabilities");
+    with_dim([&]<int D>() {
+      allow_shared_bytes<&kernel::window_probabilities<T, D>>(kernel::window_shared_bytes<T, D>());
+      kernel::window_probabilities<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(
+          params(), normaliser_.data(), normaliser_.data() + row_count(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
+          tile_mass_.data());
+    });
+    STRIA_CUDA_CHECK_LAUNCH("window_probabilities");
     lap(&estimator::statistics_timing::pass2_ms);
     device_buffer<std::uint64_t> keys(items, stream_);
     device_buffer<index_t> tokens(items, stream_);
@@ -201,8 +211,19 @@ class window_backend {
 
  private:
   [[nodiscard]] std::size_t row_count() const { return static_cast<std::size_t>(heads_ * rows_); }
+  /// Heads fastest, so that the heads reading one chunk of keys run together (kernel/window_statistics.cuh).
   [[nodiscard]] dim3 grid() const {
-    return {static_cast<unsigned>((blocks_ + kernel::window_blocks_per_cta - 1) / kernel::window_blocks_per_cta), static_cast<unsigned>(heads_)};
+    return {static_cast<unsigned>(heads_), static_cast<unsigned>((blocks_ + kernel::window_blocks_per_cta - 1) / kernel::window_blocks_per_cta)};
+  }
+  [[nodiscard]] kernel::window_params<T> params() const {
+    return {window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, blocks_, plan_.first_row(), scale_log2_, plan_.shape.causal};
+  }
+  /// Runs launch.template operator()<D>() with the head dim as a template argument (64 or 128: the
+  /// shape was validated).
+  template <class Launch>
+  void with_dim(Launch&& launch) const {
+    if (dim_ == 64) launch.template operator()<64>();
+    else launch.template operator()<128>();
   }
   /// Ends a timed phase: synchronises the stream and writes the wall time since the last phase.
   void lap(double estimator::statistics_timing::*phase) {

@@ -6,11 +6,14 @@
 // rank needs no collective and no host round trip.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <chrono>
 #include <concepts>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "stria/comm/host_threads.hpp"
@@ -31,13 +34,16 @@ namespace stria::estimator {
 /// engine::gather_window_statistics on the device backend (device/window_statistics.cuh). Each
 /// head's candidates are the first request.vertical_candidates of the host statistics' union, all
 /// that a selection reads. q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous
-/// device tensors of bf16, fp16 or float. With `timing`, every phase ends with a synchronisation.
+/// device tensors of bf16 or fp16, as the attention kernels read (fp32 inputs: estimate on the host,
+/// estimator::gather_window_statistics). With `timing`, every phase ends with a synchronisation.
 template <class Comm, sharding_policy Sharding, class T>
 device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                               statistics_request request, cudaStream_t stream,
                                               statistics_timing* timing = nullptr) {
   static_assert(check_host_collectives<Comm>());
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
+                "stria: the device window statistics read bf16 or fp16 (the tensor cores' inputs); estimate fp32 inputs on the host");
   const auto start = std::chrono::steady_clock::now();
   const shard_layout layout{seq_len / block_tokens, comm.world_size()};
   sharding.validate(layout);

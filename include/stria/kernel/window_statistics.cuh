@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Kernels of the estimator's window statistics (DESIGN 7): the observation window (<= 64 query rows
-// at the end of the sequence) against one rank's keys, one CTA per (local key block, query head).
-// Scores are kept in the log2 domain (scale * log2(e) folded into the queries) so exp2 serves.
-// Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a template's
-// definition may appear in every translation unit that includes the header, a plain __global__
-// function's may not (and `inline` is ignored on kernels).
+// at the end of the sequence) against one rank's keys. A CTA of 4 warps holds one query head's
+// window in registers (warp w: rows 16w .. 16w + 15, as the attention kernels hold Q) and walks a
+// chunk of consecutive key blocks through a ring of cp.async stages, scoring each 64-key tile with
+// the attention kernels' mma.sync product. Scores are kept in the log2 domain (scale * log2(e)) so
+// exp2 serves. Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a
+// template's definition may appear in every translation unit that includes the header, a plain
+// __global__ function's may not (and `inline` is ignored on kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,128 +20,39 @@
 #include "stria/core/config.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/core/tile.hpp"
+#include "stria/kernel/attention_tile.cuh"
 #include "stria/kernel/mma.cuh"
 
 namespace stria::kernel {
 
-inline constexpr int window_threads = 256;
+inline constexpr int window_threads = attention_threads;
 inline constexpr int window_max_rows = block_tokens;
+/// Key blocks one CTA scores. Its window rows are loaded once for them, and pass 1 writes one
+/// partial (max, sum) per row for the whole chunk.
+inline constexpr index_t window_blocks_per_cta = 8;
+/// Key tiles in flight per CTA; the window's query tile goes through the last stage first.
+inline constexpr int window_stages = 3;
 
-/// Dynamic shared memory of the window kernels: window queries and one key tile with a padded row,
-/// then the scores. 16-bit inputs stay 16-bit for the tensor cores (row dim + 8: 32-bit fragment
-/// loads of 8 rows hit distinct banks); fp32 inputs use rows of dim + 1 floats.
-template <class T>
-STRIA_HOST_DEVICE constexpr std::size_t window_shared_bytes(index_t dim) {
-  const std::size_t row = sizeof(T) == 2 ? static_cast<std::size_t>(dim + 8) : static_cast<std::size_t>(dim + 1);
-  return 2 * sizeof(T) * window_max_rows * row + sizeof(float) * window_max_rows * (block_tokens + 1);
+/// Dynamic shared memory of the window kernels: the ring of key tiles (padded rows, as the
+/// mma.sync attention kernels').
+template <class T, int D>
+constexpr std::size_t window_shared_bytes() {
+  return window_stages * sizeof(T) * shared_tile<D>::elements;
 }
+
+/// What both window passes read: the window and this rank's keys, bf16 or fp16.
+template <class T>
+struct window_params {
+  const T* window_q;                // [rows, Hq, D]
+  const T* k;                       // [S_local, Hkv, D]
+  const index_t* key_global_block;  // [local_blocks]
+  index_t rows, heads_q, heads_kv, local_blocks;
+  index_t first_row;  // global token of window row 0
+  float scale_log2;   // softmax scale * log2(e)
+  bool causal;
+};
 
 namespace detail {
-
-/// Copies `count` elements of T from global to shared memory in 16-byte vectors when both sides
-/// allow it (rows of `dim` elements; `stride` elements between shared rows), else element by element.
-template <class T, class Load>
-__device__ void load_rows(T* shared, int stride, int rows, int dim, Load row_pointer) {
-  constexpr int per_vector = 16 / sizeof(T);
-  if (dim % per_vector == 0 && stride % per_vector == 0) {
-    const int vectors = dim / per_vector;
-    for (int i = threadIdx.x; i < rows * vectors; i += blockDim.x) {
-      const int r = i / vectors, v = i % vectors;
-      const T* source = row_pointer(r);
-      uint4 value = make_uint4(0, 0, 0, 0);
-      if (source) value = *reinterpret_cast<const uint4*>(source + v * per_vector);
-      *reinterpret_cast<uint4*>(shared + r * stride + v * per_vector) = value;
-    }
-  } else {
-    for (int i = threadIdx.x; i < rows * dim; i += blockDim.x) {
-      const int r = i / dim, d = i % dim;
-      const T* source = row_pointer(r);
-      shared[r * stride + d] = source ? source[d] : T{};
-    }
-  }
-}
-
-/// Operand row stride in shared memory, in elements: 16-bit inputs use dim + 8 (rows 16-byte
-/// aligned for vector stores, and 32-bit fragment loads of 8 rows hit distinct banks); fp32 inputs
-/// use dim + 1 (the fp32 loop reads 32 consecutive keys of one column: distinct banks).
-template <class T>
-__device__ constexpr int operand_stride(int dim) {
-  return sizeof(T) == 2 ? dim + 8 : dim + 1;
-}
-
-/// Loads the window queries of head h once per CTA (rows past `rows` are zero).
-template <class T>
-__device__ void load_window(const T* __restrict__ window_q, index_t rows, index_t heads_q, index_t dim, index_t h, T* qs) {
-  load_rows(qs, operand_stride<T>(dim), window_max_rows, dim,
-            [&](int r) -> const T* { return r < rows ? window_q + (static_cast<std::int64_t>(r) * heads_q + h) * dim : nullptr; });
-}
-
-/// Scores of the window (already in qs) against local key block `local_block`, into s[row][key]
-/// (stride 65, log2 domain), -inf where causally masked or beyond `rows`.
-template <class T>
-__device__ void score_tile(const T* __restrict__ k, const index_t* __restrict__ key_global_block, index_t rows, index_t heads_q,
-                           index_t heads_kv, index_t dim, index_t first_row, float scale_log2, bool causal, index_t local_block, index_t h,
-                           const T* qs, T* ks, float* s) {
-  const index_t hk = h / (heads_q / heads_kv);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int stride = operand_stride<T>(dim);
-  const std::int64_t first_token = static_cast<std::int64_t>(local_block) * block_tokens;
-  const index_t key_token = key_global_block[local_block] * block_tokens;
-  load_rows(ks, stride, block_tokens, dim, [&](int j) -> const T* { return k + ((first_token + j) * heads_kv + hk) * dim; });
-  __syncthreads();
-  auto store = [&](int r, int key, float score) {
-    const bool masked = r >= rows || (causal && key_token + key > first_row + r);
-    s[r * (block_tokens + 1) + key] = masked ? -INFINITY : score * scale_log2;
-  };
-  if constexpr (sizeof(T) == 2) {
-    // Tensor cores: S = Q K^T, warp w owns rows 16 (w % 4) .. + 15 and keys 32 (w / 4) .. + 31.
-    const int group = lane / 4, pair = 2 * (lane % 4);  // fragment coordinates (PTX ISA)
-    const int row0 = 16 * (warp % 4), key0 = 32 * (warp / 4);
-    float acc[4][4] = {};
-    auto word = [](const T* at) { return *reinterpret_cast<const unsigned*>(at); };
-    for (int k0 = 0; k0 < dim; k0 += 16) {
-      const unsigned a[4] = {word(qs + (row0 + group) * stride + k0 + pair), word(qs + (row0 + group + 8) * stride + k0 + pair),
-                             word(qs + (row0 + group) * stride + k0 + pair + 8), word(qs + (row0 + group + 8) * stride + k0 + pair + 8)};
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const T* key = ks + (key0 + 8 * n + group) * stride + k0 + pair;
-        const unsigned b[2] = {word(key), word(key + 8)};
-        mma_16816<T>(acc[n], a, b);
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int key = key0 + 8 * n + pair;
-      store(row0 + group, key, acc[n][0]);
-      store(row0 + group, key + 1, acc[n][1]);
-      store(row0 + group + 8, key, acc[n][2]);
-      store(row0 + group + 8, key + 1, acc[n][3]);
-    }
-  } else {
-    // fp32 on CUDA cores: warp w scores rows 8w .. 8w + 7, lane l keys l and l + 32. Per head-dim
-    // step: 8 row values (broadcast over the warp) and 2 keys (distinct banks) for 16 multiply-adds.
-    constexpr int rows_per_warp = window_max_rows / (window_threads / 32);
-    float acc[rows_per_warp][2];
-#pragma unroll
-    for (int i = 0; i < rows_per_warp; ++i) acc[i][0] = acc[i][1] = 0.0f;
-    const T* q_rows = qs + warp * rows_per_warp * stride;
-    for (int d = 0; d < dim; ++d) {
-      const float k0 = to_float(ks[lane * stride + d]), k1 = to_float(ks[(lane + 32) * stride + d]);
-#pragma unroll
-      for (int i = 0; i < rows_per_warp; ++i) {
-        const float q = to_float(q_rows[i * stride + d]);
-        acc[i][0] += q * k0;
-        acc[i][1] += q * k1;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < rows_per_warp; ++i) {
-      store(warp * rows_per_warp + i, lane, acc[i][0]);
-      store(warp * rows_per_warp + i, lane + 32, acc[i][1]);
-    }
-  }
-  __syncthreads();
-}
 
 __device__ inline float warp_max(float x) {
   for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
@@ -150,68 +63,120 @@ __device__ inline float warp_sum(float x) {
   return x;
 }
 
-}  // namespace detail
+/// The walk both passes share. This CTA (query head blockIdx.x, chunk blockIdx.y of
+/// window_blocks_per_cta key blocks) scores its window rows against each key block of the chunk in
+/// order and calls on_tile(s, local_block) with this warp's 16 x 64 scores (the mma accumulator
+/// layout, log2 domain), -inf where the key lies causally after the row or the row is past the
+/// window. Heads vary fastest over the grid, so the heads that read a chunk's keys run together and
+/// find them in L2.
+template <class T, int D, class OnTile>
+__device__ void for_each_window_tile(const window_params<T>& p, OnTile&& on_tile) {
+  static_assert(sizeof(T) == 2, "the window kernels score on 16-bit tensor cores");
+  extern __shared__ __align__(16) unsigned char window_ring[];
+  using layout = padded_tile<T, D>;
+  constexpr int tile = shared_tile<D>::elements;
+  T* const ring = reinterpret_cast<T*>(window_ring);
+  const index_t h = blockIdx.x, hk = h / (p.heads_q / p.heads_kv);
+  const index_t first = static_cast<index_t>(blockIdx.y) * window_blocks_per_cta;
+  const index_t count = min(window_blocks_per_cta, p.local_blocks - first);
+  const std::int64_t stride = std::int64_t{p.heads_kv} * D;
+  auto load_keys = [&](index_t i) {
+    load_strided_rows_async<layout, T, D>(ring + (i % window_stages) * tile, p.k + (std::int64_t{first + i} * block_tokens) * stride + hk * D,
+                                          stride);
+  };
+  // Prologue: the window (rows past p.rows zero) into the last stage with key tile 0, then tiles
+  // 1 .. stages - 2: one copy group each.
+  load_strided_rows_async<layout, T, D>(ring + (window_stages - 1) * tile, p.window_q + std::int64_t{h} * D, std::int64_t{p.heads_q} * D, p.rows);
+#pragma unroll
+  for (int i = 0; i < window_stages - 1; ++i) {
+    if (i < count) load_keys(i);
+    cp_async_commit();
+  }
+  cp_async_wait<window_stages - 2>();
+  __syncthreads();
+  unsigned qf[D / 16][4];
+  load_row_fragments<T, D>(qf, ring + (window_stages - 1) * tile);
 
-/// Key blocks each CTA walks with the window queries kept in shared memory.
-inline constexpr index_t window_blocks_per_cta = 4;
-
-/// Shared-memory carve-up of the window kernels: queries, one key tile, scores.
-template <class T>
-__device__ void window_shared(unsigned char* shared, index_t dim, T*& qs, T*& ks, float*& s) {
-  qs = reinterpret_cast<T*>(shared);
-  ks = qs + window_max_rows * detail::operand_stride<T>(dim);
-  s = reinterpret_cast<float*>(ks + window_max_rows * detail::operand_stride<T>(dim));
-}
-
-/// Pass 1: per (head, local block, window row) the max score and the sum of exp2(score - max).
-///   window_q [rows, Hq, D]   k [S_local, Hkv, D]   tile_max, tile_sum [Hq, local_blocks, rows]
-/// Grid: (ceil(local_blocks / window_blocks_per_cta), Hq).
-template <class T>
-__global__ void __launch_bounds__(window_threads)
-    window_tile_partials(const T* __restrict__ window_q, const T* __restrict__ k, const index_t* __restrict__ key_global_block,
-                         index_t rows, index_t heads_q, index_t heads_kv, index_t dim, index_t first_row, float scale_log2, bool causal,
-                         index_t local_blocks, float* __restrict__ tile_max, float* __restrict__ tile_sum) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  T *qs, *ks;
-  float* s;
-  window_shared<T>(shared, dim, qs, ks, s);
-  const index_t h = blockIdx.y;
-  detail::load_window(window_q, rows, heads_q, dim, h, qs);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const index_t first_block = blockIdx.x * window_blocks_per_cta;
-  for (index_t local_block = first_block; local_block < min(first_block + window_blocks_per_cta, local_blocks); ++local_block) {
-    detail::score_tile(k, key_global_block, rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, local_block, h, qs, ks, s);
-    for (int r = warp; r < rows; r += window_threads / 32) {
-      const float a = s[r * (block_tokens + 1) + lane], b = s[r * (block_tokens + 1) + lane + 32];
-      const float m = detail::warp_max(fmaxf(a, b));
-      const float sum = m == -INFINITY ? 0.0f : detail::warp_sum(exp2f(a - m) + exp2f(b - m));
-      if (lane == 0) {
-        const std::int64_t out = (static_cast<std::int64_t>(h) * local_blocks + local_block) * rows + r;
-        tile_max[out] = m;
-        tile_sum[out] = sum;
+  const int warp_row0 = 16 * static_cast<int>(threadIdx.x / 32);
+  index_t key_block = count > 0 ? p.key_global_block[first] : 0;
+  for (index_t i = 0; i < count; ++i) {
+    // Groups committed: 2 + i, one per tile; tile i's has landed once at most stages - 2 are pending.
+    // The barrier also ends every warp's reads of the stage tile i + stages - 1 goes to (tile i - 1's,
+    // or the window's).
+    cp_async_wait<window_stages - 2>();
+    __syncthreads();
+    if (i + window_stages - 1 < count) load_keys(i + window_stages - 1);
+    cp_async_commit();
+    const index_t next_block = i + 1 < count ? p.key_global_block[first + i + 1] : 0;  // read under the product
+    float s[8][4] = {};
+    product_abt<T, D>(s, qf, ring + (i % window_stages) * tile);
+    const index_t key_token = key_block * block_tokens;
+    const bool mask = p.rows < window_max_rows || (p.causal && key_token + block_tokens - 1 > p.first_row);  // CTA-uniform
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp_row0 + fragment_row(e);
+        const bool out = mask && (r >= p.rows || (p.causal && key_token + fragment_col(j, e) > p.first_row + r));
+        s[j][e] = out ? -INFINITY : s[j][e] * p.scale_log2;
       }
-    }
-    __syncthreads();  // the next tile overwrites ks and s
+    on_tile(s, first + i);
+    key_block = next_block;
   }
 }
 
-/// Combines the per-block partials of pass 1 into this rank's (max, sum) per (head, row): one CTA
-/// of 256 threads per (head, row), each thread folding a strided share of the blocks.
+}  // namespace detail
+
+/// Pass 1: per (head, chunk, window row) the max score over the chunk's keys and the sum of exp2
+/// of the scores against it (the online softmax's running pair, FlashAttention-2's).
+///   partial_max, partial_sum [Hq, chunks, rows]. Grid: (Hq, chunks), window_threads.
+template <class T, int D>
+__global__ void __launch_bounds__(window_threads) window_partials(window_params<T> p, float* __restrict__ partial_max, float* __restrict__ partial_sum) {
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp; this lane's share of the sum
+  detail::for_each_window_tile<T, D>(p, [&](const float (&s)[8][4], index_t) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fmaxf(s[j][2 * half], s[j][2 * half + 1]));
+      const float next = fmaxf(row_max[half], detail::quad_max(m));
+      if (next == -INFINITY) continue;  // every key so far masked: nothing to add
+      row_sum[half] *= detail::exp2_ftz(row_max[half] - next);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) row_sum[half] += detail::exp2_ftz(s[j][2 * half] - next) + detail::exp2_ftz(s[j][2 * half + 1] - next);
+      row_max[half] = next;
+    }
+  });
+  const int lane = static_cast<int>(threadIdx.x % 32);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = detail::quad_sum(row_sum[half]);
+    const int r = 16 * static_cast<int>(threadIdx.x / 32) + detail::fragment_row(2 * half);
+    if (lane % 4 == 0 && r < p.rows) {
+      const std::int64_t at = (std::int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * p.rows + r;
+      partial_max[at] = row_max[half];
+      partial_sum[at] = sum;
+    }
+  }
+}
+
+/// Combines pass 1's partials into this rank's (max, sum) per (head, row): one CTA of 256 threads
+/// per (head, row), each thread folding a strided share of the row's `parts` partials.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
-    combine_row_partials(const float* __restrict__ tile_max, const float* __restrict__ tile_sum, index_t heads_q, index_t local_blocks,
+    combine_row_partials(const float* __restrict__ partial_max, const float* __restrict__ partial_sum, index_t heads_q, index_t parts,
                          index_t rows, float* __restrict__ row_max, float* __restrict__ row_sum) {
   const index_t h = blockIdx.x / rows, r = blockIdx.x % rows;
   float m = -INFINITY, sum = 0.0f;
-  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) {
-    const std::int64_t at = (static_cast<std::int64_t>(h) * local_blocks + b) * rows + r;
-    const float tm = tile_max[at];
+  for (index_t b = threadIdx.x; b < parts; b += blockDim.x) {
+    const std::int64_t at = (static_cast<std::int64_t>(h) * parts + b) * rows + r;
+    const float tm = partial_max[at];
     if (tm == -INFINITY) continue;
     if (tm > m) {
-      sum = sum * exp2f(m - tm) + tile_sum[at];
+      sum = sum * exp2f(m - tm) + partial_sum[at];
       m = tm;
     } else {
-      sum += tile_sum[at] * exp2f(tm - m);
+      sum += partial_sum[at] * exp2f(tm - m);
     }
   }
   // Block reduction of (max, sum) pairs: first the max, then sums rescaled to it.
@@ -234,46 +199,66 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-/// Pass 2, with the global (max, sum) of every row: the window probabilities, summed per key token
-/// (vertical mass; -1 for tokens of the last `local_blocks` global blocks, which are never vertical
-/// candidates) and per tile (the mass of the block diagonal this key block lies on).
-///   vertical [Hq, S_local]   tile_mass [Hq, local_blocks]; grid as pass 1.
-template <class T>
+/// Pass 2, with the global (max, sum) of every row [Hq, rows]: the window probabilities, summed per
+/// key token (vertical mass; -1 for tokens of global blocks >= first_local_block, which are never
+/// vertical candidates) and per key block (the mass of the block diagonal it lies on). The sums run
+/// in a fixed order (rows within a warp by shuffles, then the 4 warps in turn), so a rank's
+/// statistics do not change from run to run.
+///   vertical [Hq, S_local]   tile_mass [Hq, local_blocks]. Grid: (Hq, chunks), window_threads.
+template <class T, int D>
 __global__ void __launch_bounds__(window_threads)
-    window_tile_probabilities(const T* __restrict__ window_q, const T* __restrict__ k, const index_t* __restrict__ key_global_block,
-                              index_t rows, index_t heads_q, index_t heads_kv, index_t dim, index_t first_row, float scale_log2, bool causal,
-                              index_t local_blocks, const float* __restrict__ global_max, const float* __restrict__ global_sum,
-                              index_t first_local_block, float* __restrict__ vertical, float* __restrict__ tile_mass) {
-  extern __shared__ __align__(16) unsigned char shared[];
-  T *qs, *ks;
-  float* s;
-  window_shared<T>(shared, dim, qs, ks, s);
-  __shared__ float warp_total[block_tokens / 32];
-  const index_t h = blockIdx.y;
-  detail::load_window(window_q, rows, heads_q, dim, h, qs);
-  const index_t first_block = blockIdx.x * window_blocks_per_cta;
-  for (index_t local_block = first_block; local_block < min(first_block + window_blocks_per_cta, local_blocks); ++local_block) {
-    detail::score_tile(k, key_global_block, rows, heads_q, heads_kv, dim, first_row, scale_log2, causal, local_block, h, qs, ks, s);
-    for (int i = threadIdx.x; i < rows * block_tokens; i += blockDim.x) {
-      const int r = i / block_tokens, key = i % block_tokens;
-      float& x = s[r * (block_tokens + 1) + key];
-      const float z = global_sum[h * rows + r];
-      x = (x == -INFINITY || z == 0.0f) ? 0.0f : exp2f(x - global_max[h * rows + r]) / z;
+    window_probabilities(window_params<T> p, const float* __restrict__ global_max, const float* __restrict__ global_sum,
+                         index_t first_local_block, float* __restrict__ vertical, float* __restrict__ tile_mass) {
+  constexpr int warps = window_threads / 32;
+  __shared__ float column_part[warps][block_tokens];  // each warp's column sums over its 16 rows
+  __shared__ float warp_mass[warps];
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const index_t h = blockIdx.x;
+  float row_max[2], inverse[2];  // rows g and g + 8 of the warp; inverse 0 for rows past the window or empty
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = 16 * warp + detail::fragment_row(2 * half);
+    const float z = r < p.rows ? global_sum[h * p.rows + r] : 0.0f;
+    row_max[half] = z > 0.0f ? global_max[h * p.rows + r] : 0.0f;
+    inverse[half] = z > 0.0f ? 1.0f / z : 0.0f;
+  }
+  detail::for_each_window_tile<T, D>(p, [&](const float (&s)[8][4], index_t local_block) {
+    float column[8][2];  // this lane's two rows added, per column it holds
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+        column[j][c] = detail::exp2_ftz(s[j][c] - row_max[0]) * inverse[0] + detail::exp2_ftz(s[j][2 + c] - row_max[1]) * inverse[1];
+    // Summed over the warp's 8 row groups (lanes 4 apart): lanes 0-3 then hold its column sums.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) column[j][c] += __shfl_xor_sync(0xffffffffu, column[j][c], offset);
+    float total = 0.0f;
+    if (lane < 4) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          column_part[warp][detail::fragment_col(j, c)] = column[j][c];
+          total += column[j][c];
+        }
     }
+    total = detail::quad_sum(total);
+    if (lane == 0) warp_mass[warp] = total;
     __syncthreads();
     if (threadIdx.x < block_tokens) {
-      float column = 0.0f;
-      for (int r = 0; r < rows; ++r) column += s[r * (block_tokens + 1) + threadIdx.x];
-      const bool local = key_global_block[local_block] >= first_local_block;
-      vertical[static_cast<std::int64_t>(h) * local_blocks * block_tokens + static_cast<std::int64_t>(local_block) * block_tokens + threadIdx.x] =
-          local ? -1.0f : column;
-      const float total = detail::warp_sum(column);  // threads 0-63: two whole warps
-      if (threadIdx.x % 32 == 0) warp_total[threadIdx.x / 32] = total;
+      float sum = column_part[0][threadIdx.x];
+#pragma unroll
+      for (int w = 1; w < warps; ++w) sum += column_part[w][threadIdx.x];
+      const bool local = p.key_global_block[local_block] >= first_local_block;
+      vertical[std::int64_t{h} * p.local_blocks * block_tokens + std::int64_t{local_block} * block_tokens + threadIdx.x] = local ? -1.0f : sum;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) tile_mass[static_cast<std::int64_t>(h) * local_blocks + local_block] = warp_total[0] + warp_total[1];
-    __syncthreads();  // warp_total, ks and s are reused by the next tile
-  }
+    if (threadIdx.x == 0) tile_mass[std::int64_t{h} * p.local_blocks + local_block] = warp_mass[0] + warp_mass[1] + warp_mass[2] + warp_mass[3];
+    // The next tile writes column_part and warp_mass only after for_each_window_tile's barrier.
+  });
 }
 
 /// Radix-sortable key of a candidate: ascending order of (head, mass descending). Masses are >= 0

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+// What every launcher of the device layer shares: per-device facts read without a lock, and the
+// dynamic shared-memory attribute set once per kernel and device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+
+#include "stria/core/cuda_check.cuh"
+
+namespace stria::device::detail {
+
+/// Devices whose per-process facts (the Hopper probe, the shared-memory attributes) are read
+/// without a lock; others take a mutex each time.
+inline constexpr int lock_free_devices = 64;
+
+inline int current_device() {
+  int device = 0;
+  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+/// Lets `Kernel` launch with `bytes` of dynamic shared memory on the current device. The attribute
+/// is set once per kernel and device, and raised only where a call needs more: set before every
+/// launch it cost host time on every ring step. (A cudaDeviceReset clears it behind this record:
+/// the next launch past 48 KiB then fails with a CUDA error.)
+template <auto Kernel>
+void allow_shared_bytes(std::size_t bytes) {
+  static std::array<std::atomic<std::size_t>, lock_free_devices> allowed{};
+  static std::mutex raising;
+  const int device = current_device();
+  const bool recorded = device < lock_free_devices;
+  if (recorded && allowed[static_cast<std::size_t>(device)].load(std::memory_order_acquire) >= bytes) return;
+  const std::lock_guard lock(raising);  // raises never lower what another thread set meanwhile
+  const std::size_t limit = recorded ? std::max(bytes, allowed[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) : bytes;
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  if (recorded) allowed[static_cast<std::size_t>(device)].store(limit, std::memory_order_release);
+}
+
+}  // namespace stria::device::detail
