@@ -1,25 +1,37 @@
 // SPDX-License-Identifier: Apache-2.0
-// Benchmark (a program, not a test): the online estimator on the GPU. Qwen2.5-3B attention shape
-// (Hq 16, Hkv 2, D 128), bf16 synthetic Vertical-Slash inputs.
+// Benchmark (a program, not a test): the online estimator on the GPU against the attention it serves.
+// Qwen2.5-3B attention shape (Hq 16, Hkv 2, D 128), bf16 synthetic Vertical-Slash inputs.
 //  - S = 128K on one GPU: window statistics + GPU selection (estimate_device), then the step index build;
 //  - S = 128K and 512K over W = 8 ranks sharing the one GPU (threads, host_threads collectives): every rank's
 //    estimate and its 8 step indices; per rank = total / 8 is what one rank would take on its own GPU
 //    if the 8 shared nothing (they share this GPU, so the total is close to the sum of their work);
-//    at 128K also rank 0's statistics phase by phase, from one more synchronising run.
-// Medians of repeated runs after warm-up; wall-clock, since the estimate includes its host steps.
+//    at 128K also rank 0's statistics phase by phase, from one more synchronising run;
+//  - for each length, the sparse forward + backward over the estimated selection on one GPU (the
+//    Hopper kernels, random V and dO): what the estimate is a share of. Per rank of W that is the
+//    one-GPU time / W (a balanced ring's compute).
+// Medians of repeated runs after warm-up; wall-clock for the estimate (it includes its host steps),
+// CUDA events for the attention.
+//   estimator_bench [--once] [--json FILE --commit SHA]   (--once: the 128K one-rank case only, one timed run,
+//                                                          for profilers; --json: rows as tests/bench/results/estimator_h200.json)
 #include <cuda_bf16.h>
+#include <thrust/count.h>
+#include <thrust/execution_policy.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
+#include "stria/device/sparse_attention_step.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/estimator/window_statistics.cuh"
 #include "stria/host/synthetic_vs.hpp"
@@ -30,6 +42,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "../../examples/common/progress.hpp"
+#include "timing.cuh"
 
 using namespace stria;
 using clock_type = std::chrono::steady_clock;
@@ -48,6 +61,7 @@ struct result {
   estimator::statistics_timing phases;  // rank 0's, from the extra synchronising run (with `breakdown`)
   double statistics_ms, selection_ms;   // that run's statistics and GPU selection on rank 0
   index_t candidates_per_head;          // the union rank 0 uploads per head
+  global_selection selection;           // rank 0's (every rank's) estimate of the last run
 };
 
 /// All ranks' estimate and index builds on `world` threads sharing the GPU; medians over `repeats`.
@@ -117,17 +131,107 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
     STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
   });
   const ring_workload w = count_ring_workload(selection, sharding, ring);
+  out.selection = std::move(selection);
   out.estimate_ms = median(estimate_ms);
   out.index_ms = median(index_ms);
   out.density = double(w.total()) / (double(s) * (s + 1) / 2.0 * hq);
   return out;
 }
 
+struct not_finite {
+  __device__ bool operator()(float v) const { return !isfinite(v); }
+};
+
+/// Counts NaN or infinite values of x (after a run into poisoned outputs).
+std::size_t non_finite(const device_buffer<float>& x) {
+  return static_cast<std::size_t>(thrust::count_if(thrust::device, x.data(), x.data() + x.size(), not_finite{}));
+}
+
+/// The sparse forward and backward (atomic mode, the automatic kernels) over `g` on one GPU, one step
+/// over the whole sequence: medians of CUDA-event timings after a warm-up, on random non-zero Q, K,
+/// V and dO (the times do not depend on the values), outputs poisoned and checked once.
+std::pair<double, double> attention_ms(const global_selection& g, index_t heads_q, index_t heads_kv, index_t dim, int repeats) {
+  using T = __nv_bfloat16;
+  const index_t s = g.seq_len;
+  const auto q_elements = static_cast<std::size_t>(s) * static_cast<std::size_t>(heads_q * dim),
+             kv_elements = static_cast<std::size_t>(s) * static_cast<std::size_t>(heads_kv * dim);
+  const device_buffer<T> q = bench::random_buffer(q_elements, 1, 2.0f), k = bench::random_buffer(kv_elements, 2, 2.0f),
+                         v = bench::random_buffer(kv_elements, 3, 1.0f), d_out = bench::random_buffer(q_elements, 4, 1.0f);
+  device_buffer<float> out(q_elements), lse(static_cast<std::size_t>(heads_q) * s), delta(lse.size()), dq(q_elements), dk(kv_elements),
+      dv(kv_elements);
+  device_buffer<T> out_t(q_elements);
+  const tensor_view<const T, 3> qv(q.data(), {s, heads_q, dim}), kv(k.data(), {s, heads_kv, dim}), vv(v.data(), {s, heads_kv, dim}),
+      dov(d_out.data(), {s, heads_q, dim});
+  const tensor_view<float, 3> out_view(out.data(), {s, heads_q, dim}), dq_view(dq.data(), {s, heads_q, dim}),
+      dk_view(dk.data(), {s, heads_kv, dim}), dv_view(dv.data(), {s, heads_kv, dim});
+  const tensor_view<float, 2> lse_view(lse.data(), {heads_q, s}), delta_view(delta.data(), {heads_q, s});
+  const double scale = 1.0 / std::sqrt(double(dim));
+  const device_selection selection(g);
+  const device_step_index index = build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {});
+  auto forward = [&] { device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr); };
+  auto backward = [&] {
+    device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, device::determinism::atomic, nullptr);
+  };
+  out.fill_bytes(0xff);  // NaN
+  forward();
+  device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, heads_q, dim}), nullptr);
+  device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, heads_q, dim}), dov, delta_view, nullptr);
+  for (device_buffer<float>* x : {&dq, &dk, &dv}) x->fill_bytes(0);
+  backward();
+  if (const std::size_t bad = non_finite(out) + non_finite(dq) + non_finite(dk) + non_finite(dv); bad != 0)
+    throw std::runtime_error(std::to_string(bad) + " non-finite values in the attention's output or gradients");
+  return {bench::median_ms(repeats, forward), bench::median_ms(repeats, backward)};
+}
+
+/// One row of tests/bench/results/estimator_h200.json. Per rank: the estimate and index of all
+/// ranks sharing the GPU / world; attention = the one-GPU forward + backward / world.
+struct json_row {
+  std::string name;
+  index_t seq_len, world;
+  double estimate_ms, index_ms, forward_ms, backward_ms, density;
+};
+
+void write_json(const std::string& path, const std::string& commit, const std::string& gpu, const std::vector<json_row>& rows) {
+  std::ofstream out(path);
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  auto number = [](double x) {
+    char buffer[32];
+    std::snprintf(buffer, sizeof buffer, "%.4f", x);
+    return std::string(buffer);
+  };
+  out << "{\"commit\": \"" << commit << "\", \"date\": \"" << date << "\", \"gpu\": \"" << gpu << "\", \"rows\": [";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const json_row& r = rows[i];
+    const double w = r.world, attention = (r.forward_ms + r.backward_ms) / w;
+    out << (i ? "," : "") << "\n  {\"name\": \"" << r.name << "\", \"seq_len\": " << r.seq_len << ", \"world\": " << r.world
+        << ", \"estimate_ms\": " << number(r.estimate_ms / w) << ", \"index_ms\": " << number(r.index_ms / w)
+        << ", \"attention_ms\": " << number(attention) << ", \"share\": " << number((r.estimate_ms + r.index_ms) / w / attention)
+        << ", \"all_ranks_estimate_ms\": " << number(r.estimate_ms) << ", \"all_ranks_index_ms\": " << number(r.index_ms)
+        << ", \"one_gpu_forward_ms\": " << number(r.forward_ms) << ", \"one_gpu_backward_ms\": " << number(r.backward_ms)
+        << ", \"density\": " << number(r.density) << "}";
+  }
+  out << "\n]}\n";
+  if (!out) throw std::runtime_error("--json " + path + ": could not be written");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
-  // --once: the 128K case on one rank only, one timed run after the warm-ups (for profilers such as ncu).
-  const bool once = argc > 1 && std::string(argv[1]) == "--once";
+  bool once = false;
+  std::string json_path, commit = "unknown";
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--once") {
+      once = true;
+    } else if ((flag == "--json" || flag == "--commit") && i + 1 < argc) {
+      (flag == "--json" ? json_path : commit) = argv[++i];
+    } else {
+      std::fprintf(stderr, "%s: unknown flag or missing value (estimator_bench [--once] [--json FILE --commit SHA])\n", flag.c_str());
+      return 2;
+    }
+  }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("estimator_bench on %s: Hq 16, Hkv 2, D 128, bf16, vertical_slash_top_p defaults, striped<64>\n", prop.name);
@@ -169,8 +273,10 @@ int main(int argc, char** argv) try {
                   t.setup_ms, t.pass1_ms, t.softmax_ms, t.pass2_ms, t.topk_ms, t.collectives_ms, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
     });
   }
-  std::printf("%-34s %12s %14s %10s\n", "case", "estimate ms", "index build ms", "density");
+  std::printf("%-34s %12s %14s %10s %22s %10s\n", "case", "estimate ms", "index build ms", "density", "attention fwd + bwd ms", "share");
   cli::progress progress;  // on stderr, when it is a terminal
+  std::vector<json_row> rows;
+  std::pair<index_t, std::pair<double, double>> attention{0, {}};  // the last length's one-GPU forward and backward
   for (const auto& [seq, world, name] : {std::tuple{131072, 1, "S=128K, 1 rank"}, std::tuple{131072, 8, "S=128K, 8 ranks on one GPU (all)"},
                                           std::tuple{524288, 8, "S=512K, 8 ranks on one GPU (all)"}}) {
     if (once && world > 1) break;
@@ -181,15 +287,25 @@ int main(int argc, char** argv) try {
     const double gen_s = std::chrono::duration<double>(clock_type::now() - t0).count();
     const bool breakdown = world > 1 && seq == 131072;
     const result r = run(data, o, world, once ? 1 : 9, breakdown);
-    std::printf("%-34s %12.2f %14.2f %9.2f%%   (inputs generated in %.1f s)\n", name, r.estimate_ms, r.index_ms, 100 * r.density, gen_s);
+    if (once) break;
+    if (attention.first != seq) {  // the estimate is the same on every world size (DESIGN 7): one timing per length
+      progress.phase(std::string("case ") + name + ": the attention over the estimate");
+      attention = {seq, attention_ms(r.selection, o.heads_q, o.heads_kv, o.head_dim, 5)};
+    }
+    const auto [forward_ms, backward_ms] = attention.second;
+    const double per_rank_attention = (forward_ms + backward_ms) / world;
+    std::printf("%-34s %12.2f %14.2f %9.2f%% %10.2f + %8.2f %9.2f%%   (inputs generated in %.1f s)\n", name, r.estimate_ms, r.index_ms,
+                100 * r.density, forward_ms, backward_ms, 100 * (r.estimate_ms + r.index_ms) / world / per_rank_attention, gen_s);
     if (world > 1)
-      std::printf("%-34s %12.2f %14.2f\n", "  per rank (total / 8)", r.estimate_ms / world, r.index_ms / world);
+      std::printf("%-34s %12.2f %14.2f %10s %22.2f\n", "  per rank (total / 8)", r.estimate_ms / world, r.index_ms / world, "", per_rank_attention);
     if (breakdown)
       std::printf("  rank 0's statistics phases (ms, a separate synchronising run): setup %.2f, pass 1 %.2f, softmax %.2f, pass 2 %.2f,"
                   " top-k %.2f, collectives %.2f; statistics %.2f + GPU selection %.2f; union kept per head %d\n",
                   r.phases.setup_ms, r.phases.pass1_ms, r.phases.softmax_ms, r.phases.pass2_ms, r.phases.topk_ms, r.phases.collectives_ms,
                   r.statistics_ms, r.selection_ms, static_cast<int>(r.candidates_per_head));
+    rows.push_back({world == 1 ? "one_rank" : "ranks_sharing_one_gpu", seq, world, r.estimate_ms, r.index_ms, forward_ms, backward_ms, r.density});
   }
+  if (!json_path.empty()) write_json(json_path, commit, prop.name, rows);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());

@@ -10,8 +10,8 @@
 #   The bench `attention_results` writes $OUT/attention_h200.json (tests/bench/results/): attention_bench's
 #   rows at 128K for D 128 and 64 (dense, vs95, deterministic, front template) and vs95 at 32K and 512K,
 #   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
-#   the commit measured. TESTS picks doctest cases of stria_gpu_tests (-tc), all by default. RING_ARGS are
-#   passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
+#   the commit measured; estimator_bench writes $OUT/estimator_h200.json the same way. TESTS picks
+#   doctest cases of stria_gpu_tests (-tc), all by default. RING_ARGS are passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
 #   installing and testing the PyTorch package.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -92,6 +92,8 @@ for bench in $benches; do
   elif [ "$bench" = attention_bench ]; then
     mkdir -p "$OUT/patterns"
     run attention_bench "$bin/attention_bench" --pattern-dir "$OUT/patterns" ${ATTENTION_ARGS:-}
+  elif [ "$bench" = estimator_bench ]; then  # writes $OUT/estimator_h200.json (tests/bench/results/)
+    run estimator_bench "$bin/estimator_bench" --json "$OUT/estimator_h200.json" --commit "${STRIA_COMMIT:-unknown}"
   elif [ "$bench" = ring_bench ]; then
     run ring_bench "$bin/ring_bench" ${RING_ARGS:-}
   else

@@ -14,7 +14,6 @@
 #include <cstdint>
 #include <numeric>
 #include <span>
-#include <string>
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
@@ -51,12 +50,7 @@ class window_backend {
         rows_(plan.shape.window_rows), blocks_(plan.rank_blocks), tokens_(plan.rank_blocks * block_tokens),
         scale_log2_(float(softmax_scale * 1.4426950408889634)), stream_(stream), timing_(timing), last_(start),
         window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)),
-        key_global_block_(plan.global_blocks(rank), stream) {
-    constexpr index_t most = 65535 * kernel::window_blocks_per_cta * block_tokens;  // the grid's y extent counts chunks
-    if (tokens_ > most)
-      throw invalid_argument("local key tokens (seq_len / world)", tokens_,
-                             "must be at most " + std::to_string(most) + " for the device window statistics");
-  }
+        key_global_block_(plan.global_blocks(rank), stream), chunk_blocks_(chunk_blocks(blocks_, heads_)) {}
 
   window_rows& window() {
     host_window_ = pinned_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
@@ -211,12 +205,23 @@ class window_backend {
 
  private:
   [[nodiscard]] std::size_t row_count() const { return static_cast<std::size_t>(heads_ * rows_); }
+  /// Key blocks per CTA of the window kernels: as many as make one wave of CTAs (four per SM fit),
+  /// since each CTA first loads its window rows and its first key tiles with nothing to overlap;
+  /// at least 4, and enough that the chunks fit the grid's y extent.
+  static index_t chunk_blocks(index_t blocks, index_t heads) {
+    int sms = 0;
+    STRIA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current_device()));
+    const std::int64_t chunks_per_head = std::max<std::int64_t>(std::int64_t{4} * std::max(sms, 1) / heads, 1);
+    const std::int64_t chunk = std::max<std::int64_t>({(blocks + chunks_per_head - 1) / chunks_per_head, 4, (blocks + 65534) / 65535});
+    return static_cast<index_t>(std::min<std::int64_t>(chunk, blocks));
+  }
   /// Heads fastest, so that the heads reading one chunk of keys run together (kernel/window_statistics.cuh).
   [[nodiscard]] dim3 grid() const {
-    return {static_cast<unsigned>(heads_), static_cast<unsigned>((blocks_ + kernel::window_blocks_per_cta - 1) / kernel::window_blocks_per_cta)};
+    return {static_cast<unsigned>(heads_), static_cast<unsigned>((blocks_ + chunk_blocks_ - 1) / chunk_blocks_)};
   }
   [[nodiscard]] kernel::window_params<T> params() const {
-    return {window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, blocks_, plan_.first_row(), scale_log2_, plan_.shape.causal};
+    return {window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, blocks_, chunk_blocks_, plan_.first_row(), scale_log2_,
+            plan_.shape.causal};
   }
   /// Runs launch.template operator()<D>() with the head dim as a template argument (64 or 128: the
   /// shape was validated).
@@ -246,6 +251,7 @@ class window_backend {
   window_rows host_window_;                  // the window's rows on the host, when W > 1
   device_buffer<T> uploaded_window_;
   device_buffer<index_t> key_global_block_;  // [local blocks]
+  index_t chunk_blocks_;                     // key blocks per CTA of the window kernels
   device_buffer<float> normaliser_;          // [2, Hq, rows]: row max, then sum of exp2 (this rank's, then the global ones)
   pinned_buffer<float> host_normaliser_;     // normaliser_'s host side: this rank's, then the global one
   device_buffer<float> tile_mass_;           // [Hq, local blocks]

@@ -27,9 +27,6 @@ namespace stria::kernel {
 
 inline constexpr int window_threads = attention_threads;
 inline constexpr int window_max_rows = block_tokens;
-/// Key blocks one CTA scores. Its window rows are loaded once for them, and pass 1 writes one
-/// partial (max, sum) per row for the whole chunk.
-inline constexpr index_t window_blocks_per_cta = 8;
 /// Key tiles in flight per CTA; the window's query tile goes through the last stage first.
 inline constexpr int window_stages = 3;
 
@@ -47,7 +44,8 @@ struct window_params {
   const T* k;                       // [S_local, Hkv, D]
   const index_t* key_global_block;  // [local_blocks]
   index_t rows, heads_q, heads_kv, local_blocks;
-  index_t first_row;  // global token of window row 0
+  index_t chunk_blocks;  // key blocks per CTA: its window rows are loaded once for them, pass 1 writes one partial per row
+  index_t first_row;     // global token of window row 0
   float scale_log2;   // softmax scale * log2(e)
   bool causal;
 };
@@ -64,7 +62,7 @@ __device__ inline float warp_sum(float x) {
 }
 
 /// The walk both passes share. This CTA (query head blockIdx.x, chunk blockIdx.y of
-/// window_blocks_per_cta key blocks) scores its window rows against each key block of the chunk in
+/// p.chunk_blocks key blocks) scores its window rows against each key block of the chunk in
 /// order and calls on_tile(s, local_block) with this warp's 16 x 64 scores (the mma accumulator
 /// layout, log2 domain), -inf where the key lies causally after the row or the row is past the
 /// window. Heads vary fastest over the grid, so the heads that read a chunk's keys run together and
@@ -77,8 +75,8 @@ __device__ void for_each_window_tile(const window_params<T>& p, OnTile&& on_tile
   constexpr int tile = shared_tile<D>::elements;
   T* const ring = reinterpret_cast<T*>(window_ring);
   const index_t h = blockIdx.x, hk = h / (p.heads_q / p.heads_kv);
-  const index_t first = static_cast<index_t>(blockIdx.y) * window_blocks_per_cta;
-  const index_t count = min(window_blocks_per_cta, p.local_blocks - first);
+  const index_t first = static_cast<index_t>(blockIdx.y) * p.chunk_blocks;
+  const index_t count = min(p.chunk_blocks, p.local_blocks - first);
   const std::int64_t stride = std::int64_t{p.heads_kv} * D;
   auto load_keys = [&](index_t i) {
     load_strided_rows_async<layout, T, D>(ring + (i % window_stages) * tile, p.k + (std::int64_t{first + i} * block_tokens) * stride + hk * D,
