@@ -9,9 +9,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <set>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -25,6 +27,7 @@
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/local_index.cuh"
 #include "stria/index/local_index.hpp"
+#include "stria/kernel/window_statistics.cuh"
 #include "stria/sharding/dispatch.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
@@ -245,6 +248,56 @@ TEST_CASE("device window statistics agree with the host's, for bf16 and fp16, he
     o64.seq_len = 5760;  // 90 blocks: 30 per rank, chunks of 8, 8, 8 and 6
     compare_paths<__nv_bfloat16>(host::make_synthetic_vs(o64), o64, sharding::striped<64>{}, 3);
     compare_paths<__half>(host::make_synthetic_vs(o64), o64, sharding::sequential{}, 1);
+  }
+}
+
+TEST_CASE("candidate_top_k keeps each head's first k candidates in the order of the device-wide sort, ties included") {
+  STRIA_SEEDED_RNG(rng);
+  STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::candidate_top_k<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kernel::top_k_shared_bytes())));
+  auto check = [&](index_t heads, index_t blocks, index_t k, auto mass_of) {
+    const index_t n = blocks * 64;
+    std::vector<float> vertical(static_cast<std::size_t>(heads * n));
+    for (std::size_t i = 0; i < vertical.size(); ++i) vertical[i] = mass_of(static_cast<index_t>(i % static_cast<std::size_t>(n)));
+    std::vector<index_t> global_block(static_cast<std::size_t>(blocks));
+    for (index_t b = 0; b < blocks; ++b) global_block[static_cast<std::size_t>(b)] = 3 * b + 1;  // any ascending map
+    const device_buffer<float> vertical_d{std::span<const float>(vertical)};
+    const device_buffer<index_t> global_d{std::span<const index_t>(global_block)};
+    device_buffer<std::uint64_t> keys(static_cast<std::size_t>(heads * k));
+    device_buffer<index_t> tokens(keys.size());
+    kernel::candidate_top_k<><<<static_cast<unsigned>(heads), kernel::top_k_threads, kernel::top_k_shared_bytes()>>>(
+        vertical_d.data(), global_d.data(), n, k, keys.data(), tokens.data());
+    STRIA_CUDA_CHECK_LAUNCH("candidate_top_k");
+    const std::vector<std::uint64_t> got_keys = keys.download();
+    const std::vector<index_t> got_tokens = tokens.download();
+    for (index_t h = 0; h < heads; ++h) {
+      std::vector<std::pair<std::uint32_t, index_t>> order;  // (key, local token): what the stable sort orders by
+      for (index_t j = 0; j < n; ++j) order.push_back({kernel::descending_bits(vertical[static_cast<std::size_t>(h * n + j)]), j});
+      std::sort(order.begin(), order.end());
+      for (index_t i = 0; i < k; ++i) {
+        const auto [key, j] = order[static_cast<std::size_t>(i)];
+        REQUIRE(got_keys[static_cast<std::size_t>(h * k + i)] == key);
+        REQUIRE(got_tokens[static_cast<std::size_t>(h * k + i)] == global_block[static_cast<std::size_t>(j / 64)] * 64 + j % 64);
+      }
+    }
+  };
+  for (int round = 0; round < 40; ++round) {
+    const index_t heads = rng.integer(1, 4), blocks = rng.integer(1, 200), n = blocks * 64;
+    const index_t k = rng.integer(1, std::min<index_t>(n, kernel::top_k_capacity));
+    const int levels = rng.integer(1, 60);  // a coarse grid: ties at the k-th mass are the rule
+    const index_t locals = rng.integer(0, 2) * 64;  // the last tokens are local-block sentinels (mass -1)
+    CAPTURE(round);
+    CAPTURE(n);
+    CAPTURE(k);
+    CAPTURE(levels);
+    check(heads, blocks, k, [&](index_t j) {
+      if (j >= n - locals) return -1.0f;
+      return rng.chance(0.1) ? 0.0f : float(rng.integer(1, levels)) / 4096.0f;
+    });
+  }
+  SUBCASE("128K tokens: distinct masses, and every mass equal") {
+    check(2, 2048, 4096, [&](index_t) { return float(rng.uniform(0.0, 1.0)); });
+    check(1, 2048, kernel::top_k_capacity, [](index_t) { return 0.25f; });
   }
 }
 

@@ -107,9 +107,11 @@ class window_backend {
     normaliser_.upload(std::span<const float>(host_normaliser_.span()), stream_);
   }
 
-  /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's candidates
-  /// by one device-wide stable radix sort on (head, mass descending), which keeps ascending tokens
-  /// among equal masses (vertical_candidate's order): each head's run is contiguous and in order.
+  /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's first
+  /// per_rank candidates in vertical_candidate's order (mass descending, ascending tokens among
+  /// equal masses): by a radix select and a block sort per head (candidate_top_k) where per_rank
+  /// fits one CTA, else by one device-wide stable radix sort on (head, mass descending) of every
+  /// token. Either way head h's run starts at h * run_stride_.
   void probabilities() {
     lap(&estimator::statistics_timing::softmax_ms);
     const auto items = static_cast<std::size_t>(heads_) * static_cast<std::size_t>(tokens_);
@@ -123,6 +125,27 @@ class window_backend {
     });
     STRIA_CUDA_CHECK_LAUNCH("window_probabilities");
     lap(&estimator::statistics_timing::pass2_ms);
+    const index_t per_rank = plan_.per_rank;
+    if (per_rank == 0) {  // no candidates asked for: nothing reads a run
+      run_stride_ = 0;
+    } else if (per_rank <= kernel::top_k_capacity) {
+      run_stride_ = per_rank;
+      sorted_keys_ = device_buffer<std::uint64_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_);
+      sorted_tokens_ = device_buffer<index_t>(sorted_keys_.size(), stream_);
+      allow_shared_bytes<&kernel::candidate_top_k<>>(kernel::top_k_shared_bytes());
+      kernel::candidate_top_k<><<<static_cast<unsigned>(heads_), kernel::top_k_threads, kernel::top_k_shared_bytes(), stream_>>>(
+          vertical.data(), key_global_block_.data(), tokens_, per_rank, sorted_keys_.data(), sorted_tokens_.data());
+      STRIA_CUDA_CHECK_LAUNCH("candidate_top_k");
+    } else {
+      run_stride_ = tokens_;
+      sort_all_candidates(vertical);
+    }
+    lap(&estimator::statistics_timing::topk_ms);
+  }
+
+  /// Every head's tokens by mass: one device-wide stable radix sort on (head, mass descending).
+  void sort_all_candidates(const device_buffer<float>& vertical) {
+    const auto items = vertical.size();
     device_buffer<std::uint64_t> keys(items, stream_);
     device_buffer<index_t> tokens(items, stream_);
     sorted_keys_ = device_buffer<std::uint64_t>(items, stream_);
@@ -137,7 +160,6 @@ class window_backend {
     device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream_);
     STRIA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, keys.data(), sorted_keys_.data(), tokens.data(), sorted_tokens_.data(),
                                                      static_cast<int>(items), 0, end_bit, stream_));
-    lap(&estimator::statistics_timing::topk_ms);
   }
 
   /// The tile masses, each head's window mass and its candidates' sketch, on the host (one synchronisation).
@@ -146,7 +168,7 @@ class window_backend {
     device_buffer<float> sketch_d(sketch, stream_);
     if (sketch > 0) {
       kernel::candidate_sketch<><<<static_cast<unsigned>(heads_), static_cast<unsigned>(engine::sketch_points), 0, stream_>>>(
-          sorted_keys_.data(), tokens_, plan_.per_rank, sketch_d.data());
+          sorted_keys_.data(), run_stride_, plan_.per_rank, sketch_d.data());
       STRIA_CUDA_CHECK_LAUNCH("candidate_sketch");
     }
     const pinned_buffer<float> host(tiles + sketch, stream_);
@@ -169,9 +191,9 @@ class window_backend {
     const pinned_buffer<std::uint64_t> key(static_cast<std::size_t>(heads_) * most, stream_);
     const pinned_buffer<index_t> token(key.size(), stream_);
     if (most > 0) {
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(key.data(), most * sizeof(std::uint64_t), sorted_keys_.data(), tokens_ * sizeof(std::uint64_t),
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(key.data(), most * sizeof(std::uint64_t), sorted_keys_.data(), run_stride_ * sizeof(std::uint64_t),
                                          most * sizeof(std::uint64_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(token.data(), most * sizeof(index_t), sorted_tokens_.data(), tokens_ * sizeof(index_t),
+      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(token.data(), most * sizeof(index_t), sorted_tokens_.data(), run_stride_ * sizeof(index_t),
                                          most * sizeof(index_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
       STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
@@ -196,7 +218,7 @@ class window_backend {
                                      device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_),
                                      device_buffer<index_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_)};
     kernel::single_rank_statistics<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
-        tile_mass_.data(), key_global_block_.data(), sorted_keys_.data(), sorted_tokens_.data(), blocks_, tokens_, per_rank, plan_.shape.num_blocks(),
+        tile_mass_.data(), key_global_block_.data(), sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank, plan_.shape.num_blocks(),
         diagonals, plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data(), out.candidate_mass.data(), out.candidate_token.data());
     STRIA_CUDA_CHECK_LAUNCH("single_rank_statistics");
     lap(&estimator::statistics_timing::collectives_ms);
@@ -255,8 +277,9 @@ class window_backend {
   device_buffer<float> normaliser_;          // [2, Hq, rows]: row max, then sum of exp2 (this rank's, then the global ones)
   pinned_buffer<float> host_normaliser_;     // normaliser_'s host side: this rank's, then the global one
   device_buffer<float> tile_mass_;           // [Hq, local blocks]
-  device_buffer<std::uint64_t> sorted_keys_;  // [Hq, local tokens]: (head, mass descending)
-  device_buffer<index_t> sorted_tokens_;      // [Hq, local tokens]: their global key tokens
+  device_buffer<std::uint64_t> sorted_keys_;  // [Hq, run_stride_]: each head's candidates, mass descending (descending_bits)
+  device_buffer<index_t> sorted_tokens_;      // [Hq, run_stride_]: their global key tokens
+  index_t run_stride_ = 0;                    // per_rank, or the local tokens after the device-wide sort
 };
 
 }  // namespace stria::device::detail

@@ -11,7 +11,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 #include <cuda/std/bit>
 
 #include <cstdint>
@@ -272,6 +274,141 @@ STRIA_HOST_DEVICE constexpr float mass_of_descending_bits(std::uint32_t key) {
   return cuda::std::bit_cast<float>(bits);
 }
 
+/// Threads and items per thread of candidate_top_k: it keeps up to 8192 candidates per head (the
+/// top-p estimator's largest vertical cap); wider requests take the device-wide sort instead.
+inline constexpr int top_k_threads = 512;
+inline constexpr int top_k_items = 16;
+inline constexpr index_t top_k_capacity = top_k_threads * top_k_items;
+
+namespace detail {
+using top_k_sort = cub::BlockRadixSort<std::uint64_t, top_k_threads, top_k_items>;
+/// Bits of the 32-bit key that radix-select pass 0, 1, 2 decides, high to low.
+STRIA_HOST_DEVICE constexpr int top_k_digit_bits(int pass) { return pass == 0 ? 12 : 10; }
+}  // namespace detail
+
+/// Dynamic shared memory of candidate_top_k: the block sort's storage, which also holds the
+/// histograms of the radix select and the kept candidates before they are loaded for the sort.
+constexpr std::size_t top_k_shared_bytes() {
+  const std::size_t kept = sizeof(std::uint64_t) * top_k_capacity, histogram = sizeof(index_t) << detail::top_k_digit_bits(0);
+  const std::size_t sort = sizeof(detail::top_k_sort::TempStorage);
+  return sort > kept ? (sort > histogram ? sort : histogram) : (kept > histogram ? kept : histogram);
+}
+
+/// Each head's first `k` (<= top_k_capacity) candidates in the order of the device-wide sort they
+/// replace: mass descending (descending_bits ascending), ties by ascending local token. One CTA per
+/// head. A radix select over the 32-bit keys finds the k-th key K (three histogram passes over the
+/// head's masses, which pass 2 just wrote and L2 still holds); the keys below K and as many of the
+/// keys equal to K as are needed, the first by token, are kept as (key << 32 | token) and sorted in
+/// shared memory. Only when K is tied beyond what is needed does the order of the ties matter: then
+/// one warp takes them in token order. local_tokens is a multiple of 64, so the lanes of a warp run
+/// the same iterations of the strided loops (their ballots need every lane).
+///   vertical [Hq, S_local]   sorted_keys [Hq, k] (the descending bits), sorted_tokens [Hq, k] (global)
+template <int Unused = 0>
+__global__ void __launch_bounds__(top_k_threads)
+    candidate_top_k(const float* __restrict__ vertical, const index_t* __restrict__ key_global_block, index_t local_tokens, index_t k,
+                    std::uint64_t* __restrict__ sorted_keys, index_t* __restrict__ sorted_tokens) {
+  // A kept candidate is (key << token_bits) | local token: the sort orders by key, then token.
+  const int token_bits = 32 - __clz(static_cast<unsigned>(local_tokens - 1) | 1u);
+  const std::uint64_t token_mask = (std::uint64_t{1} << token_bits) - 1;
+  extern __shared__ __align__(16) unsigned char top_k_shared[];
+  auto* histogram = reinterpret_cast<index_t*>(top_k_shared);
+  auto* kept = reinterpret_cast<std::uint64_t*>(top_k_shared);
+  auto& sort_storage = *reinterpret_cast<typename detail::top_k_sort::TempStorage*>(top_k_shared);
+  using scan = cub::BlockScan<index_t, top_k_threads>;
+  __shared__ typename scan::TempStorage scan_storage;
+  __shared__ std::uint32_t prefix;
+  __shared__ index_t still_needed, ties, count;
+  const std::int64_t h = blockIdx.x;
+  const float* mass = vertical + h * local_tokens;
+  auto key_of = [&](index_t j) { return descending_bits(mass[j]); };
+
+  // Radix select: after pass d, `prefix` holds the high bits of K decided so far, and
+  // `still_needed` how many keys with those high bits belong to the first k.
+  if (threadIdx.x == 0) {
+    prefix = 0;
+    still_needed = k;
+  }
+  int shift = 32;
+  std::uint32_t decided = 0;  // mask of the bits `prefix` holds
+#pragma unroll
+  for (int pass = 0; pass < 3; ++pass) {
+    const int bits = detail::top_k_digit_bits(pass), bins = 1 << bits, per_thread = bins / top_k_threads;
+    shift -= bits;
+    for (int b = threadIdx.x; b < bins; b += top_k_threads) histogram[b] = 0;
+    __syncthreads();
+    for (index_t j = threadIdx.x; j < local_tokens; j += top_k_threads)
+      if (const std::uint32_t key = key_of(j); (key & decided) == prefix) atomicAdd(&histogram[(key >> shift) & (bins - 1)], 1);
+    __syncthreads();
+    // The first bin where the running count reaches still_needed: bins in blocked order over threads.
+    index_t mine = 0;
+    for (int i = 0; i < per_thread; ++i) mine += histogram[threadIdx.x * per_thread + i];
+    const index_t needed = still_needed;  // read before the scan: the thread that finds the bin rewrites it
+    index_t before = 0;
+    scan(scan_storage).ExclusiveSum(mine, before);
+    if (before < needed && before + mine >= needed) {  // exactly one thread
+      index_t running = before;
+      for (int i = 0; i < per_thread; ++i) {
+        const int b = static_cast<int>(threadIdx.x) * per_thread + i;
+        if (running + histogram[b] >= needed) {
+          prefix |= static_cast<std::uint32_t>(b) << shift;
+          still_needed = needed - running;
+          ties = histogram[b];
+          break;
+        }
+        running += histogram[b];
+      }
+    }
+    decided |= static_cast<std::uint32_t>(bins - 1) << shift;
+    __syncthreads();
+  }
+  const std::uint32_t threshold = prefix;
+  const index_t tied_needed = still_needed;
+  const bool all_ties = ties == tied_needed;
+
+  // The keys below K in any order (they are sorted next), and the ties when all of them are needed.
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  for (index_t j = threadIdx.x; j < local_tokens; j += top_k_threads) {
+    const std::uint32_t key = key_of(j);
+    const bool take = key < threshold || (all_ties && key == threshold);
+    const unsigned ballot = __ballot_sync(0xffffffffu, take);
+    index_t base = 0;
+    if (threadIdx.x % 32 == 0 && ballot != 0) base = atomicAdd(&count, __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    if (take) kept[base + __popc(ballot & ((1u << (threadIdx.x % 32)) - 1u))] = (std::uint64_t{key} << token_bits) | static_cast<std::uint32_t>(j);
+  }
+  __syncthreads();
+  if (!all_ties && threadIdx.x < 32) {  // the first tied_needed ties, in token order
+    index_t taken = 0;
+    for (index_t first = 0; first < local_tokens && taken < tied_needed; first += 32) {
+      const index_t j = first + static_cast<index_t>(threadIdx.x);
+      const bool tie = j < local_tokens && key_of(j) == threshold;
+      const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+      const index_t rank = taken + __popc(ballot & ((1u << threadIdx.x) - 1u));
+      if (tie && rank < tied_needed) kept[count + rank] = (std::uint64_t{threshold} << token_bits) | static_cast<std::uint32_t>(j);
+      taken += __popc(ballot);
+    }
+  }
+  __syncthreads();
+
+  std::uint64_t items[top_k_items];
+#pragma unroll
+  for (int i = 0; i < top_k_items; ++i) {
+    const index_t at = static_cast<index_t>(threadIdx.x) * top_k_items + i;
+    items[i] = at < k ? kept[at] : ~std::uint64_t{0};
+  }
+  __syncthreads();  // the sort's storage overlays `kept`
+  detail::top_k_sort(sort_storage).Sort(items, 0, 32 + token_bits);  // the padding (all ones) stays last
+#pragma unroll
+  for (int i = 0; i < top_k_items; ++i) {
+    const index_t at = static_cast<index_t>(threadIdx.x) * top_k_items + i;
+    if (at >= k) break;
+    const auto j = static_cast<index_t>(items[i] & token_mask);
+    sorted_keys[h * k + at] = items[i] >> token_bits;
+    sorted_tokens[h * k + at] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
+  }
+}
+
 /// keys[i] = (head << 32) | descending_bits(vertical[i]), values[i] = global token of local key token
 /// j (i = h * S_local + j): one device-wide sort then orders every head's candidates.
 template <int Unused = 0>
@@ -288,23 +425,23 @@ __global__ void candidate_keys(const float* __restrict__ vertical, const index_t
 /// Each head's sketch of its sorted candidates (engine::rank_share::sketch): the masses at positions
 /// ceil((i + 1) * per_rank / points) - 1, i < points (engine::sketch_position). Grid: Hq; block: points.
 template <int Unused = 0>
-__global__ void candidate_sketch(const std::uint64_t* __restrict__ sorted_keys, index_t local_tokens, index_t per_rank, float* __restrict__ sketch) {
+__global__ void candidate_sketch(const std::uint64_t* __restrict__ sorted_keys, index_t run_stride, index_t per_rank, float* __restrict__ sketch) {
   const std::int64_t h = blockIdx.x, i = threadIdx.x, points = blockDim.x;
   const std::int64_t position = ((i + 1) * per_rank + points - 1) / points - 1;
-  sketch[h * points + i] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[h * local_tokens + position]));
+  sketch[h * points + i] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[h * run_stride + position]));
 }
 
 /// One rank's statistics are already global (the collectives over one rank are identities): the
 /// tile masses become slash masses (each key block lies on one block diagonal), their sum the window
 /// mass, and each head's first `per_rank` sorted candidates its candidate row (-1 pads included).
-///   tile_mass [Hq, local_blocks]   sorted_keys, sorted_tokens [Hq, local_tokens]
+///   tile_mass [Hq, local_blocks]   sorted_keys, sorted_tokens [Hq, run_stride] (each head's run first)
 ///   slash_mass [Hq, diagonals]   window_mass [Hq]   candidate_mass, candidate_token [Hq, per_rank]
 /// Grid: Hq, 256 threads.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
     single_rank_statistics(const float* __restrict__ tile_mass, const index_t* __restrict__ key_global_block,
                            const std::uint64_t* __restrict__ sorted_keys, const index_t* __restrict__ sorted_tokens, index_t local_blocks,
-                           index_t local_tokens, index_t per_rank, index_t num_blocks, index_t diagonals, index_t diagonal_offset,
+                           index_t run_stride, index_t per_rank, index_t num_blocks, index_t diagonals, index_t diagonal_offset,
                            float* __restrict__ slash_mass, float* __restrict__ window_mass, float* __restrict__ candidate_mass,
                            index_t* __restrict__ candidate_token) {
   using reduce = cub::BlockReduce<double, 256>;
@@ -322,7 +459,7 @@ __global__ void __launch_bounds__(256)
   total = reduce(temp).Sum(total);
   if (threadIdx.x == 0) window_mass[h] = float(total);
   for (index_t i = threadIdx.x; i < per_rank; i += blockDim.x) {
-    const std::int64_t from = static_cast<std::int64_t>(h) * local_tokens + i, to = static_cast<std::int64_t>(h) * per_rank + i;
+    const std::int64_t from = static_cast<std::int64_t>(h) * run_stride + i, to = static_cast<std::int64_t>(h) * per_rank + i;
     candidate_mass[to] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from]));
     candidate_token[to] = sorted_tokens[from];
   }
