@@ -165,9 +165,12 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
 }
 
 /// Random statistics with many exact ties (masses on a coarse grid, some zero), candidate rows of
-/// different lengths per head, and verticals heavier than their diagonal's slash mass (so residuals
-/// go negative and are clamped), in selection order as the collectives leave them.
-vs_statistics random_statistics(test::seeded_rng& rng, index_t seq_len, index_t heads, bool causal, index_t local_blocks) {
+/// different lengths per head (up to `max_candidates`), and verticals heavier than their diagonal's
+/// slash mass (so residuals go negative and are clamped), in selection order as the collectives
+/// leave them. `clustered`: the candidates crowd into a few key blocks, so that many chosen
+/// verticals share a diagonal and the order of their subtractions matters.
+vs_statistics random_statistics(test::seeded_rng& rng, index_t seq_len, index_t heads, bool causal, index_t local_blocks,
+                                int max_candidates = 300, bool clustered = false) {
   vs_statistics s = engine::empty_statistics(seq_len, heads, causal, 64, local_blocks);
   auto grid_mass = [&](int levels) { return rng.chance(0.1) ? 0.0f : float(rng.integer(1, levels)) / 4096.0f; };
   for (float& m : s.slash_mass) m = grid_mass(8);
@@ -176,9 +179,16 @@ vs_statistics random_statistics(test::seeded_rng& rng, index_t seq_len, index_t 
     double total = 0;
     for (index_t i = 0; i < s.num_diagonals(); ++i) total += s.slash_mass[static_cast<std::size_t>(h * s.num_diagonals() + i)];
     std::vector<vertical_candidate> c;
-    const int count = rng.integer(0, std::min<int>(first_local_token, 300));
+    const int count = rng.integer(0, std::min<int>(first_local_token, max_candidates));
+    std::set<index_t> crowded_blocks;  // distinct key blocks that hold room for all the clustered candidates
+    const int key_blocks = first_local_token / block_tokens, wanted = std::min(key_blocks, (count + 63) / 64 + rng.integer(0, 8));
+    while (clustered && static_cast<int>(crowded_blocks.size()) < wanted) crowded_blocks.insert(rng.integer(0, key_blocks - 1));
+    const std::vector<index_t> crowded(crowded_blocks.begin(), crowded_blocks.end());
     std::set<index_t> tokens;
-    while (static_cast<int>(tokens.size()) < count) tokens.insert(rng.integer(0, first_local_token - 1));
+    while (static_cast<int>(tokens.size()) < count)
+      tokens.insert(clustered ? crowded[static_cast<std::size_t>(rng.integer(0, static_cast<int>(crowded.size()) - 1))] * block_tokens +
+                                    rng.integer(0, block_tokens - 1)
+                              : rng.integer(0, first_local_token - 1));
     for (const index_t t : tokens) c.push_back({grid_mass(16), t});
     std::sort(c.begin(), c.end());
     for (const auto& x : c) total += x.mass;
@@ -186,6 +196,33 @@ vs_statistics random_statistics(test::seeded_rng& rng, index_t seq_len, index_t 
     s.vertical.push_back(std::move(c));
   }
   return s;
+}
+
+/// One round of the selection test: random statistics and random top-p and top-k rules, the GPU's
+/// selection against the host's.
+void check_selection_round(test::seeded_rng& rng, cudaStream_t stream, index_t seq_len, bool causal, int max_candidates, bool clustered) {
+  const index_t blocks = seq_len / 64, local = rng.integer(1, std::min<index_t>(3, blocks - 1));
+  CAPTURE(seq_len);
+  CAPTURE(causal);
+  CAPTURE(local);
+  CAPTURE(clustered);
+  const vs_statistics s = random_statistics(rng, seq_len, 3, causal, local, max_candidates, clustered);
+  const auto on_device = estimator::device_statistics::upload(s, stream);
+  CHECK(on_device.download(stream).vertical == s.vertical);  // the pads are invisible
+  const int most_verticals = std::min(seq_len, 2 * max_candidates);
+  estimator::vertical_slash_top_p p;
+  p.p_vertical = rng.chance(0.2) ? 1.0 : rng.uniform(0.05, 1.0);
+  p.p_slash = rng.uniform(0.05, 1.0);
+  p.local_diagonals = local;
+  p.sink_tokens = rng.integer(0, 100);
+  p.vertical = {rng.integer(1, 20), rng.chance(0.5) ? 0 : rng.integer(20, most_verticals)};
+  p.slash = {rng.integer(1, 3), rng.chance(0.5) ? 0 : rng.integer(3, static_cast<int>(blocks))};
+  CHECK(estimator::select_device(on_device, p.rule(seq_len), stream).to_host(stream) == p.select(s));
+  estimator::vertical_slash_top_k k;
+  k.vertical_count = rng.integer(1, most_verticals);
+  k.slash_count = rng.integer(1, static_cast<int>(blocks));
+  k.local_diagonals = local;
+  CHECK(estimator::select_device(on_device, k.rule(seq_len), stream).to_host(stream) == k.select(s));
 }
 
 }  // namespace
@@ -306,28 +343,20 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
   cudaStream_t stream{};
   STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
   for (int round = 0; round < 24; ++round) {
-    const bool causal = round % 2 == 0;
-    const index_t seq_len = 64 * rng.integer(4, 300), blocks = seq_len / 64, local = rng.integer(1, std::min<index_t>(3, blocks - 1));
     CAPTURE(round);
-    CAPTURE(seq_len);
-    CAPTURE(local);
-    const vs_statistics s = random_statistics(rng, seq_len, 3, causal, local);
-    const auto on_device = estimator::device_statistics::upload(s, stream);
-    CHECK(on_device.download(stream).vertical == s.vertical);  // the pads are invisible
-    estimator::vertical_slash_top_p p;
-    p.p_vertical = rng.uniform(0.05, 1.0);
-    p.p_slash = rng.uniform(0.05, 1.0);
-    p.local_diagonals = local;
-    p.sink_tokens = rng.integer(0, 100);
-    p.vertical = {rng.integer(1, 20), rng.chance(0.5) ? 0 : rng.integer(20, 400)};
-    p.slash = {rng.integer(1, 3), rng.chance(0.5) ? 0 : rng.integer(3, static_cast<int>(blocks))};
-    CHECK(estimator::select_device(on_device, p.rule(seq_len), stream).to_host(stream) == p.select(s));
-    estimator::vertical_slash_top_k k;
-    k.vertical_count = rng.integer(1, 500);
-    k.slash_count = rng.integer(1, static_cast<int>(blocks));
-    k.local_diagonals = local;
-    CHECK(estimator::select_device(on_device, k.rule(seq_len), stream).to_host(stream) == k.select(s));
+    check_selection_round(rng, stream, 64 * rng.integer(4, 300), round % 2 == 0, 300, round % 3 == 0);
   }
+  // Every shape of the GPU selection: one launch per head with up to 2048 and up to 4096
+  // diagonals, and the multi-launch path past that (kernel::select_threads * 8), with candidate
+  // lists longer than one round of the serial sums and of the per-diagonal subtraction (2048).
+  const int path_blocks[][2] = {{1500, 2048}, {2049, 4096}, {4097, 4400}};
+  for (const auto& [fewest, most] : path_blocks)
+    for (int round = 0; round < 4; ++round) {
+      const bool causal = round % 2 == 0;
+      const index_t diagonals = rng.integer(fewest, most), blocks = causal ? diagonals : (diagonals + 1) / 2;
+      CAPTURE(diagonals);
+      check_selection_round(rng, stream, 64 * blocks, causal, 5000, round < 2);
+    }
   SUBCASE("statistics gathered for another rule are refused") {
     const vs_statistics s = random_statistics(rng, 4096, 2, true, 2);
     estimator::vertical_slash_top_p p;
