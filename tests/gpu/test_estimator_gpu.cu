@@ -247,22 +247,39 @@ TEST_CASE("the device index builder reproduces the host builder, array for array
 }
 
 TEST_CASE("the device index builder sums its entry counts in 64 bits: past 2^31 - 1 is an error, never a wrapped offset") {
-  auto sum = [](const std::vector<index_t>& counts, unsigned ctas) {
-    const device_buffer<index_t> c{std::span<const index_t>(counts), nullptr};
-    device_buffer<unsigned long long> total(1, nullptr);
-    total.fill_bytes(0);
-    kernel::sum_counts<><<<ctas, kernel::sum_counts_threads>>>(c.data(), static_cast<std::int64_t>(counts.size()), total.data());
-    STRIA_CUDA_CHECK_LAUNCH("sum_counts");
-    return total.download().front();
-  };
-  const index_t most = std::numeric_limits<index_t>::max();
-  const unsigned long long wrapped = sum({most, most, 5}, 1);
-  CHECK(wrapped == 2ULL * static_cast<unsigned long long>(most) + 5);
-  CHECK_THROWS_WITH(csr_offset(static_cast<std::size_t>(wrapped), "step index tiles"),
+  // An index's five count arrays back to back, as the builder lays them out, scanned at once: the
+  // first array's total wraps 32 bits, and the vertical arrays span more values than the split
+  // kernel's capped grid covers in one stride.
+  const index_t most = std::numeric_limits<index_t>::max(), rows = 3, total = 1 << 20;
+  kernel::count_layout at = stria::detail::count_layout_for(rows, total);
+  const std::int64_t n = at.start[kernel::index_counts];
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(n), 0);
+  const std::vector<std::int64_t> rows_of[3] = {{most, most, 5}, {1, 2, 3}, {0, 0, 0}};
+  for (int a = 0; a < 3; ++a) std::copy(rows_of[a].begin(), rows_of[a].end(), counts.begin() + at.start[a]);
+  std::fill(counts.begin() + at.start[3], counts.begin() + at.start[4] - 1, 3);
+  std::fill(counts.begin() + at.start[4], counts.end() - 1, 1);
+  std::vector<device_buffer<index_t>> ptr;
+  for (int a = 0; a < kernel::index_counts; ++a) {
+    ptr.emplace_back(static_cast<std::size_t>(at.start[a + 1] - at.start[a]));
+    at.ptr[a] = ptr.back().data();
+  }
+  const device_buffer<std::int64_t> counts_d{std::span<const std::int64_t>(counts)};
+  device_buffer<std::int64_t> prefix(static_cast<std::size_t>(n));
+  device_buffer<unsigned long long> totals_d(kernel::index_counts);
+  stria::detail::scan_counts(counts_d.data(), prefix.data(), at, totals_d.data(), nullptr);
+  const std::vector<unsigned long long> totals = totals_d.download();
+  CHECK(totals == std::vector<unsigned long long>{2ULL * static_cast<unsigned long long>(most) + 5, 6, 0, 3ULL << 20, 1ULL << 20});
+  CHECK_THROWS_WITH(csr_offset(static_cast<std::size_t>(totals[0]), "step index tiles"),
                     doctest::Contains("step index tiles = 4294967299: exceed the 32-bit offsets of a step index"));
-  CHECK(csr_offset(static_cast<std::size_t>(sum({most}, 1)), "step index tiles") == most);
-  // Many counts over a capped grid: the grid-stride loop covers them all.
-  CHECK(sum(std::vector<index_t>(1 << 20, 3), 7) == 3ULL << 20);
+  CHECK(ptr[1].download() == std::vector<index_t>{0, 1, 3, 6});
+  CHECK(ptr[2].download() == std::vector<index_t>{0, 0, 0, 0});
+  const std::vector<index_t> used = ptr[3].download(), queries = ptr[4].download();
+  for (index_t v = 0; v <= total; ++v) {
+    if (used[static_cast<std::size_t>(v)] != 3 * v || queries[static_cast<std::size_t>(v)] != v) {
+      FAIL_CHECK("pointer " << v << ": " << used[static_cast<std::size_t>(v)] << ", " << queries[static_cast<std::size_t>(v)]);
+      break;
+    }
+  }
 }
 
 TEST_CASE("device window statistics agree with the host's, for bf16 and fp16, head dims 128 and 64, on 1 and several ranks") {

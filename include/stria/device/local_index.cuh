@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <span>
 #include <utility>
 #include <vector>
@@ -24,13 +25,18 @@ namespace stria {
 
 namespace detail {
 
+/// counts[0..n) -> exclusive prefix sums in ptr[0..n) (one CUB call; queued on `stream`).
+template <class T>
+void exclusive_scan(const T* counts, T* ptr, std::int64_t n, cudaStream_t stream) {
+  std::size_t temp_bytes = 0;
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts, ptr, static_cast<int>(n), stream));
+  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
+  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts, ptr, static_cast<int>(n), stream));
+}
+
 /// counts[0..n) (with a 0 tail) -> exclusive prefix sums in ptr[0..n]; ptr[n] is the total. Queued on `stream`.
 inline void exclusive_scan(const device_buffer<index_t>& counts_with_tail, device_buffer<index_t>& ptr, cudaStream_t stream) {
-  const auto n = static_cast<int>(counts_with_tail.size());
-  std::size_t temp_bytes = 0;
-  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts_with_tail.data(), ptr.data(), n, stream));
-  device_buffer<unsigned char> temp(std::max<std::size_t>(temp_bytes, 1), stream);
-  STRIA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.data(), temp_bytes, counts_with_tail.data(), ptr.data(), n, stream));
+  exclusive_scan(counts_with_tail.data(), ptr.data(), static_cast<std::int64_t>(counts_with_tail.size()), stream);
 }
 
 /// CTAs of `threads` threads that cover `n` items (one per thread).
@@ -49,12 +55,34 @@ inline void fill_selection(const device_selection& sel, kernel::index_build_para
 }
 
 /// An index between its two phases: its pointer arrays are built (counts scanned on the device),
-/// its entry arrays not yet sized; what the fill kernels still read lives here.
+/// its entry arrays not yet sized; what the fill kernel still reads lives here.
 struct index_in_build {
   device_step_index out;
   kernel::index_build_params p{};
   device_buffer<index_t> owned_token, owned_block_ptr, position, query_offset;
 };
+
+/// Where each of an index's five count arrays starts in the back-to-back count buffer
+/// (kernel::count_layout; each array has one zero after its counts): per row tiles, tokens and
+/// transposed tiles (`rows` each), per vertical entry used flags and query counts (`total` each).
+inline kernel::count_layout count_layout_for(index_t rows, index_t total) {
+  kernel::count_layout at{};
+  const index_t sizes[kernel::index_counts] = {rows, rows, rows, total, total};
+  for (int a = 0; a < kernel::index_counts; ++a) at.start[a + 1] = at.start[a] + sizes[a] + 1;
+  return at;
+}
+
+/// Counts laid out as `at` says, turned into each array's CSR pointers (at.ptr) by one 64-bit scan
+/// of them all, then split; totals[a] receives array a's entry count in 64 bits. Queued on `stream`;
+/// `prefix` holds at.start[index_counts] values of scratch.
+inline void scan_counts(const std::int64_t* counts, std::int64_t* prefix, const kernel::count_layout& at, unsigned long long* totals,
+                        cudaStream_t stream) {
+  const std::int64_t n = at.start[kernel::index_counts];
+  exclusive_scan(counts, prefix, n, stream);
+  const auto ctas = static_cast<unsigned>(std::min<std::int64_t>((n + kernel::split_threads - 1) / kernel::split_threads, 1024));
+  kernel::split_scanned_counts<><<<ctas, kernel::split_threads, 0, stream>>>(prefix, at, totals);
+  STRIA_CUDA_CHECK_LAUNCH("split_scanned_counts");
+}
 
 /// What every index of a batch reads: where each global block lives, and each head's slash bitmap.
 struct batch_tables {
@@ -83,8 +111,8 @@ struct batch_tables {
   }
 };
 
-/// Phase 1 of one index, queued on `stream`: the owned vertical tokens, every count and every scan.
-/// `last` receives the device addresses of its five totals (tiles, tokens, column entries, used
+/// Phase 1 of one index, queued on `stream`: the owned vertical tokens, every count and one scan.
+/// `totals` receives the device addresses of its five totals (tiles, tokens, column entries, used
 /// tokens, their queries), read once for the whole batch.
 inline index_in_build count_local_index(const device_selection& sel, const shard_layout& layout, index_t local, const batch_tables& shared,
                                         std::span<const index_t> query_global, std::span<const index_t> kv_global,
@@ -136,48 +164,32 @@ inline index_in_build count_local_index(const device_selection& sel, const shard
                                                                                                    b.owned_block_ptr.data());
   STRIA_CUDA_CHECK_LAUNCH("owned_block_offsets");
   p.owned_block_ptr = b.owned_block_ptr.data();
-  auto counts = [&](index_t n) {
-    device_buffer<index_t> c(static_cast<std::size_t>(n) + 1, stream);
-    c.fill_bytes(0);
-    return c;
-  };
 
-  // 1. Every count: per row (tiles, tokens), per column (queries), per vertical token (queries, used).
-  device_buffer<index_t> tile_count = counts(rows), token_count = counts(rows), column_count = counts(rows);
-  device_buffer<index_t> query_count = counts(total), used = counts(total);
-  kernel::count_index_rows<><<<blocks_for(rows, threads), threads, 0, stream>>>(p, tile_count.data(), token_count.data());
-  STRIA_CUDA_CHECK_LAUNCH("count_index_rows");
-  kernel::count_index_columns<><<<blocks_for(rows, threads), threads, 0, stream>>>(p, column_count.data());
-  STRIA_CUDA_CHECK_LAUNCH("count_index_columns");
-  if (total > 0) {
-    kernel::count_vertical_tokens<><<<blocks_for(total, threads), threads, 0, stream>>>(p, sel.vertical_head(), total, query_count.data(),
-                                                                                        used.data());
-    STRIA_CUDA_CHECK_LAUNCH("count_vertical_tokens");
-  }
-
-  // 2. Scans to pointers; the totals are their last elements.
+  // 1. Every count (per row: tiles, tokens, transposed tiles; per vertical entry: used, queries) in
+  // one launch, back to back in one buffer whose second half is the scan's output.
   out.block_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
   out.col_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
   out.kv_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(rows) + 1, stream);
   b.position = device_buffer<index_t>(static_cast<std::size_t>(total) + 1, stream);
   b.query_offset = device_buffer<index_t>(static_cast<std::size_t>(total) + 1, stream);
-  exclusive_scan(tile_count, out.block_ptr, stream);
-  exclusive_scan(token_count, out.col_ptr, stream);
-  exclusive_scan(column_count, out.kv_query_ptr, stream);
-  exclusive_scan(used, b.position, stream);
-  exclusive_scan(query_count, b.query_offset, stream);
-  // The five totals in 64 bits (totals[0..5), zeroed by the caller), read back with the batch's.
-  const device_buffer<index_t>* summed[5] = {&tile_count, &token_count, &column_count, &used, &query_count};
-  for (int a = 0; a < 5; ++a) {
-    const auto n = static_cast<std::int64_t>(summed[a]->size());
-    const unsigned ctas = static_cast<unsigned>(std::min<std::int64_t>((n + kernel::sum_counts_threads - 1) / kernel::sum_counts_threads, 1024));
-    kernel::sum_counts<><<<ctas, kernel::sum_counts_threads, 0, stream>>>(summed[a]->data(), n, totals + a);
-    STRIA_CUDA_CHECK_LAUNCH("sum_counts");
-  }
-  return b;  // the counts are freed in stream order, after the scans that read them
+  kernel::count_layout at = count_layout_for(rows, total);
+  index_t* const pointers[kernel::index_counts] = {out.block_ptr.data(), out.col_ptr.data(), out.kv_query_ptr.data(), b.position.data(),
+                                                   b.query_offset.data()};
+  std::copy(std::begin(pointers), std::end(pointers), at.ptr);
+  const std::int64_t n = at.start[kernel::index_counts];
+  device_buffer<std::int64_t> counts(2 * static_cast<std::size_t>(n), stream);
+  counts.fill_bytes(0);  // the zero after each array
+  const unsigned row_ctas = blocks_for(rows, kernel::index_threads);
+  kernel::count_index<><<<2 * row_ctas + blocks_for(total, kernel::index_threads), kernel::index_threads, 0, stream>>>(
+      p, sel.vertical_head(), total, at, counts.data());
+  STRIA_CUDA_CHECK_LAUNCH("count_index");
+
+  // 2. One scan makes every pointer array; the five totals come out of it in 64 bits.
+  scan_counts(counts.data(), counts.data() + n, at, totals, stream);
+  return b;  // the counts are freed in stream order, after the kernels that read them
 }
 
-/// Phase 2 of one index, queued on `stream`: its entry arrays, sized from its five totals.
+/// Phase 2 of one index, queued on `stream`: its entry arrays, sized from its five totals, filled by one kernel.
 inline device_step_index fill_local_index(index_in_build&& b, const device_selection& sel, std::span<const index_t, 5> totals,
                                           cudaStream_t stream) {
   const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
@@ -190,25 +202,15 @@ inline device_step_index fill_local_index(index_in_build&& b, const device_selec
   out.vtoken_query = device_buffer<index_t>(static_cast<std::size_t>(used_queries), stream);
   out.vtoken_query_ptr = device_buffer<index_t>(static_cast<std::size_t>(used_tokens) + 1, stream);
   out.vtoken_head_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) + 1, stream);
-  constexpr unsigned threads = 128, warp_block = 32 * kernel::index_warps_per_block;  // warp-per-item kernels
-  kernel::fill_row_tiles<><<<blocks_for(rows, threads), threads, 0, stream>>>(b.p, out.block_ptr.data(), out.block_col.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_row_tiles");
-  kernel::fill_row_tokens<><<<blocks_for(rows, kernel::index_warps_per_block), warp_block, 0, stream>>>(
-      b.p, out.block_ptr.data(), out.block_col.data(), out.col_ptr.data(), out.col_token.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_row_tokens");
-  kernel::fill_index_columns<><<<blocks_for(rows, threads), threads, 0, stream>>>(b.p, out.kv_query_ptr.data(), out.kv_query.data());
-  STRIA_CUDA_CHECK_LAUNCH("fill_index_columns");
-  if (total > 0) {
-    kernel::fill_vertical_tokens<><<<blocks_for(total, kernel::index_warps_per_block), warp_block, 0, stream>>>(
-        b.p, sel.vertical_head(), total, b.position.data(), b.query_offset.data(), out.vtoken.data(), out.vtoken_query_ptr.data(),
-        out.vtoken_query.data());
-    STRIA_CUDA_CHECK_LAUNCH("fill_vertical_tokens");
-  }
-  kernel::finish_vertical_pointers<><<<blocks_for(heads + 1, threads), threads, 0, stream>>>(
-      b.p.vertical_ptr, b.position.data(), heads, out.vtoken_head_ptr.data(), b.query_offset.data() + total, used_tokens,
-      out.vtoken_query_ptr.data());
-  STRIA_CUDA_CHECK_LAUNCH("finish_vertical_pointers");
-  return std::move(out);  // the temporaries in `b` are freed in stream order, after these kernels
+  const kernel::index_fill_arrays arrays{out.block_ptr.data(),  out.col_ptr.data(),      out.kv_query_ptr.data(), b.position.data(),
+                                         b.query_offset.data(), out.block_col.data(),    out.col_token.data(),    out.kv_query.data(),
+                                         out.vtoken_head_ptr.data(), out.vtoken.data(), out.vtoken_query_ptr.data(), out.vtoken_query.data(),
+                                         sel.vertical_head(),   total,                   used_tokens,             used_queries};
+  const unsigned ctas = 2 * blocks_for(rows, kernel::index_threads) + blocks_for(rows, kernel::index_warps_per_block) +
+                        blocks_for(total, kernel::index_warps_per_block);
+  kernel::fill_index<><<<ctas, kernel::index_threads, 0, stream>>>(b.p, arrays);
+  STRIA_CUDA_CHECK_LAUNCH("fill_index");
+  return std::move(out);  // the temporaries in `b` are freed in stream order, after this kernel
 }
 
 }  // namespace detail
@@ -237,7 +239,6 @@ std::vector<device_step_index> build_local_indices(const device_selection& sel, 
   std::vector<stria::detail::index_in_build> building;
   building.reserve(requests.size());
   device_buffer<unsigned long long> wide_d(5 * requests.size(), stream);
-  wide_d.fill_bytes(0);
   for (std::size_t i = 0; i < requests.size(); ++i)
     building.push_back(stria::detail::count_local_index(sel, layout, local, shared, global_blocks(requests[i].query_rank),
                                                         global_blocks(requests[i].kv_rank), requests[i], stream, wide_d.data() + 5 * i));
