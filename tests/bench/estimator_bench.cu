@@ -11,8 +11,9 @@
 //    one-GPU time / W (a balanced ring's compute).
 // Medians of repeated runs after warm-up; wall-clock for the estimate (it includes its host steps),
 // CUDA events for the attention.
-//   estimator_bench [--once] [--json FILE --commit SHA]   (--once: the 128K one-rank case only, one timed run,
-//                                                          for profilers; --json: rows as tests/bench/results/estimator_h200.json)
+//   estimator_bench [--once] [--json FILE --commit SHA]   (--once, for profilers: the 128K phase breakdown (4 estimates)
+//                                                          and the one-rank case with 2 warm-ups and 1 timed run, no attention;
+//                                                          --json: rows as tests/bench/results/estimator_h200.json)
 #include <cuda_bf16.h>
 #include <thrust/count.h>
 #include <thrust/execution_policy.h>
@@ -231,6 +232,10 @@ int main(int argc, char** argv) try {
       std::fprintf(stderr, "%s: unknown flag or missing value (estimator_bench [--once] [--json FILE --commit SHA])\n", flag.c_str());
       return 2;
     }
+  }
+  if (once && !json_path.empty()) {
+    std::fprintf(stderr, "--once writes no rows: it cannot be combined with --json\n");
+    return 2;
   }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

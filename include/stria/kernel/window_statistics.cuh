@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(256)
 /// key token (vertical mass; -1 for tokens of global blocks >= first_local_block, which are never
 /// vertical candidates) and per key block (the mass of the block diagonal it lies on). The sums run
 /// in a fixed order (rows within a warp by shuffles, then the 4 warps in turn), so a rank's
-/// statistics do not change from run to run.
+/// statistics do not change from run to run on one device (the chunk size follows the SM count).
 ///   vertical [Hq, S_local]   tile_mass [Hq, local_blocks]. Grid: (Hq, chunks), window_threads.
 template <class T, int D>
 __global__ void __launch_bounds__(window_threads)
