@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// What every launcher of the device layer shares: per-device facts read without a lock, and the
-// dynamic shared-memory attribute set once per kernel and device.
+// What every launcher of the device layer shares: the head dim as a template argument, per-device
+// facts read without a lock, and the dynamic shared-memory attribute set once per kernel and device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,9 +11,33 @@
 #include <cstddef>
 #include <mutex>
 
+#include "stria/core/config.hpp"
 #include "stria/core/cuda_check.cuh"
 
+namespace stria::device {
+
+/// The launchers' HeadDim template argument where the call's head dim picks the kernels at run time
+/// (both head dims instantiated). The front template and the engines pass their Tile's head_dim
+/// instead, and get that one set of kernels only.
+inline constexpr index_t any_head_dim = 0;
+
+}  // namespace stria::device
+
 namespace stria::device::detail {
+
+/// Runs `launch.template operator()<D>()` with the head dim as a template argument: HeadDim alone
+/// where it is given (one set of kernels per Tile; the launcher checked the call's head dim against
+/// it first, check_head_dim), else a runtime switch over both.
+template <index_t HeadDim, class Launch>
+void with_head_dim(index_t head_dim, Launch&& launch) {
+  if constexpr (HeadDim != any_head_dim) {
+    launch.template operator()<static_cast<int>(HeadDim)>();
+  } else if (head_dim == 64) {
+    launch.template operator()<64>();
+  } else {
+    launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
+  }
+}
 
 /// Devices whose per-process facts (the Hopper probe, the shared-memory attributes) are read
 /// without a lock; others take a mutex each time.

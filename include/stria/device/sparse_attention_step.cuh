@@ -33,11 +33,6 @@
 
 namespace stria::device {
 
-/// The launchers' HeadDim template argument where the call's head dim picks the kernels at run time
-/// (both head dims instantiated). The front template and the engines pass their Tile's head_dim
-/// instead, and get that one set of kernels only.
-inline constexpr index_t any_head_dim = 0;
-
 /// What the forward does with the running state: overwrite it (the first ring step) or merge into it.
 enum class running_state { overwrite, merge };
 
@@ -165,20 +160,6 @@ void check_head_dim(index_t head_dim) {
       throw invalid_argument("q.extent(2) (head_dim)", head_dim,
                              "must be " + std::to_string(HeadDim) + ": this launcher is instantiated for head_dim " +
                                  std::to_string(HeadDim) + " alone (its Tile's)");
-}
-
-/// Runs `launch.template operator()<D>()` with the head dim as a template argument: HeadDim alone
-/// where it is given (one set of kernels per Tile; the launcher checked the call's head dim against
-/// it first, check_head_dim), else a runtime switch over both.
-template <index_t HeadDim, class Launch>
-void with_head_dim(index_t head_dim, Launch&& launch) {
-  if constexpr (HeadDim != any_head_dim) {
-    launch.template operator()<static_cast<int>(HeadDim)>();
-  } else if (head_dim == 64) {
-    launch.template operator()<64>();
-  } else {
-    launch.template operator()<128>();  // attention_shape::validate admits 64 and 128 only
-  }
 }
 
 }  // namespace detail

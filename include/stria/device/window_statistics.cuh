@@ -70,7 +70,7 @@ class window_backend {
     lap(&estimator::statistics_timing::setup_ms);
     const index_t chunks = grid().y;
     device_buffer<float> partial_max(row_count() * static_cast<std::size_t>(chunks), stream_), partial_sum(partial_max.size(), stream_);
-    with_dim([&]<int D>() {
+    with_head_dim<any_head_dim>(dim_, [&]<int D>() {
       allow_shared_bytes<&kernel::window_partials<T, D>>(kernel::window_shared_bytes<T, D>());
       kernel::window_partials<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(params(), partial_max.data(),
                                                                                                                     partial_sum.data());
@@ -117,7 +117,7 @@ class window_backend {
     const auto items = static_cast<std::size_t>(heads_) * static_cast<std::size_t>(tokens_);
     device_buffer<float> vertical(items, stream_);
     tile_mass_ = device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_), stream_);
-    with_dim([&]<int D>() {
+    with_head_dim<any_head_dim>(dim_, [&]<int D>() {
       allow_shared_bytes<&kernel::window_probabilities<T, D>>(kernel::window_shared_bytes<T, D>());
       kernel::window_probabilities<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(
           params(), normaliser_.data(), normaliser_.data() + row_count(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
@@ -245,13 +245,6 @@ class window_backend {
   [[nodiscard]] kernel::window_params<T> params() const {
     return {window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, blocks_, chunk_blocks_, plan_.first_row(), scale_log2_,
             plan_.shape.causal};
-  }
-  /// Runs launch.template operator()<D>() with the head dim as a template argument (64 or 128: the
-  /// shape was validated).
-  template <class Launch>
-  void with_dim(Launch&& launch) const {
-    if (dim_ == 64) launch.template operator()<64>();
-    else launch.template operator()<128>();
   }
   /// Ends a timed phase: synchronises the stream and writes the wall time since the last phase.
   void lap(double estimator::statistics_timing::*phase) {
