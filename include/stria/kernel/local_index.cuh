@@ -13,6 +13,7 @@
 
 #include "stria/core/config.hpp"
 #include "stria/core/tile.hpp"
+#include "stria/kernel/search.cuh"
 
 namespace stria::kernel {
 
@@ -50,47 +51,25 @@ namespace detail {
 
 /// Where head h's first slash delta >= `delta` lies in p.slash (p.slash_ptr[h + 1] if none does).
 __device__ inline index_t first_slash_from(const index_build_params& p, index_t h, index_t delta) {
-  index_t lo = p.slash_ptr[h], hi = p.slash_ptr[h + 1];
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.slash[mid] < delta) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
+  return lower_bound_in(p.slash, p.slash_ptr[h], p.slash_ptr[h + 1], delta);
 }
 
 /// Where head h's first explicit tile of a query block >= `q_block` lies in p.tile_query: a query
 /// block's explicit tiles are the contiguous, key-sorted range between this and the next block's.
 __device__ inline index_t first_tile_of_query(const index_build_params& p, index_t h, index_t q_block) {
-  index_t lo = p.tile_ptr[h], hi = p.tile_ptr[h + 1];
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.tile_query[mid] < q_block) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
-__device__ inline bool explicit_tile(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
-  index_t lo = p.tile_ptr[h], hi = p.tile_ptr[h + 1];
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    const bool less = p.tile_query[mid] < q_block || (p.tile_query[mid] == q_block && p.tile_key[mid] < k_block);
-    if (less) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < p.tile_ptr[h + 1] && p.tile_query[lo] == q_block && p.tile_key[lo] == k_block;
+  return lower_bound_in(p.tile_query, p.tile_ptr[h], p.tile_ptr[h + 1], q_block);
 }
 
 /// Whether p.tile_key[begin, end), one query block's explicit tiles (key-sorted), holds `k_block`.
 __device__ inline bool key_in(const index_build_params& p, index_t begin, index_t end, index_t k_block) {
-  index_t lo = begin, hi = end;
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.tile_key[mid] < k_block) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < end && p.tile_key[lo] == k_block;
+  const index_t at = lower_bound_in(p.tile_key, begin, end, k_block);
+  return at < end && p.tile_key[at] == k_block;
+}
+
+__device__ inline bool explicit_tile(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
+  const index_t begin = first_tile_of_query(p, h, q_block);
+  const index_t end = upper_bound_in(p.tile_query, begin, p.tile_ptr[h + 1], q_block);
+  return key_in(p, begin, end, k_block);
 }
 
 /// Whether head h selected the diagonal q_block - k_block = delta.
@@ -171,13 +150,8 @@ inline constexpr unsigned index_warps_per_block = index_threads / 32;
 /// attention): the row's vertical tokens come from those blocks only.
 __device__ inline index_t preceding_blocks(const index_build_params& p, index_t q_block) {
   if (!p.causal) return p.local_blocks;
-  index_t lo = 0, hi = p.local_blocks;  // kv_global ascends (local order keeps global order)
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.kv_global[mid] < q_block) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
+  // kv_global ascends (local order keeps global order)
+  return detail::lower_bound_in(p.kv_global, 0, p.local_blocks, q_block);
 }
 
 /// The row's vertical-token count: the owned tokens of the preceding blocks minus those inside the
@@ -236,13 +210,7 @@ __device__ void walk_column(const index_build_params& p, index_t h, index_t k, E
 /// token is used by query blocks from there on, except where its tile is active.
 __device__ inline index_t first_following_query(const index_build_params& p, index_t k_block) {
   if (!p.causal) return 0;
-  index_t lo = 0, hi = p.local_blocks;
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.query_global[mid] <= k_block) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
+  return detail::upper_bound_in(p.query_global, 0, p.local_blocks, k_block);
 }
 
 /// How many local query blocks use vertical entry v's token (0 when another rank owns it): the
@@ -461,13 +429,7 @@ __global__ void owned_block_offsets(index_build_params p, const index_t* positio
   const index_t x = blockIdx.x * blockDim.x + threadIdx.x;
   if (x >= p.heads * (p.local_blocks + 1)) return;
   const index_t h = x / (p.local_blocks + 1), b = x % (p.local_blocks + 1);
-  index_t lo = position[p.vertical_ptr[h]], hi = position[p.vertical_ptr[h + 1]];
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (p.owned_token[mid] < b * block_tokens) lo = mid + 1;
-    else hi = mid;
-  }
-  owned_block_ptr[x] = lo;
+  owned_block_ptr[x] = detail::lower_bound_in(p.owned_token, position[p.vertical_ptr[h]], position[p.vertical_ptr[h + 1]], b * block_tokens);
 }
 
 /// One CTA per head: sets bit (delta + num_blocks) of the head's slash bitmap (zeroed before) for

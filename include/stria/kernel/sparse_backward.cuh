@@ -22,6 +22,7 @@
 #include "stria/core/numeric.cuh"
 #include "stria/index/step_index.hpp"
 #include "stria/kernel/attention_tile.cuh"
+#include "stria/kernel/search.cuh"
 
 namespace stria::kernel {
 
@@ -320,16 +321,6 @@ struct vertical_group {
     return true;
   }
 };
-
-/// The first position in [lo, hi) of an ascending list whose value is >= x.
-__device__ inline index_t lower_bound_in(const index_t* list, index_t lo, index_t hi, index_t x) {
-  while (lo < hi) {
-    const index_t mid = lo + (hi - lo) / 2;
-    if (list[mid] < x) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
 
 /// The walk of a vertical group's columns over their query blocks: thread c < 64 follows column c's
 /// ascending query list within [begin, end_block); each round takes the smallest query block still
