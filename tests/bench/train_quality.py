@@ -22,7 +22,12 @@ BOS, filler, then a segment of random tokens (vocabulary `--copy-vocab`, length 
 [S/8, S/2)) and the same segment again, ending at the last token; the loss is the next-token cross
 entropy at `--loss-tokens` random positions of the second copy (its first token excluded: nothing
 announces where the copy starts), the last 64 positions always among them. The copy is one slash
-line per sequence at a distance the model must find from the data. Chance: ln(copy_vocab). Both runs see the same batches (a CPU generator seeded per step)
+line per sequence at a distance the model must find from the data. Chance: ln(copy_vocab).
+`--task lookup` (one-hop recall, learnable by one attention layer): `--pairs` tokens that each stand for
+a key-value pair (their own vocabulary of keys x values) at random places in the filler, SEP, then
+`--queries` key tokens at the very end; the loss is the cross entropy of the value of each query's
+pair, predicted at the query itself. Each pair token is a vertical line the estimator must find among
+S filler keys. Chance: ln(values). Both runs see the same batches (a CPU generator seeded per step)
 and start from one deep-copied initial model. Times: wall clock per step (synchronised by the loss's
 .item()), median over the steps after three warm-up steps. Exit 77 where torch, CUDA or stria is
 missing; 1 where a run failed or its loss went non-finite; 0 otherwise, whether or not the target is met.
@@ -102,8 +107,32 @@ def copy_batch(step, args):
     return tokens.cuda(non_blocking=True), positions.cuda(), answers.cuda()
 
 
+def lookup_batch(step, args):
+    """The same triple for --task lookup: (tokens, query positions, the values of the queried pairs)."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
+    s, n, q = args.seq_len, args.pairs, args.queries
+    first_value = FIRST_KEY + args.keys
+    first_pair = first_value + args.values  # pair (k, v) is token first_pair + k * values + v
+    context_end = s - q - 1  # SEP here, then the q query keys up to the last token
+    tokens = torch.full((args.batch, s), FILLER, dtype=torch.long)
+    tokens[:, 0] = BOS
+    tokens[:, context_end] = SEP
+    query_pos = torch.arange(context_end + 1, s)
+    answers = torch.empty((args.batch, q), dtype=torch.long)
+    for b in range(args.batch):
+        pos = 1 + torch.randperm(context_end - 1, generator=g)[:n]
+        keys = torch.randperm(args.keys, generator=g)[:n]
+        values = torch.randint(args.values, (n,), generator=g)
+        tokens[b, pos] = first_pair + keys * args.values + values
+        asked = torch.randperm(n, generator=g)[:q]
+        tokens[b, query_pos] = FIRST_KEY + keys[asked]
+        answers[b] = first_value + values[asked]
+    query_pos = query_pos.expand(args.batch, q).contiguous()
+    return tokens.cuda(non_blocking=True), query_pos.cuda(), answers.cuda()
+
+
 def batch_of(step, args):
-    return copy_batch(step, args) if args.task == "copy" else recall_batch(step, args)
+    return {"copy": copy_batch, "lookup": lookup_batch}.get(args.task, recall_batch)(step, args)
 
 
 def chance_loss(args):
@@ -343,7 +372,7 @@ def write_plot(path, result, args):
         ax.plot(steps, curves[key], color=color, label=f"{label}, mean of {window}")
     ax.axhline(chance_loss(args), color="gray", linestyle=":", label=f"chance = {chance_loss(args):.2f}")
     ax.set_ylabel("loss on the predicted tokens")
-    ax.set_title(f"{'copying' if args.task == 'copy' else 'associative recall'} at {args.seq_len}: {args.layers} layers, d {args.d_model}, "
+    ax.set_title(f"{ {'copy': 'copying', 'lookup': 'one-hop lookup'}.get(args.task, 'associative recall')} at {args.seq_len}: {args.layers} layers, d {args.d_model}, "
                  f"Hq {args.heads} / Hkv {args.kv_heads}, D {args.head_dim}, batch {args.batch}")
     ax.legend()
     if len(curves) == 2:
@@ -377,7 +406,7 @@ def parse_stria_options(items):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=("recall", "copy"), default="recall")
+    parser.add_argument("--task", choices=("recall", "copy", "lookup"), default="recall")
     parser.add_argument("--copy-vocab", type=int, default=8192, help="--task copy: vocabulary of the copied segment")
     parser.add_argument("--loss-tokens", type=int, default=512, help="--task copy: loss positions per sequence (>= 65)")
     parser.add_argument("--steps", type=int, default=300)
@@ -425,9 +454,9 @@ def main():
         problems.append(f"--loss-tokens {args.loss_tokens}: must lie in [65, seq_len / 8 - 1] (the shortest copy)")
     if args.task == "copy" and args.copy_vocab < 2:
         problems.append(f"--copy-vocab {args.copy_vocab}: must be >= 2")
-    if args.task == "recall" and not 1 <= args.queries <= args.pairs <= args.keys:
+    if args.task != "copy" and not 1 <= args.queries <= args.pairs <= args.keys:
         problems.append(f"need 1 <= queries ({args.queries}) <= pairs ({args.pairs}) <= keys ({args.keys}): keys are distinct")
-    if args.task == "recall" and args.pairs > (args.seq_len - 2 * args.queries - 2) // 2:
+    if args.task != "copy" and args.pairs > (args.seq_len - 2 * args.queries - 2) // 2:
         problems.append(f"--pairs {args.pairs} do not fit in the context of --seq-len {args.seq_len}")
     if problems:
         parser.error("; ".join(problems))
@@ -453,7 +482,7 @@ def main():
         except (OSError, subprocess.CalledProcessError):
             args.commit = "unknown"
 
-    used = FIRST_KEY + (args.copy_vocab if args.task == "copy" else args.keys + args.values)
+    used = FIRST_KEY + {"copy": args.copy_vocab, "lookup": args.keys + args.values + args.keys * args.values}.get(args.task, args.keys + args.values)
     vocab = -(-used // 64) * 64
     dense_backend = SDPBackend.CUDNN_ATTENTION if args.dense_backend == "cudnn" else SDPBackend.FLASH_ATTENTION
     torch.manual_seed(args.seed)
