@@ -5,6 +5,7 @@ online-estimated Vertical-Slash selection, and the two loss curves compared (tar
 
     python3 tests/bench/train_quality.py [--steps 300] [--seq-len 32768] [--layers 2] [--seed 0]
         [--commit SHA] [--json train_quality_h200.json] [--plot PATH.png] [--quick]
+        [--task recall|copy|lookup] [--dense-warmup N] [--only both|dense|stria]
 
 Model: decoder-only, pre-norm (RMSNorm), RoPE (theta 1e6, so content matches survive 32K of rotation),
 grouped-query attention, SwiGLU MLP; fp32 parameters under bf16 autocast; AdamW with warm-up and
@@ -186,6 +187,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, d_model, bias=False)
         self.kind, self.dense_backend, self.stria_options = "dense", SDPBackend.CUDNN_ATTENTION, {}
         self.selection = None  # stria's last estimated selection (int32, no grad), for the density report
+        self.all_diagonals = False  # stria's run during --dense-warmup: every block diagonal, no estimate
 
     def forward(self, x, cos, sin):
         batch, seq, _ = x.shape
@@ -196,6 +198,11 @@ class Attention(nn.Module):
         with torch.autocast("cuda", enabled=False):  # q, k, v are bf16 already; keep autocast off both ops
             if self.kind == "dense":
                 out = dense_attention(q, k, v, self.dense_backend)
+            elif self.all_diagonals:  # dense causal attention through stria's kernels
+                blocks = seq // 64
+                dense = stria.Selection(torch.full((batch, self.heads, 1), stria.PADDING, dtype=torch.int32, device=q.device),
+                                        torch.arange(blocks, dtype=torch.int32, device=q.device).expand(batch, self.heads, blocks).contiguous())
+                out = stria.sparse_attention(q, k, v, selection=dense)
             else:
                 out, self.selection = stria.sparse_attention(q, k, v, return_selection=True, **self.stria_options)
         return self.wo(out.reshape(batch, seq, self.heads * self.head_dim))
@@ -302,6 +309,8 @@ def train(name, base, args, dense_backend, stria_options):
     try:
         for step in range(args.steps):
             tokens, query_pos, answers = batch_of(step, args)
+            for block in model.blocks:
+                block.attn.all_diagonals = step < args.dense_warmup
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, args)
             torch.cuda.synchronize()
@@ -433,6 +442,9 @@ def main():
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--dense-backend", choices=("cudnn", "flash"), default="cudnn")
+    parser.add_argument("--dense-warmup", type=int, default=0,
+                        help="stria's run attends densely (every block diagonal, through stria's kernels) for this many first steps, "
+                             "then on the estimated selection: does the estimate keep what the model has learned?")
     parser.add_argument("--stria-opt", action="append", default=[], metavar="NAME=VALUE",
                         help="an estimator option for stria.sparse_attention (default: the library's)")
     parser.add_argument("--only", choices=("both", "dense", "stria"), default="both")
@@ -444,6 +456,8 @@ def main():
     args.table_every = max(1, args.steps // 20)
 
     problems = []
+    if args.dense_warmup < 0:
+        problems.append(f"--dense-warmup {args.dense_warmup}: must be >= 0")
     if args.steps < 1 or args.batch < 1 or args.layers < 1:
         problems.append("--steps, --batch and --layers must be >= 1")
     if args.seq_len % 64 != 0:
@@ -497,7 +511,8 @@ def main():
               "optimizer": f"AdamW lr {args.lr} betas (0.9, 0.95) wd {args.weight_decay}, warmup {args.warmup}, cosine to 0.1, "
                            f"clip {args.clip}",
               "precision": "fp32 params, bf16 autocast", "seed": args.seed, "dense": f"SDPA {args.dense_backend}, causal",
-              "stria": f"stria.sparse_attention, estimated selection, options {stria_options or 'library defaults'}",
+              "stria": f"stria.sparse_attention, estimated selection, options {stria_options or 'library defaults'}"
+                       + (f", every block diagonal for the first {args.dense_warmup} steps" if args.dense_warmup else ""),
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "stria_version": getattr(stria, "__version__", "unknown") if stria else "not loaded"}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {parameters / 1e6:.2f} M parameters; "
