@@ -1,14 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // The estimator on the GPU: the device index builder gives exactly the host builder's arrays; the
-// device window statistics agree with the host's (single rank and several ranks sharing the GPU,
-// bf16, fp16 and fp32; the device keeps each union's first vertical_candidates) and are identical on
-// every rank; the GPU selection picks exactly what the host selection picks from the same statistics.
+// device window statistics (over comm::local_device: no host crossing) agree with the host's (single
+// rank and several ranks sharing the GPU, bf16, fp16 and fp32; the device keeps each union's first
+// vertical_candidates) and are identical on every rank; the GPU selection picks exactly what the
+// host selection picks from the same statistics.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <set>
@@ -16,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "stria/comm/host_threads.hpp"
+#include "stria/comm/local_device.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
@@ -102,7 +104,8 @@ struct rounded {
   }
 };
 
-/// Statistics and selections of `world` ranks, from the host path and the device path.
+/// Statistics and selections of `world` ranks sharing the GPU, from the host path (over the host
+/// surface of the same ranks) and the device path (over comm::local_device).
 template <class T, class Sharding>
 void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_options& o, const Sharding& sharding, index_t world) {
   const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
@@ -113,10 +116,10 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
   estimator::vertical_slash_top_p e;
   e.vertical = {1, 512};
   std::vector<vs_statistics> host_stats(static_cast<std::size_t>(world)), device_stats(host_stats.size());
-  comm::host_world ranks(world, std::chrono::seconds(120));
-  ranks.run([&](comm::host_threads& c) {
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(120));
+  ranks.run([&](comm::local_device& c) {
     const auto r = static_cast<std::size_t>(c.rank());
-    host_stats[r] = estimator::gather_window_statistics(c, sharding, s, true, tensor_view<const float, 3>(q_s[r].data(), {local, hq, d}),
+    host_stats[r] = estimator::gather_window_statistics(c.host(), sharding, s, true, tensor_view<const float, 3>(q_s[r].data(), {local, hq, d}),
                                                         tensor_view<const float, 3>(k_s[r].data(), {local, hkv, d}), scale, e.request(s));
     std::vector<T> q_local(q_s[r].size()), k_local(k_s[r].size());
     for (std::size_t i = 0; i < q_local.size(); ++i) q_local[i] = from_float<T>(q_s[r][i]);  // exact: already rounded to T
@@ -136,6 +139,7 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
   });
   for (index_t r = 1; r < world; ++r) {  // identical on every rank
     CHECK(device_stats[static_cast<std::size_t>(r)].slash_mass == device_stats[0].slash_mass);
+    CHECK(device_stats[static_cast<std::size_t>(r)].window_mass == device_stats[0].window_mass);
     CHECK(device_stats[static_cast<std::size_t>(r)].vertical == device_stats[0].vertical);
   }
   const vs_statistics& a = device_stats[0];
@@ -162,6 +166,25 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
     CHECK(diff.size() <= std::max<std::size_t>(2, hb.vertical_tokens.size() / 100));
     CHECK(ha.slash_deltas.size() == doctest::Approx(hb.slash_deltas.size()).epsilon(0.05));
   }
+}
+
+/// Host statistics in device memory, each head's candidates padded with mass -1 to the longest row.
+estimator::device_statistics upload_statistics(const vs_statistics& s, cudaStream_t stream) {
+  index_t width = 0;
+  for (const auto& head : s.vertical) width = std::max(width, static_cast<index_t>(head.size()));
+  std::vector<float> mass(static_cast<std::size_t>(s.num_heads) * static_cast<std::size_t>(width), -1.0f);
+  std::vector<index_t> token(mass.size(), 0);
+  for (std::size_t h = 0; h < s.vertical.size(); ++h)
+    for (std::size_t i = 0; i < s.vertical[h].size(); ++i) {
+      mass[h * static_cast<std::size_t>(width) + i] = s.vertical[h][i].mass;
+      token[h * static_cast<std::size_t>(width) + i] = s.vertical[h][i].token;
+    }
+  vs_statistics shape = s;
+  shape.window_mass.clear();
+  shape.slash_mass.clear();
+  shape.vertical.clear();
+  return {shape, width, device_buffer<float>(std::span<const float>(s.window_mass), stream), device_buffer<float>(std::span<const float>(s.slash_mass), stream),
+          device_buffer<float>(std::span<const float>(mass), stream), device_buffer<index_t>(std::span<const index_t>(token), stream)};
 }
 
 /// Random statistics with many exact ties (masses on a coarse grid, some zero), candidate rows of
@@ -207,7 +230,7 @@ void check_selection_round(test::seeded_rng& rng, cudaStream_t stream, index_t s
   CAPTURE(local);
   CAPTURE(clustered);
   const vs_statistics s = random_statistics(rng, seq_len, 3, causal, local, max_candidates, clustered);
-  const auto on_device = estimator::device_statistics::upload(s, stream);
+  const auto on_device = upload_statistics(s, stream);
   CHECK(on_device.download(stream).vertical == s.vertical);  // the pads are invisible
   const int most_verticals = std::min(seq_len, 2 * max_candidates);
   estimator::vertical_slash_top_p p;
@@ -378,7 +401,7 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
     const vs_statistics s = random_statistics(rng, 4096, 2, true, 2);
     estimator::vertical_slash_top_p p;
     p.local_diagonals = 1;  // the statistics have 2
-    CHECK_THROWS_WITH_AS(estimator::select_device(estimator::device_statistics::upload(s, stream), p.rule(4096), stream),
+    CHECK_THROWS_WITH_AS(estimator::select_device(upload_statistics(s, stream), p.rule(4096), stream),
                          doctest::Contains("rule.local_diagonals = 1"), stria::invalid_argument);
   }
   STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -387,8 +410,8 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
 TEST_CASE("device statistics reject null and misaligned pointers with the argument and the rule") {
   const device_buffer<__nv_bfloat16> q(4096 * 2 * 64 + 8), k(4096 * 1 * 64 + 8);
   estimator::vertical_slash_top_p e;
-  comm::host_world one(1);
-  one.run([&](comm::host_threads& c) {
+  comm::local_device_world one(1, 0);
+  one.run([&](comm::local_device& c) {
     CHECK_THROWS_WITH_AS(estimator::gather_window_statistics_device(c, sharding::sequential{}, 4096, true, q.data() + 1, k.data(), 2, 1, 64, 0.125,
                                                                     e.request(4096), nullptr),
                          doctest::Contains("must be 16-byte aligned"), stria::invalid_argument);
