@@ -2,14 +2,16 @@
 // The estimator on the GPU: the device index builder gives exactly the host builder's arrays; the
 // device window statistics (over comm::local_device: no host crossing) agree with the host's (single
 // rank and several ranks sharing the GPU, bf16, fp16 and fp32; the device keeps each union's first
-// vertical_candidates) and are identical on every rank; the GPU selection picks exactly what the
-// host selection picks from the same statistics.
+// vertical_candidates) and are identical on every rank; the device combine of the ranks' shares is
+// engine::combine_shares bit for bit; the GPU selection picks exactly what the host selection picks
+// from the same statistics.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -20,6 +22,8 @@
 
 #include "stria/comm/local_device.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/device/window_statistics.cuh"
+#include "stria/engine/window_statistics_engine.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/estimator/select.cuh"
@@ -35,6 +39,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
+#include "support/random_shares.hpp"
 #include "support/selection.hpp"
 
 using namespace stria;
@@ -326,6 +331,81 @@ TEST_CASE("device window statistics agree with the host's, for bf16 and fp16, he
     compare_paths<__nv_bfloat16>(host::make_synthetic_vs(o64), o64, sharding::striped<64>{}, 3);
     compare_paths<__half>(host::make_synthetic_vs(o64), o64, sharding::sequential{}, 1);
   }
+}
+
+namespace {
+
+std::vector<std::uint32_t> bits_of(const std::vector<float>& x) {
+  std::vector<std::uint32_t> bits;
+  for (const float v : x) bits.push_back(std::bit_cast<std::uint32_t>(v));
+  return bits;
+}
+
+/// The device backend's combine of random shares under `plan` against engine::combine_shares on the
+/// same shares: the masses bit for bit, each head's row the host's union in order (zeros keep their
+/// sign), then mass -1 and token 0 up to the row's width, the most a union holds.
+void check_device_combine(const engine::window_plan& plan, test::seeded_rng& rng, cudaStream_t stream) {
+  const test::random_shares shares = test::make_random_shares(plan, rng);
+  const vs_statistics host = engine::combine_shares(plan, shares.mass, shares.candidates);
+  const index_t heads = plan.shape.num_heads, dim = 64, local_tokens = plan.rank_blocks * block_tokens;
+  const device_buffer<__nv_bfloat16> q(static_cast<std::size_t>(local_tokens * heads * dim), stream), k(static_cast<std::size_t>(local_tokens * dim), stream);
+  device::detail::window_backend<__nv_bfloat16> backend(plan, 0, q.data(), k.data(), 1, dim, 0.125, stream, nullptr, std::chrono::steady_clock::now());
+  const estimator::device_statistics got = backend.global_statistics(
+      {device_buffer<float>(std::span<const float>(shares.mass), stream), device_buffer<std::uint64_t>(std::span<const std::uint64_t>(shares.candidates), stream)});
+  const auto width = static_cast<std::size_t>(std::min<std::int64_t>(plan.keep, std::int64_t{plan.world} * plan.per_rank));
+  REQUIRE(got.candidates_per_head == static_cast<index_t>(width));
+  CHECK(bits_of(got.slash_mass.download(stream)) == bits_of(host.slash_mass));
+  CHECK(bits_of(got.window_mass.download(stream)) == bits_of(host.window_mass));
+  const std::vector<float> mass = got.candidate_mass.download(stream);
+  const std::vector<index_t> token = got.candidate_token.download(stream);
+  for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
+    CAPTURE(h);
+    const std::vector<vertical_candidate>& expected = host.vertical[h];
+    REQUIRE(expected.size() <= width);
+    std::vector<std::uint32_t> expected_mass(width, std::bit_cast<std::uint32_t>(-1.0f));
+    std::vector<index_t> expected_token(width, 0);
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      expected_mass[i] = std::bit_cast<std::uint32_t>(expected[i].mass);
+      expected_token[i] = expected[i].token;
+    }
+    CHECK(bits_of(std::vector<float>(mass.begin() + static_cast<std::ptrdiff_t>(h * width), mass.begin() + static_cast<std::ptrdiff_t>((h + 1) * width))) ==
+          expected_mass);
+    CHECK(std::vector<index_t>(token.begin() + static_cast<std::ptrdiff_t>(h * width), token.begin() + static_cast<std::ptrdiff_t>((h + 1) * width)) ==
+          expected_token);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the device combine of the ranks' shares is engine::combine_shares bit for bit: ties, zeros of both signs, sentinels, any keep") {
+  STRIA_SEEDED_RNG(rng);
+  cudaStream_t stream{};
+  STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
+  {  // buffers ordered on `stream` are freed on it: they go before the stream does
+    for (const index_t world : {1, 2, 3, 5, 8})
+      for (const index_t heads : {1, 3, 4})
+        for (const index_t blocks_per_rank : {1, 3})
+          for (const bool causal : {true, false})
+            for (const index_t cap : {1, 37, 64, 150})
+              for (const int keep_choice : {0, 1, 2, 3}) {
+                CAPTURE(world);
+                CAPTURE(heads);
+                CAPTURE(blocks_per_rank);
+                CAPTURE(causal);
+                CAPTURE(cap);
+                CAPTURE(keep_choice);
+                // Local blocks up to every block of a rank: runs of sentinels, and unions shorter than `keep`.
+                engine::window_plan plan = engine::make_window_plan(sharding::striped<64>{}, world * blocks_per_rank * 64, world, causal, heads,
+                                                                    {64, cap, rng.integer(0, std::min<index_t>(world * blocks_per_rank, 2 * blocks_per_rank))});
+                const index_t per_rank = plan.per_rank;
+                // keep: per_rank (the estimator's), every run whole, between per_rank and the union, below per_rank.
+                const index_t keeps[] = {per_rank, engine::whole_union, rng.integer(per_rank, world * per_rank + 1), rng.integer(1, per_rank)};
+                plan.keep = keeps[keep_choice];
+                CAPTURE(plan.keep);
+                check_device_combine(plan, rng, stream);
+              }
+  }
+  STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("candidate_top_k keeps each head's first k candidates in the order of the device-wide sort, ties included") {
