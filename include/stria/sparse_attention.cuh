@@ -5,7 +5,8 @@
 // caller's stream with the KV transfers on the object's own transfer stream. With topology::solver
 // (sequential sharding only) estimate() also solves the layer's task placement, and forward() and
 // backward() move query and KV chunks as the plan says (device/solver_attention.cuh). One object
-// per rank, over any device_communicator (comm::local_device, comm::nccl, or a user's own).
+// per rank, over any device_communicator that has the device_collectives too (comm::local_device,
+// comm::nccl, or a user's own).
 //
 //   using attention = stria::sparse_attention<stria::estimator::vertical_slash_top_p,
 //                                             stria::sharding::striped<64>, stria::topology::flat_ring>;
@@ -22,7 +23,6 @@
 #include <utility>
 #include <vector>
 
-#include "stria/comm/host_threads.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_communicator.cuh"
@@ -112,13 +112,12 @@ class sparse_attention {
   template <class Comm, class T>
   void estimate(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, cudaStream_t stream) {
     static_assert(check_device_communicator<Comm>());
-    static_assert(check_host_surface<Comm>());
+    static_assert(check_device_collectives<Comm>());
     check_comm(comm);
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
-    auto& host = detail::host_surface(comm);
     forget();  // a failed estimate leaves no earlier layer's index behind
-    adopt(comm.rank(), estimator::estimate_device(estimator_, host, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),
+    adopt(comm.rank(), estimator::estimate_device(estimator_, comm, sharding_, config_.seq_len, config_.causal, q.data(), k.data(),
                                                   config_.heads_q, config_.heads_kv, Tile::head_dim, config_.softmax_scale, stream),
           stream);
   }

@@ -17,20 +17,26 @@
 
 namespace stria::python {
 
-/// The host surface of a world of one rank (the estimator's communicator): rank 0 of 1, whose
+/// The device collectives of a world of one rank (the estimator's communicator): rank 0 of 1, whose
 /// collectives have nothing to exchange.
 struct one_rank {
   [[nodiscard]] index_t rank() const { return 0; }
   [[nodiscard]] index_t world_size() const { return 1; }
   template <class T>
-  void broadcast(T*, std::size_t, index_t) {}
+  void broadcast(T*, std::size_t, index_t, cudaStream_t) {}
   template <class T>
-  void all_gather(const T* send, T* receive, std::size_t count) {
-    if (send != receive) std::copy(send, send + count, receive);
+  void all_gather(const T* send, T* receive, std::size_t count, cudaStream_t stream) {
+    copy(send, receive, count, stream);
   }
   template <class T>
-  void all_reduce(const T* send, T* receive, std::size_t count, comm::reduce_op) {
-    if (send != receive) std::copy(send, send + count, receive);
+  void all_reduce(const T* send, T* receive, std::size_t count, comm::reduce_op, cudaStream_t stream) {
+    copy(send, receive, count, stream);
+  }
+
+ private:
+  template <class T>
+  static void copy(const T* send, T* receive, std::size_t count, cudaStream_t stream) {
+    if (send != receive && count > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(receive, send, count * sizeof(T), cudaMemcpyDeviceToDevice, stream));
   }
 };
 

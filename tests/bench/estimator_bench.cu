@@ -2,15 +2,16 @@
 // Benchmark (a program, not a test): the online estimator on the GPU against the attention it serves.
 // Qwen2.5-3B attention shape (Hq 16, Hkv 2, D 128), bf16 synthetic Vertical-Slash inputs.
 //  - S = 128K on one GPU: window statistics + GPU selection (estimate_device), then the step index build;
-//  - S = 128K and 512K over W = 8 ranks sharing the one GPU (threads, host_threads collectives): every rank's
+//  - S = 128K and 512K over W = 8 ranks sharing the one GPU (threads, comm::local_device collectives): every rank's
 //    estimate and its 8 step indices; per rank = total / 8 is what one rank would take on its own GPU
 //    if the 8 shared nothing (they share this GPU, so the total is close to the sum of their work);
 //    at 128K also rank 0's statistics phase by phase, from one more synchronising run;
 //  - for each length, the sparse forward + backward over the estimated selection on one GPU (the
 //    Hopper kernels, random V and dO): what the estimate is a share of. Per rank of W that is the
 //    one-GPU time / W (a balanced ring's compute).
-// Medians of repeated runs after warm-up; wall-clock for the estimate (it includes its host steps),
-// CUDA events for the attention.
+// Medians of repeated runs after warm-up; wall-clock for the estimate (it includes its host steps:
+// the selection's and the index build's, and the ranks meeting in each collective), CUDA events for
+// the attention.
 //   estimator_bench [--once] [--json FILE --commit SHA]   (--once, for profilers: the 128K phase breakdown (4 estimates)
 //                                                          and the one-rank case with 2 warm-ups and 1 timed run, no attention;
 //                                                          --json: rows as tests/bench/results/estimator_h200.json)
@@ -29,7 +30,7 @@
 #include <utility>
 #include <vector>
 
-#include "stria/comm/host_threads.hpp"
+#include "stria/comm/local_device.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/numeric.cuh"
 #include "stria/device/sparse_attention_step.cuh"
@@ -61,7 +62,7 @@ struct result {
   double estimate_ms, index_ms, density;
   estimator::statistics_timing phases;  // rank 0's, from the extra synchronising run (with `breakdown`)
   double statistics_ms, selection_ms;   // that run's statistics and GPU selection on rank 0
-  index_t candidates_per_head;          // the union rank 0 uploads per head
+  index_t candidates_per_head;          // the width of rank 0's union rows (each head's first `keep`)
   global_selection selection;           // rank 0's (every rank's) estimate of the last run
 };
 
@@ -90,8 +91,8 @@ result run(const host::synthetic_vs& data, const host::synthetic_vs_options& o, 
   std::vector<double> estimate_ms, index_ms;
   global_selection selection;
   result out{};
-  comm::host_world ranks(world, std::chrono::seconds(600));
-  ranks.run([&](comm::host_threads& c) {
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(600));
+  ranks.run([&](comm::local_device& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     cudaStream_t stream{};
     STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -254,8 +255,8 @@ int main(int argc, char** argv) try {
     for (std::size_t i = 0; i < k.size(); ++i) k[i] = from_float<__nv_bfloat16>(data.k[i]);
     const device_buffer<__nv_bfloat16> q_d{std::span<const __nv_bfloat16>(q)}, k_d{std::span<const __nv_bfloat16>(k)};
     estimator::statistics_timing t;
-    comm::host_world one(1);
-    one.run([&](comm::host_threads& c) {
+    comm::local_device_world one(1, 0);
+    one.run([&](comm::local_device& c) {
       const estimator::vertical_slash_top_p e;
       for (int i = 0; i < 3; ++i)
         (void)estimator::gather_window_statistics_device(c, sharding::sequential{}, o.seq_len, true, q_d.data(), k_d.data(), 16, 2, 128,

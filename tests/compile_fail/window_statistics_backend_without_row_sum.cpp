@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Must not compile: the window statistics engine asks Backend::row_sum for this rank's sums of exp
 // against the global row max, which this backend lacks.
+#include <cstdint>
+#include <span>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -8,17 +10,22 @@
 #include "stria/sharding/sequential.hpp"
 
 struct without_row_sum {
-  using window_rows = std::vector<float>;
+  using floats = std::vector<float>;
+  using share = stria::engine::rank_share<floats, std::vector<std::uint64_t>>;
+  using window_rows = std::span<float>;
   using statistics = stria::vs_statistics;
-  window_rows rows;
-  window_rows& window() { return rows; }
+  std::vector<float> rows;
+  template <class Comm>
+  stria::engine::host_exchange<Comm> exchange(Comm& comm) {
+    return {comm};
+  }
+  window_rows window() { return rows; }
   void score_window() {}
   std::vector<float> row_max() { return {}; }
-  void place_normaliser(const std::vector<float>&, const std::vector<float>&) {}
+  void place_normaliser(std::vector<float>, std::vector<float>) {}
   void probabilities() {}
-  stria::engine::rank_share rank_share() { return {}; }
-  std::vector<stria::vertical_candidate> candidates(const std::vector<stria::index_t>&) { return {}; }
-  statistics global_statistics(stria::vs_statistics st) { return st; }
+  share rank_share() { return {}; }
+  statistics global_statistics(share) { return {}; }
   statistics own_statistics() { return {}; }
 };
 

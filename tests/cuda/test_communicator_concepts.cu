@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // A device communicator written as a third party would satisfies stria::device_communicator and
-// instantiates the device ring, the solver executor and the front template under nvcc; the built-in
-// communicators satisfy their concepts and a host communicator is no device communicator. No GPU is
-// needed: the ring's first check (the world size) comes before any CUDA call.
+// stria::device_collectives, and instantiates the device ring, the solver executor and the front
+// template (its estimate() too: the GPU estimator) under nvcc; the built-in communicators satisfy
+// their concepts and a host communicator is no device communicator. No GPU is needed: the ring's
+// first check (the world size) comes before any CUDA call.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
@@ -28,28 +29,11 @@ namespace third_party {
 
 using stria::index_t;
 
-/// The host surface of a world of one rank: nothing to exchange.
-struct alone {
-  index_t rank() const { return 0; }
-  index_t world_size() const { return 1; }
-  template <class T>
-  void broadcast(T*, std::size_t, index_t) {}
-  template <class T>
-  void all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op) {
-    for (std::size_t i = 0; i < count; ++i) recv[i] = send[i];
-  }
-  template <class T>
-  void all_gather(const T* send, T* recv, std::size_t count) {
-    for (std::size_t i = 0; i < count; ++i) recv[i] = send[i];
-  }
-};
-
 /// Records what the engines ask of it (a transport of the user's own would move the bytes).
 struct recording_comm {
   index_t ranks = 1;
   int groups = 0;
   std::vector<std::string> log;
-  alone surface;
 
   index_t rank() const { return 0; }
   index_t world_size() const { return ranks; }
@@ -64,10 +48,21 @@ struct recording_comm {
     log.push_back("recv " + std::to_string(count) + " from " + std::to_string(peer) + " tag " + std::to_string(tag));
   }
   void wait(cudaEvent_t, const std::string& what) { log.push_back("wait for " + what); }
-  alone& host() { return surface; }
+  template <class T>
+  void broadcast(T*, std::size_t count, index_t root, cudaStream_t) {
+    log.push_back("broadcast " + std::to_string(count) + " from " + std::to_string(root));
+  }
+  template <class T>
+  void all_reduce(const T*, T*, std::size_t count, stria::comm::reduce_op, cudaStream_t) {
+    log.push_back("all_reduce " + std::to_string(count));
+  }
+  template <class T>
+  void all_gather(const T*, T*, std::size_t count, cudaStream_t) {
+    log.push_back("all_gather " + std::to_string(count));
+  }
 };
 static_assert(stria::device_communicator<recording_comm>);
-static_assert(stria::host_collectives<alone>);
+static_assert(stria::device_collectives<recording_comm>);
 
 /// A device communicator from before bounded waits: no wait(event, what).
 struct without_wait {
@@ -85,12 +80,15 @@ static_assert(!stria::device_communicator<without_wait>);
 }  // namespace third_party
 
 static_assert(stria::device_communicator<stria::comm::local_device>);
+static_assert(stria::device_collectives<stria::comm::local_device>);
 static_assert(!stria::device_communicator<stria::comm::host_threads>);  // host arrays, no streams
+static_assert(!stria::device_collectives<stria::comm::host_threads>);
 // The device backend of the ring engine.
 static_assert(stria::engine::ring_backend<stria::device::detail::ring_backend<stria::comm::local_device, __nv_bfloat16>>);
 #if defined(STRIA_TEST_NCCL)
 static_assert(stria::device_communicator<stria::comm::nccl>);
 static_assert(stria::device_communicator<stria::comm::nccl_hierarchy>);
+static_assert(stria::device_collectives<stria::comm::nccl> && stria::device_collectives<stria::comm::nccl_hierarchy>);
 static_assert(stria::host_collectives<stria::comm::nccl_host_surface>);
 #endif
 

@@ -2,7 +2,7 @@
 // The window statistics engine on a backend written as a third party would, with no attention math:
 // the window and the normaliser reach every rank, block masses land on their diagonals, and each
 // head's union keeps exactly the global top `keep` candidates (ties, skewed ranks, every world 1-8)
-// while the candidates' all-gather sends only what can reach it; one rank makes no collective. On
+// while the all-gathers carry no more than `keep` candidates per rank; one rank makes no collective. On
 // the host backend, statistics cut to the vertical cap select exactly what the whole union selects.
 // combine_shares alone matches every run sorted together, bit for bit, for W up to 16, causal or not.
 #include <doctest/doctest.h>
@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <iterator>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,6 +27,7 @@
 #include "stria/sharding/zigzag.hpp"
 #include "support/counting_comm.hpp"
 #include "support/random.hpp"
+#include "support/random_shares.hpp"
 
 namespace third_party {
 
@@ -40,55 +43,62 @@ struct given_share {
 /// A rank's share is given; its window is two rows of its rank, its row max (rank, -rank), its sums
 /// (global max + rank / 2, 1). It records the members the engine calls, in order.
 struct share_backend {
-  using window_rows = std::vector<float>;
+  using floats = std::vector<float>;
+  using share = stria::engine::rank_share<floats, std::vector<std::uint64_t>>;
+  using window_rows = std::span<float>;
   using statistics = stria::vs_statistics;
 
   const stria::engine::window_plan& plan;
   index_t rank;
-  const given_share& share;
-  window_rows rows{};
-  std::vector<float> global_max{}, global_sum{};
+  const given_share& given;
+  std::vector<float> rows{}, own_max{}, global_max{}, global_sum{};
   std::vector<std::string> calls{};
 
-  window_rows& window() {
+  template <class Comm>
+  stria::engine::host_exchange<Comm> exchange(Comm& comm) {
+    calls.emplace_back("exchange");
+    return {comm};
+  }
+  window_rows window() {
     calls.emplace_back("window");
     rows.assign(2, static_cast<float>(rank));
     return rows;
   }
   void score_window() { calls.emplace_back("score_window"); }
-  std::vector<float> row_max() {
+  const std::vector<float>& row_max() {
     calls.emplace_back("row_max");
-    return {static_cast<float>(rank), static_cast<float>(-rank)};
+    own_max = {static_cast<float>(rank), static_cast<float>(-rank)};
+    return own_max;
   }
   std::vector<float> row_sum(const std::vector<float>& max) {
     calls.emplace_back("row_sum");
     return {max[0] + 0.5f * static_cast<float>(rank), 1.0f};
   }
-  void place_normaliser(const std::vector<float>& max, const std::vector<float>& sum) {
+  void place_normaliser(std::vector<float> max, std::vector<float> sum) {
     calls.emplace_back("place_normaliser");
-    global_max = max;
-    global_sum = sum;
+    global_max = std::move(max);
+    global_sum = std::move(sum);
   }
   void probabilities() { calls.emplace_back("probabilities"); }
-  stria::engine::rank_share rank_share() {
+  share rank_share() {
     calls.emplace_back("rank_share");
-    return {share.mass, stria::engine::sketch_of(share.candidates, plan.shape.num_heads, plan.per_rank)};
+    return {given.mass, keys()};
   }
-  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) {
-    calls.emplace_back("candidates");
-    return stria::engine::runs_up_to(share.candidates, plan.per_rank, width);
-  }
-  statistics global_statistics(stria::vs_statistics st) {
+  statistics global_statistics(share all) {
     calls.emplace_back("global_statistics");
-    return st;
+    return stria::engine::combine_shares(plan, all.mass, all.candidates);
   }
   statistics own_statistics() {
     calls.emplace_back("own_statistics");
-    const std::vector<index_t> whole_runs(static_cast<std::size_t>(plan.shape.num_heads), plan.per_rank);
-    return stria::engine::combine_shares(plan, share.mass, share.candidates, whole_runs);
+    return stria::engine::combine_shares(plan, given.mass, keys());
+  }
+  [[nodiscard]] std::vector<std::uint64_t> keys() const {
+    std::vector<std::uint64_t> keys;
+    for (const vertical_candidate& c : given.candidates) keys.push_back(stria::selection_key(c));
+    return keys;
   }
 };
-static_assert(stria::engine::window_statistics_backend<share_backend>);
+static_assert(stria::engine::window_statistics_backend<share_backend, stria::comm::host_threads>);
 
 }  // namespace third_party
 
@@ -151,8 +161,8 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
       CHECK(calls[rank] == std::vector<std::string>{"score_window", "probabilities", "own_statistics"});
       CHECK(collectives[rank] == 0);
     } else {
-      CHECK(calls[rank] == std::vector<std::string>{"window", "score_window", "row_max", "row_sum", "place_normaliser", "probabilities",
-                                                   "rank_share", "candidates", "global_statistics"});
+      CHECK(calls[rank] == std::vector<std::string>{"exchange", "window", "score_window", "row_max", "row_sum", "place_normaliser",
+                                                   "probabilities", "rank_share", "global_statistics"});
       CHECK(collectives[rank] == 122);  // one broadcast, two all-reduces, two all-gathers
       CHECK(rows[rank] == std::vector<float>(2, static_cast<float>(plan.window_owner)));
       CHECK(max[rank] == std::vector<float>{static_cast<float>(world - 1), 0.0f});
@@ -186,53 +196,36 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
     const std::vector<vertical_candidate> expected(all.begin(), all.begin() + std::min<std::ptrdiff_t>(keep, static_cast<std::ptrdiff_t>(all.size())));
     CHECK(st.vertical[static_cast<std::size_t>(h)] == expected);
   }
-  // The candidates' all-gather sends less than every rank's whole runs when keep is their length
-  // and the heavy candidates are spread over the ranks.
-  const std::size_t whole_runs = static_cast<std::size_t>(world * heads * plan.per_rank) * sizeof(vertical_candidate);
-  if (world == 8 && kind == masses::spread && keep == plan.per_rank && plan.per_rank >= 100)
-    CHECK(gathered[0] - static_cast<std::size_t>(world * heads * (plan.rank_blocks + 1 + 64)) * sizeof(float) < whole_runs / 2);
+  // The all-gathers carry every rank's masses and its runs of at most `keep` candidates, nothing more.
+  CHECK(plan.per_rank == std::min({vertical_candidates, plan.rank_blocks * block_tokens, keep}));
+  if (world > 1)
+    CHECK(gathered[0] == static_cast<std::size_t>(world * heads) *
+                             (static_cast<std::size_t>(plan.rank_blocks + 1) * sizeof(float) + static_cast<std::size_t>(plan.per_rank) * sizeof(std::uint64_t)));
 }
 
 /// combine_shares on given arguments against the plainest reading of its contract: block masses
 /// on their diagonals, window masses summed in rank order, and each head's union the first `keep`
 /// of every rank's run sorted together, sentinels out. Masses on a coarse grid (many exact ties,
-/// zeros of both signs), any width per head, causal or not.
+/// zeros of both signs), runs longer and shorter than `keep`, causal or not.
 void check_combine(index_t world, index_t blocks_per_rank, bool causal, index_t cap, index_t keep, test::seeded_rng& rng) {
   const index_t heads = 3, seq_len = world * blocks_per_rank * block_tokens;
-  const engine::window_plan plan =
-      engine::make_window_plan(sharding::striped<64>{}, seq_len, world, causal, heads, {64, cap, rng.integer(0, blocks_per_rank)}, keep);
-  const index_t first_local_block = plan.shape.num_blocks() - plan.shape.local_blocks;
-  std::vector<index_t> width;
-  for (index_t h = 0; h < heads; ++h) width.push_back(rng.integer(0, 3) == 0 ? plan.per_rank : rng.integer(0, plan.per_rank));
-  std::vector<float> mass;
-  std::vector<vertical_candidate> candidates;
-  for (index_t r = 0; r < world; ++r) {
-    for (index_t i = 0; i < heads * (plan.rank_blocks + 1); ++i) mass.push_back(static_cast<float>(rng.integer(0, 99)) / 97.0f);
-    for (index_t h = 0; h < heads; ++h) {
-      std::vector<vertical_candidate> run;
-      for (const index_t block : plan.global_blocks(r))
-        for (index_t t = 0; t < block_tokens; ++t) {
-          const float m = rng.integer(0, 4) == 0 ? (rng.integer(0, 1) ? -0.0f : 0.0f) : static_cast<float>(rng.integer(1, 12)) / 16.0f;
-          run.push_back({block >= first_local_block ? -1.0f : m, block * block_tokens + t});
-        }
-      std::sort(run.begin(), run.end());
-      candidates.insert(candidates.end(), run.begin(), run.begin() + width[static_cast<std::size_t>(h)]);
-    }
-  }
-  const vs_statistics st = engine::combine_shares(plan, mass, candidates, width);
-  const std::size_t rank_size = candidates.size() / static_cast<std::size_t>(world);
-  for (index_t h = 0, offset = 0; h < heads; offset += width[static_cast<std::size_t>(h++)]) {
+  engine::window_plan plan = engine::make_window_plan(sharding::striped<64>{}, seq_len, world, causal, heads, {64, cap, rng.integer(0, blocks_per_rank)});
+  plan.keep = keep;  // below per_rank too: runs longer than the union
+  const test::random_shares shares = test::make_random_shares(plan, rng);
+  const vs_statistics st = engine::combine_shares(plan, shares.mass, shares.candidates);
+  const auto run_length = static_cast<std::size_t>(plan.per_rank);
+  for (index_t h = 0; h < heads; ++h) {
     CAPTURE(h);
     std::vector<float> slash(static_cast<std::size_t>(st.num_diagonals()), 0.0f);
     float window = 0;
     std::vector<vertical_candidate> all;
     for (index_t r = 0; r < world; ++r) {
-      const float* m = mass.data() + (r * heads + h) * (plan.rank_blocks + 1);
+      const float* m = shares.mass.data() + (r * heads + h) * (plan.rank_blocks + 1);
       for (index_t b = 0; b < plan.rank_blocks; ++b)
         slash[static_cast<std::size_t>(st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset())] = m[b];
       window = r == 0 ? m[plan.rank_blocks] : window + m[plan.rank_blocks];
-      const auto run = candidates.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * rank_size) + offset;
-      all.insert(all.end(), run, run + width[static_cast<std::size_t>(h)]);
+      const auto run = shares.candidates.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r * heads + h) * run_length);
+      std::transform(run, run + static_cast<std::ptrdiff_t>(run_length), std::back_inserter(all), candidate_of);
     }
     CHECK(std::equal(slash.begin(), slash.end(), st.slash_mass.begin() + h * st.num_diagonals()));
     CHECK(st.window_mass[static_cast<std::size_t>(h)] == window);
@@ -312,15 +305,15 @@ TEST_CASE("combine_shares: the diagonals, the window sums and each union against
     for (const index_t blocks_per_rank : {1, 3})
       for (const bool causal : {true, false})
         for (const index_t cap : {0, 1, 37, 64, 150})
-          for (const int keep_choice : {0, 1, 2}) {
+          for (const int keep_choice : {0, 1, 2, 3}) {
             CAPTURE(world);
             CAPTURE(blocks_per_rank);
             CAPTURE(causal);
             CAPTURE(cap);
             CAPTURE(keep_choice);
             const index_t per_rank = std::min(cap, blocks_per_rank * block_tokens);
-            const index_t keep = keep_choice == 0 ? per_rank : keep_choice == 1 ? engine::whole_union : rng.integer(1, world * per_rank + 1);
-            check_combine(world, blocks_per_rank, causal, cap, keep, rng);
+            const index_t keeps[] = {std::max(per_rank, 1), engine::whole_union, rng.integer(1, world * per_rank + 1), rng.integer(1, std::max(per_rank, 1))};
+            check_combine(world, blocks_per_rank, causal, cap, keeps[keep_choice], rng);
           }
 }
 

@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // The estimator on the GPU: the device index builder gives exactly the host builder's arrays; the
-// device window statistics agree with the host's (single rank and several ranks sharing the GPU,
-// bf16, fp16 and fp32; the device keeps each union's first vertical_candidates) and are identical on
-// every rank; the GPU selection picks exactly what the host selection picks from the same statistics.
+// device window statistics (over comm::local_device: no host crossing) agree with the host's (single
+// rank and several ranks sharing the GPU, bf16, fp16 and fp32; the device keeps each union's first
+// vertical_candidates) and are identical on every rank; the device combine of the ranks' shares is
+// engine::combine_shares bit for bit; the GPU selection picks exactly what the host selection picks
+// from the same statistics.
 #include <doctest/doctest.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <bit>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <set>
@@ -16,8 +20,10 @@
 #include <utility>
 #include <vector>
 
-#include "stria/comm/host_threads.hpp"
+#include "stria/comm/local_device.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/device/window_statistics.cuh"
+#include "stria/engine/window_statistics_engine.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/estimator/select.cuh"
@@ -33,6 +39,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
+#include "support/random_shares.hpp"
 #include "support/selection.hpp"
 
 using namespace stria;
@@ -102,7 +109,8 @@ struct rounded {
   }
 };
 
-/// Statistics and selections of `world` ranks, from the host path and the device path.
+/// Statistics and selections of `world` ranks sharing the GPU, from the host path (over the host
+/// surface of the same ranks) and the device path (over comm::local_device).
 template <class T, class Sharding>
 void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_options& o, const Sharding& sharding, index_t world) {
   const index_t s = o.seq_len, hq = o.heads_q, hkv = o.heads_kv, d = o.head_dim, local = s / world;
@@ -113,10 +121,10 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
   estimator::vertical_slash_top_p e;
   e.vertical = {1, 512};
   std::vector<vs_statistics> host_stats(static_cast<std::size_t>(world)), device_stats(host_stats.size());
-  comm::host_world ranks(world, std::chrono::seconds(120));
-  ranks.run([&](comm::host_threads& c) {
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(120));
+  ranks.run([&](comm::local_device& c) {
     const auto r = static_cast<std::size_t>(c.rank());
-    host_stats[r] = estimator::gather_window_statistics(c, sharding, s, true, tensor_view<const float, 3>(q_s[r].data(), {local, hq, d}),
+    host_stats[r] = estimator::gather_window_statistics(c.host(), sharding, s, true, tensor_view<const float, 3>(q_s[r].data(), {local, hq, d}),
                                                         tensor_view<const float, 3>(k_s[r].data(), {local, hkv, d}), scale, e.request(s));
     std::vector<T> q_local(q_s[r].size()), k_local(k_s[r].size());
     for (std::size_t i = 0; i < q_local.size(); ++i) q_local[i] = from_float<T>(q_s[r][i]);  // exact: already rounded to T
@@ -136,6 +144,7 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
   });
   for (index_t r = 1; r < world; ++r) {  // identical on every rank
     CHECK(device_stats[static_cast<std::size_t>(r)].slash_mass == device_stats[0].slash_mass);
+    CHECK(device_stats[static_cast<std::size_t>(r)].window_mass == device_stats[0].window_mass);
     CHECK(device_stats[static_cast<std::size_t>(r)].vertical == device_stats[0].vertical);
   }
   const vs_statistics& a = device_stats[0];
@@ -162,6 +171,25 @@ void compare_paths(const host::synthetic_vs& data, const host::synthetic_vs_opti
     CHECK(diff.size() <= std::max<std::size_t>(2, hb.vertical_tokens.size() / 100));
     CHECK(ha.slash_deltas.size() == doctest::Approx(hb.slash_deltas.size()).epsilon(0.05));
   }
+}
+
+/// Host statistics in device memory, each head's candidates padded with mass -1 to the longest row.
+estimator::device_statistics upload_statistics(const vs_statistics& s, cudaStream_t stream) {
+  index_t width = 0;
+  for (const auto& head : s.vertical) width = std::max(width, static_cast<index_t>(head.size()));
+  std::vector<float> mass(static_cast<std::size_t>(s.num_heads) * static_cast<std::size_t>(width), -1.0f);
+  std::vector<index_t> token(mass.size(), 0);
+  for (std::size_t h = 0; h < s.vertical.size(); ++h)
+    for (std::size_t i = 0; i < s.vertical[h].size(); ++i) {
+      mass[h * static_cast<std::size_t>(width) + i] = s.vertical[h][i].mass;
+      token[h * static_cast<std::size_t>(width) + i] = s.vertical[h][i].token;
+    }
+  vs_statistics shape = s;
+  shape.window_mass.clear();
+  shape.slash_mass.clear();
+  shape.vertical.clear();
+  return {shape, width, device_buffer<float>(std::span<const float>(s.window_mass), stream), device_buffer<float>(std::span<const float>(s.slash_mass), stream),
+          device_buffer<float>(std::span<const float>(mass), stream), device_buffer<index_t>(std::span<const index_t>(token), stream)};
 }
 
 /// Random statistics with many exact ties (masses on a coarse grid, some zero), candidate rows of
@@ -207,7 +235,7 @@ void check_selection_round(test::seeded_rng& rng, cudaStream_t stream, index_t s
   CAPTURE(local);
   CAPTURE(clustered);
   const vs_statistics s = random_statistics(rng, seq_len, 3, causal, local, max_candidates, clustered);
-  const auto on_device = estimator::device_statistics::upload(s, stream);
+  const auto on_device = upload_statistics(s, stream);
   CHECK(on_device.download(stream).vertical == s.vertical);  // the pads are invisible
   const int most_verticals = std::min(seq_len, 2 * max_candidates);
   estimator::vertical_slash_top_p p;
@@ -305,6 +333,81 @@ TEST_CASE("device window statistics agree with the host's, for bf16 and fp16, he
   }
 }
 
+namespace {
+
+std::vector<std::uint32_t> bits_of(const std::vector<float>& x) {
+  std::vector<std::uint32_t> bits;
+  for (const float v : x) bits.push_back(std::bit_cast<std::uint32_t>(v));
+  return bits;
+}
+
+/// The device backend's combine of random shares under `plan` against engine::combine_shares on the
+/// same shares: the masses bit for bit, each head's row the host's union in order (zeros keep their
+/// sign), then mass -1 and token 0 up to the row's width, the most a union holds.
+void check_device_combine(const engine::window_plan& plan, test::seeded_rng& rng, cudaStream_t stream) {
+  const test::random_shares shares = test::make_random_shares(plan, rng);
+  const vs_statistics host = engine::combine_shares(plan, shares.mass, shares.candidates);
+  const index_t heads = plan.shape.num_heads, dim = 64, local_tokens = plan.rank_blocks * block_tokens;
+  const device_buffer<__nv_bfloat16> q(static_cast<std::size_t>(local_tokens * heads * dim), stream), k(static_cast<std::size_t>(local_tokens * dim), stream);
+  device::detail::window_backend<__nv_bfloat16> backend(plan, 0, q.data(), k.data(), 1, dim, 0.125, stream, nullptr, std::chrono::steady_clock::now());
+  const estimator::device_statistics got = backend.global_statistics(
+      {device_buffer<float>(std::span<const float>(shares.mass), stream), device_buffer<std::uint64_t>(std::span<const std::uint64_t>(shares.candidates), stream)});
+  const auto width = static_cast<std::size_t>(std::min<std::int64_t>(plan.keep, std::int64_t{plan.world} * plan.per_rank));
+  REQUIRE(got.candidates_per_head == static_cast<index_t>(width));
+  CHECK(bits_of(got.slash_mass.download(stream)) == bits_of(host.slash_mass));
+  CHECK(bits_of(got.window_mass.download(stream)) == bits_of(host.window_mass));
+  const std::vector<float> mass = got.candidate_mass.download(stream);
+  const std::vector<index_t> token = got.candidate_token.download(stream);
+  for (std::size_t h = 0; h < static_cast<std::size_t>(heads); ++h) {
+    CAPTURE(h);
+    const std::vector<vertical_candidate>& expected = host.vertical[h];
+    REQUIRE(expected.size() <= width);
+    std::vector<std::uint32_t> expected_mass(width, std::bit_cast<std::uint32_t>(-1.0f));
+    std::vector<index_t> expected_token(width, 0);
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      expected_mass[i] = std::bit_cast<std::uint32_t>(expected[i].mass);
+      expected_token[i] = expected[i].token;
+    }
+    CHECK(bits_of(std::vector<float>(mass.begin() + static_cast<std::ptrdiff_t>(h * width), mass.begin() + static_cast<std::ptrdiff_t>((h + 1) * width))) ==
+          expected_mass);
+    CHECK(std::vector<index_t>(token.begin() + static_cast<std::ptrdiff_t>(h * width), token.begin() + static_cast<std::ptrdiff_t>((h + 1) * width)) ==
+          expected_token);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the device combine of the ranks' shares is engine::combine_shares bit for bit: ties, zeros of both signs, sentinels, any keep") {
+  STRIA_SEEDED_RNG(rng);
+  cudaStream_t stream{};
+  STRIA_CUDA_CHECK(cudaStreamCreate(&stream));
+  {  // buffers ordered on `stream` are freed on it: they go before the stream does
+    for (const index_t world : {1, 2, 3, 5, 8})
+      for (const index_t heads : {1, 3, 4})
+        for (const index_t blocks_per_rank : {1, 3})
+          for (const bool causal : {true, false})
+            for (const index_t cap : {1, 37, 64, 150})
+              for (const int keep_choice : {0, 1, 2, 3}) {
+                CAPTURE(world);
+                CAPTURE(heads);
+                CAPTURE(blocks_per_rank);
+                CAPTURE(causal);
+                CAPTURE(cap);
+                CAPTURE(keep_choice);
+                // Local blocks up to every block of a rank: runs of sentinels, and unions shorter than `keep`.
+                engine::window_plan plan = engine::make_window_plan(sharding::striped<64>{}, world * blocks_per_rank * 64, world, causal, heads,
+                                                                    {64, cap, rng.integer(0, std::min<index_t>(world * blocks_per_rank, 2 * blocks_per_rank))});
+                const index_t per_rank = plan.per_rank;
+                // keep: per_rank (the estimator's), every run whole, between per_rank and the union, below per_rank.
+                const index_t keeps[] = {per_rank, engine::whole_union, rng.integer(per_rank, world * per_rank + 1), rng.integer(1, per_rank)};
+                plan.keep = keeps[keep_choice];
+                CAPTURE(plan.keep);
+                check_device_combine(plan, rng, stream);
+              }
+  }
+  STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
 TEST_CASE("candidate_top_k keeps each head's first k candidates in the order of the device-wide sort, ties included") {
   STRIA_SEEDED_RNG(rng);
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel::candidate_top_k<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -378,7 +481,7 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
     const vs_statistics s = random_statistics(rng, 4096, 2, true, 2);
     estimator::vertical_slash_top_p p;
     p.local_diagonals = 1;  // the statistics have 2
-    CHECK_THROWS_WITH_AS(estimator::select_device(estimator::device_statistics::upload(s, stream), p.rule(4096), stream),
+    CHECK_THROWS_WITH_AS(estimator::select_device(upload_statistics(s, stream), p.rule(4096), stream),
                          doctest::Contains("rule.local_diagonals = 1"), stria::invalid_argument);
   }
   STRIA_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -387,8 +490,8 @@ TEST_CASE("the GPU selection picks exactly what the host selection picks, ties a
 TEST_CASE("device statistics reject null and misaligned pointers with the argument and the rule") {
   const device_buffer<__nv_bfloat16> q(4096 * 2 * 64 + 8), k(4096 * 1 * 64 + 8);
   estimator::vertical_slash_top_p e;
-  comm::host_world one(1);
-  one.run([&](comm::host_threads& c) {
+  comm::local_device_world one(1, 0);
+  one.run([&](comm::local_device& c) {
     CHECK_THROWS_WITH_AS(estimator::gather_window_statistics_device(c, sharding::sequential{}, 4096, true, q.data() + 1, k.data(), 2, 1, 64, 0.125,
                                                                     e.request(4096), nullptr),
                          doctest::Contains("must be 16-byte aligned"), stria::invalid_argument);

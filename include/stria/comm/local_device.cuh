@@ -242,7 +242,7 @@ class local_device {
   std::vector<queued> queue_;
   cuda_event ready_;
 };
-static_assert(stria::device_communicator<local_device>);
+static_assert(stria::device_communicator<local_device> && stria::device_collectives<local_device>);
 
 /// W ranks on one GPU. run() starts one thread per rank on `device` and rethrows the first failure
 /// (as host_world does); a peer that never arrives raises comm_error after the timeout.

@@ -335,7 +335,7 @@ class nccl {
   std::string aborted_;  // why wait() aborted the communicator ("": it was not)
   nccl_host_surface host_;
 };
-static_assert(stria::device_communicator<nccl>);
+static_assert(stria::device_communicator<nccl> && stria::device_collectives<nccl>);
 
 inline index_t nccl_host_surface::rank() const { return owner_->rank(); }
 inline index_t nccl_host_surface::world_size() const { return owner_->world_size(); }
@@ -468,7 +468,7 @@ class nccl_hierarchy {
   index_t cards_;
   nccl inner_, outer_;
 };
-static_assert(stria::device_communicator<nccl_hierarchy>);
+static_assert(stria::device_communicator<nccl_hierarchy> && stria::device_collectives<nccl_hierarchy>);
 
 /// One process driving the GPUs `devices`: creates their communicators (ncclCommInitAll), runs
 /// body(comm) on one thread per GPU (rank r on devices[r], made current), joins them, and rethrows

@@ -134,8 +134,8 @@ concept tile_traits = requires {
 // ---------------------------------------------------------------------------------------------
 // Host communicators: one rank's handle on the world, moving host arrays. comm::host_threads is a
 // host_communicator; the host surfaces of the device communicators (comm::local_device::host(),
-// comm::nccl::host()) are host_collectives, what the estimators need. The device communicator
-// concept is in stria/core/device_communicator.cuh.
+// comm::nccl::host()) are host_collectives, what the host estimators need. The device communicator
+// and the device collectives the GPU estimator needs are in stria/core/device_communicator.cuh.
 
 namespace comm {
 /// The element-wise reductions of all_reduce.
@@ -167,7 +167,7 @@ template <class C>
 concept comm_host_recv = requires(C& c, float* data, std::size_t count, index_t peer, int tag) { c.recv(data, count, peer, tag); };
 }  // namespace detail
 
-/// What the estimators need of a communicator (window statistics, the exact distributed top-k):
+/// What the host estimators need of a communicator (window statistics, the exact distributed top-k):
 /// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
 /// - collectives of host arrays, called by every rank in the same order: `c.broadcast(data, count,
 ///   root)`, `c.all_reduce(send, recv, count, comm::reduce_op)` (send and recv may alias; identical

@@ -1,15 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // The device communicator as a C++20 concept: what the device ring engine, the solver executor and
 // the front template need of one rank's handle (built-ins: comm::local_device, comm::nccl,
-// comm::nccl_hierarchy), with check_device_communicator naming a missing member.
+// comm::nccl_hierarchy), with check_device_communicator naming a missing member; and the device
+// collectives the GPU estimator needs (device_collectives, check_device_collectives).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <string>
-#include <type_traits>
-#include <utility>
 
 #include "stria/core/concepts.hpp"
 
@@ -32,16 +31,18 @@ concept comm_device_recv = requires(C& c, float* data, std::size_t count, index_
 };
 template <class C>
 concept comm_bounded_wait = requires(C& c, cudaEvent_t done, const std::string& what) { c.wait(done, what); };
-
-/// The handle an estimator's collectives of host arrays use: `c.host()` where the communicator has
-/// one (local_device, nccl), else the communicator itself.
-template <class Comm>
-decltype(auto) host_surface(Comm& c) {
-  if constexpr (requires { c.host(); }) return (c.host());
-  else return (c);
-}
-template <class Comm>
-using host_surface_t = std::remove_cvref_t<decltype(host_surface(std::declval<Comm&>()))>;
+template <class C>
+concept comm_device_broadcast = requires(C& c, float* data, std::size_t count, index_t root, cudaStream_t stream) {
+  c.broadcast(data, count, root, stream);
+};
+template <class C>
+concept comm_device_all_reduce = requires(C& c, const float* send, float* recv, std::size_t count, comm::reduce_op op, cudaStream_t stream) {
+  c.all_reduce(send, recv, count, op, stream);
+};
+template <class C>
+concept comm_device_all_gather = requires(C& c, const float* send, float* recv, std::size_t count, cudaStream_t stream) {
+  c.all_gather(send, recv, count, stream);
+};
 }  // namespace detail
 
 /// Requirements of a device communicator C:
@@ -72,13 +73,27 @@ constexpr bool check_device_communicator() {
   return true;
 }
 
-/// What the front template's estimate() needs besides a device communicator: the collectives of
-/// host arrays (host_collectives) through `c.host()`, or on the communicator itself.
+/// What the GPU estimator's window statistics need of a communicator (built-ins: comm::local_device,
+/// comm::nccl, comm::nccl_hierarchy), so that they never cross the host:
+/// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
+/// - collectives of device arrays, queued on `stream` and called by every rank in the same order:
+///   `c.broadcast(data, count, root, stream)` (reads only root's data), `c.all_reduce(send, recv,
+///   count, comm::reduce_op, stream)` (identical results on every rank) and `c.all_gather(send,
+///   recv, count, stream)` (rank r's part at r * count).
 template <class C>
-constexpr bool check_host_surface() {
-  static_assert(host_collectives<detail::host_surface_t<C>>,
-                "stria: Comm must have host() returning a host_collectives handle (rank, world_size, broadcast, all_reduce, all_gather "
-                "of host arrays) for the estimator, or offer those collectives itself");
+concept device_collectives = detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_device_broadcast<C> &&
+                             detail::comm_device_all_reduce<C> && detail::comm_device_all_gather<C>;
+
+/// device_collectives<C> as one static_assert per requirement, each naming the missing member.
+template <class C>
+constexpr bool check_device_collectives() {
+  static_assert(detail::check_rank_and_world_size<C>());
+  static_assert(detail::comm_device_broadcast<C>,
+                "stria: Comm must have broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) of device arrays");
+  static_assert(detail::comm_device_all_reduce<C>,
+                "stria: Comm must have all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op, cudaStream_t stream) of device arrays");
+  static_assert(detail::comm_device_all_gather<C>,
+                "stria: Comm must have all_gather(const T* send, T* recv, std::size_t count, cudaStream_t stream) of device arrays");
   return true;
 }
 

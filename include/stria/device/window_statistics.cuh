@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The launcher of the GPU window statistics (estimator/window_statistics.cuh): the device backend of
 // the window statistics engine (engine/window_statistics_engine.hpp), with the heavy work (window x
-// local keys, twice) in the kernels of kernel/window_statistics.cuh. A world of one rank needs no
-// collective and no host round trip.
+// local keys, twice) in the kernels of kernel/window_statistics.cuh, and its collectives on device
+// arrays (device_exchange). No host round trip on any world size.
 #pragma once
 
 #include <cub/device/device_radix_sort.cuh>
@@ -10,19 +10,18 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
-#include <numeric>
 #include <span>
-#include <vector>
+#include <string>
+#include <utility>
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/numeric.cuh"
-#include "stria/core/pinned_buffer.cuh"
 #include "stria/device/launch.cuh"
 #include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/device_statistics.cuh"
@@ -31,17 +30,45 @@
 
 namespace stria::device::detail {
 
+/// The window statistics engine's collectives on device arrays (device_buffer, the device backend's
+/// `floats`), queued on `stream` over any device_collectives communicator: nothing crosses the
+/// host, and nothing waits for the device.
+template <class Comm>
+struct device_exchange {
+  static_assert(check_device_collectives<Comm>());
+  Comm& comm;
+  cudaStream_t stream;
+
+  template <class T>
+  void broadcast(std::span<T> rows, index_t root) {
+    comm.broadcast(rows.data(), rows.size(), root, stream);
+  }
+  template <class T>
+  device_buffer<T> all_reduce(const device_buffer<T>& mine, comm::reduce_op op) {
+    device_buffer<T> all(mine.size(), stream);
+    comm.all_reduce(mine.data(), all.data(), mine.size(), op, stream);
+    return all;
+  }
+  template <class T>
+  device_buffer<T> all_gather(const device_buffer<T>& mine) {
+    device_buffer<T> all(mine.size() * static_cast<std::size_t>(comm.world_size()), stream);
+    comm.all_gather(mine.data(), all.data(), mine.size(), stream);
+    return all;
+  }
+};
+
 /// The device backend of the window statistics engine: the window against this rank's keys in the
-/// kernels of kernel/window_statistics.cuh and the candidates' top-k by one CUB radix sort, every
-/// buffer in stream order on `stream`. The window is read where it lies: in q_local on its owner
-/// (and on the only rank), uploaded on the others. Its host round trips go through page-locked
-/// memory, so that ranks sharing a GPU copy at once rather than one after another through the
-/// driver's staging; of the candidates only those the union can use come down (candidates).
-/// With `timing`, each phase ends by synchronising.
+/// kernels of kernel/window_statistics.cuh, the candidates' top-k by one CUB radix sort, and the
+/// ranks' shares combined by kernels too; every buffer and collective in stream order on `stream`,
+/// so the gathering never waits for the device. The window is read where it lies: in q_local on its
+/// owner (and on the only rank), in the buffer the broadcast fills on the others. With `timing`,
+/// each phase ends by synchronising.
 template <class T>
 class window_backend {
  public:
-  using window_rows = pinned_buffer<T>;  // [rows, Hq, D] in the input type: every rank scores the same values
+  using floats = device_buffer<float>;
+  using share = engine::rank_share<floats, device_buffer<std::uint64_t>>;
+  using window_rows = std::span<T>;  // [rows, Hq, D] in the input type: every rank scores the same values
   using statistics = estimator::device_statistics;
 
   window_backend(const engine::window_plan& plan, index_t rank, const T* q_local, const T* k_local, index_t heads_kv, index_t dim,
@@ -50,23 +77,25 @@ class window_backend {
         rows_(plan.shape.window_rows), blocks_(plan.rank_blocks), tokens_(plan.rank_blocks * block_tokens),
         scale_log2_(float(softmax_scale * 1.4426950408889634)), stream_(stream), timing_(timing), last_(start),
         window_(q_local + static_cast<std::size_t>(plan.window_local_token) * static_cast<std::size_t>(heads_ * dim)),
-        key_global_block_(plan.global_blocks(rank), stream), chunk_blocks_(chunk_blocks(blocks_, heads_)) {}
+        every_key_global_block_(plan.key_global_block, stream), key_global_block_(every_key_global_block_.data() + static_cast<std::size_t>(rank * blocks_)),
+        chunk_blocks_(chunk_blocks(blocks_, heads_)) {}
 
-  window_rows& window() {
-    host_window_ = pinned_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
-    if (owner_) {
-      STRIA_CUDA_CHECK(cudaMemcpyAsync(host_window_.data(), window_, host_window_.size() * sizeof(T), cudaMemcpyDeviceToHost, stream_));
-      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  template <class Comm>
+  device_exchange<Comm> exchange(Comm& comm) const {
+    return {comm, stream_};
+  }
+
+  /// The owner's rows in q_local (a broadcast only reads its root's data), or a buffer for them.
+  window_rows window() {
+    if (!owner_) {
+      received_window_ = device_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
+      window_ = received_window_.data();
     }
-    return host_window_;
+    return {const_cast<T*>(window_), static_cast<std::size_t>(rows_ * heads_ * dim_)};
   }
 
   /// Pass 1: per (head, chunk, row) the max score and sum of exp2, then this rank's per row.
   void score_window() {
-    if (!owner_ && host_window_.size() > 0) {  // the broadcast rows
-      uploaded_window_ = device_buffer<T>(std::span<const T>(host_window_.span()), stream_);
-      window_ = uploaded_window_.data();
-    }
     lap(&estimator::statistics_timing::setup_ms);
     const index_t chunks = grid().y;
     device_buffer<float> partial_max(row_count() * static_cast<std::size_t>(chunks), stream_), partial_sum(partial_max.size(), stream_);
@@ -76,35 +105,30 @@ class window_backend {
                                                                                                                     partial_sum.data());
     });
     STRIA_CUDA_CHECK_LAUNCH("window_partials");
-    normaliser_ = device_buffer<float>(2 * row_count(), stream_);
+    row_max_ = device_buffer<float>(row_count(), stream_);
+    row_sum_ = device_buffer<float>(row_count(), stream_);
     kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), heads_, chunks,
-                                                                                          rows_, normaliser_.data(), normaliser_.data() + row_count());
+                                                                                          rows_, row_max_.data(), row_sum_.data());
     STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
     lap(&estimator::statistics_timing::pass1_ms);
   }
 
-  /// This rank's row max; its sums come down with it (one synchronisation).
-  std::vector<float> row_max() {
-    host_normaliser_ = pinned_buffer<float>(normaliser_.size(), stream_);
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(host_normaliser_.data(), normaliser_.data(), normaliser_.bytes(), cudaMemcpyDeviceToHost, stream_));
-    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return {host_normaliser_.begin(), host_normaliser_.begin() + row_count()};
-  }
+  /// This rank's row max [Hq, rows].
+  const device_buffer<float>& row_max() const { return row_max_; }
   /// Each row's sum of exp2, rescaled from this rank's max to the global one.
-  std::vector<float> row_sum(const std::vector<float>& global_max) const {
-    const float* own = host_normaliser_.data();  // this rank's max, then its sums, until place_normaliser
-    std::vector<float> sum(own + row_count(), own + 2 * row_count());
-    for (std::size_t i = 0; i < sum.size(); ++i)
-      sum[i] = own[i] == -INFINITY ? 0.0f : float(double(sum[i]) * std::exp2(double(own[i]) - double(global_max[i])));
+  device_buffer<float> row_sum(const device_buffer<float>& global_max) const {
+    device_buffer<float> sum(row_count(), stream_);
+    kernel::rescale_row_sums<><<<static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_>>>(
+        row_max_.data(), row_sum_.data(), global_max.data(), static_cast<index_t>(row_count()), sum.data());
+    STRIA_CUDA_CHECK_LAUNCH("rescale_row_sums");
     return sum;
   }
-  /// The global max and sums replace this rank's (row_max's download has finished: it synchronised).
-  void place_normaliser(const std::vector<float>& global_max, const std::vector<float>& global_sum) {
-    if (global_max.size() + global_sum.size() != host_normaliser_.size())
-      throw invalid_argument("global_max.size() + global_sum.size()", global_max.size() + global_sum.size(),
-                             "must be 2 * Hq * rows = " + std::to_string(host_normaliser_.size()));
-    std::copy(global_sum.begin(), global_sum.end(), std::copy(global_max.begin(), global_max.end(), host_normaliser_.begin()));
-    normaliser_.upload(std::span<const float>(host_normaliser_.span()), stream_);
+  /// The global max and sums replace this rank's.
+  void place_normaliser(device_buffer<float> global_max, device_buffer<float> global_sum) {
+    for (const auto& [name, size] : {std::pair{"global_max.size()", global_max.size()}, std::pair{"global_sum.size()", global_sum.size()}})
+      if (size != row_count()) throw invalid_argument(name, size, "must be Hq * rows = " + std::to_string(row_count()));
+    row_max_ = std::move(global_max);
+    row_sum_ = std::move(global_sum);
   }
 
   /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's first
@@ -120,7 +144,7 @@ class window_backend {
     with_head_dim<any_head_dim>(dim_, [&]<int D>() {
       allow_shared_bytes<&kernel::window_probabilities<T, D>>(kernel::window_shared_bytes<T, D>());
       kernel::window_probabilities<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(
-          params(), normaliser_.data(), normaliser_.data() + row_count(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
+          params(), row_max_.data(), row_sum_.data(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
           tile_mass_.data());
     });
     STRIA_CUDA_CHECK_LAUNCH("window_probabilities");
@@ -134,7 +158,7 @@ class window_backend {
       sorted_tokens_ = device_buffer<index_t>(sorted_keys_.size(), stream_);
       allow_shared_bytes<&kernel::candidate_top_k<>>(kernel::top_k_shared_bytes());
       kernel::candidate_top_k<><<<static_cast<unsigned>(heads_), kernel::top_k_threads, kernel::top_k_shared_bytes(), stream_>>>(
-          vertical.data(), key_global_block_.data(), tokens_, per_rank, sorted_keys_.data(), sorted_tokens_.data());
+          vertical.data(), key_global_block_, tokens_, per_rank, sorted_keys_.data(), sorted_tokens_.data());
       STRIA_CUDA_CHECK_LAUNCH("candidate_top_k");
     } else {
       run_stride_ = tokens_;
@@ -150,8 +174,8 @@ class window_backend {
     device_buffer<index_t> tokens(items, stream_);
     sorted_keys_ = device_buffer<std::uint64_t>(items, stream_);
     sorted_tokens_ = device_buffer<index_t>(items, stream_);
-    kernel::candidate_keys<><<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream_>>>(vertical.data(), key_global_block_.data(), heads_,
-                                                                                            tokens_, keys.data(), tokens.data());
+    kernel::candidate_keys<><<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream_>>>(vertical.data(), key_global_block_, heads_, tokens_,
+                                                                                            keys.data(), tokens.data());
     STRIA_CUDA_CHECK_LAUNCH("candidate_keys");
     const int end_bit = 32 + std::bit_width(static_cast<unsigned>(heads_));  // head bits above the 32 mass bits
     std::size_t temp_bytes = 0;
@@ -162,50 +186,34 @@ class window_backend {
                                                      static_cast<int>(items), 0, end_bit, stream_));
   }
 
-  /// The tile masses, each head's window mass and its candidates' sketch, on the host (one synchronisation).
-  engine::rank_share rank_share() const {
-    const std::size_t tiles = tile_mass_.size(), sketch = plan_.per_rank > 0 ? static_cast<std::size_t>(heads_ * engine::sketch_points) : 0;
-    device_buffer<float> sketch_d(sketch, stream_);
-    if (sketch > 0) {
-      kernel::candidate_sketch<><<<static_cast<unsigned>(heads_), static_cast<unsigned>(engine::sketch_points), 0, stream_>>>(
-          sorted_keys_.data(), run_stride_, plan_.per_rank, sketch_d.data());
-      STRIA_CUDA_CHECK_LAUNCH("candidate_sketch");
-    }
-    const pinned_buffer<float> host(tiles + sketch, stream_);
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data(), tile_mass_.data(), tile_mass_.bytes(), cudaMemcpyDeviceToHost, stream_));
-    if (sketch > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(host.data() + tiles, sketch_d.data(), sketch_d.bytes(), cudaMemcpyDeviceToHost, stream_));
-    STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    engine::rank_share share;
-    for (const float* head = host.data(); head != host.data() + tiles; head += blocks_) {
-      share.mass.insert(share.mass.end(), head, head + blocks_);
-      share.mass.push_back(float(std::accumulate(head, head + blocks_, 0.0)));  // in fp64, in block order
-    }
-    share.sketch.assign(host.data() + tiles, host.end());
-    return share;
+  /// The tile masses, each head's window mass and its candidates as selection keys, on the device.
+  share rank_share() const {
+    const index_t per_rank = plan_.per_rank;
+    share mine{device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_ + 1), stream_),
+               device_buffer<std::uint64_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_)};
+    kernel::pack_rank_share<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(tile_mass_.data(), sorted_keys_.data(), sorted_tokens_.data(),
+                                                                                 blocks_, run_stride_, per_rank, mine.mass.data(),
+                                                                                 mine.candidates.data());
+    STRIA_CUDA_CHECK_LAUNCH("pack_rank_share");
+    return mine;
   }
 
-  /// Each head's first width[h] candidates, head after head: one copy of the widest run's length
-  /// per head (one synchronisation).
-  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) const {
-    const std::size_t most = width.empty() ? 0 : static_cast<std::size_t>(*std::max_element(width.begin(), width.end()));
-    const pinned_buffer<std::uint64_t> key(static_cast<std::size_t>(heads_) * most, stream_);
-    const pinned_buffer<index_t> token(key.size(), stream_);
-    if (most > 0) {
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(key.data(), most * sizeof(std::uint64_t), sorted_keys_.data(), run_stride_ * sizeof(std::uint64_t),
-                                         most * sizeof(std::uint64_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
-      STRIA_CUDA_CHECK(cudaMemcpy2DAsync(token.data(), most * sizeof(index_t), sorted_tokens_.data(), run_stride_ * sizeof(index_t),
-                                         most * sizeof(index_t), static_cast<std::size_t>(heads_), cudaMemcpyDeviceToHost, stream_));
-      STRIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  /// Every rank's share combined in device memory, as engine::combine_shares combines them on the
+  /// host: the masses onto the diagonals, and each head's union of the runs, its first plan.keep
+  /// (the most a union holds: its rows are padded with mass -1).
+  estimator::device_statistics global_statistics(share all) {
+    const index_t per_rank = plan_.per_rank, diagonals = plan_.shape.num_diagonals();
+    const index_t width = static_cast<index_t>(std::min<std::int64_t>(plan_.keep, std::int64_t{plan_.world} * per_rank));
+    estimator::device_statistics out = statistics_of_width(width);
+    kernel::combine_block_masses<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
+        all.mass.data(), every_key_global_block_.data(), plan_.world, heads_, blocks_, plan_.shape.num_blocks(), diagonals,
+        plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data());
+    STRIA_CUDA_CHECK_LAUNCH("combine_block_masses");
+    if (const std::int64_t entries = std::int64_t{plan_.world} * heads_ * std::min(per_rank, width); entries > 0) {
+      kernel::merge_candidate_runs<><<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream_>>>(
+          all.candidates.data(), plan_.world, heads_, per_rank, width, out.candidate_mass.data(), out.candidate_token.data());
+      STRIA_CUDA_CHECK_LAUNCH("merge_candidate_runs");
     }
-    std::vector<vertical_candidate> sent;
-    for (std::size_t h = 0; h < width.size(); ++h)
-      for (std::size_t i = h * most; i < h * most + static_cast<std::size_t>(width[h]); ++i)
-        sent.push_back({kernel::mass_of_descending_bits(static_cast<std::uint32_t>(key[i])), token[i]});
-    return sent;
-  }
-
-  estimator::device_statistics global_statistics(vs_statistics st) {
-    estimator::device_statistics out = estimator::device_statistics::upload(st, stream_);
     lap(&estimator::statistics_timing::collectives_ms);
     return out;
   }
@@ -213,12 +221,9 @@ class window_backend {
   /// One rank's statistics are already global: one kernel finishes them in device memory.
   estimator::device_statistics own_statistics() {
     const index_t per_rank = plan_.per_rank, diagonals = plan_.shape.num_diagonals();
-    estimator::device_statistics out{plan_.shape, per_rank, device_buffer<float>(static_cast<std::size_t>(heads_), stream_),
-                                     device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(diagonals), stream_),
-                                     device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_),
-                                     device_buffer<index_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_)};
+    estimator::device_statistics out = statistics_of_width(per_rank);
     kernel::single_rank_statistics<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
-        tile_mass_.data(), key_global_block_.data(), sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank, plan_.shape.num_blocks(),
+        tile_mass_.data(), key_global_block_, sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank, plan_.shape.num_blocks(),
         diagonals, plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data(), out.candidate_mass.data(), out.candidate_token.data());
     STRIA_CUDA_CHECK_LAUNCH("single_rank_statistics");
     lap(&estimator::statistics_timing::collectives_ms);
@@ -227,6 +232,16 @@ class window_backend {
 
  private:
   [[nodiscard]] std::size_t row_count() const { return static_cast<std::size_t>(heads_ * rows_); }
+  /// Statistics in device memory with candidate rows of `width` entries, to be filled on stream_.
+  [[nodiscard]] estimator::device_statistics statistics_of_width(index_t width) const {
+    const auto heads = static_cast<std::size_t>(heads_);
+    vs_statistics shape = plan_.shape;  // no masses: they live in the buffers
+    shape.window_mass.clear();
+    shape.slash_mass.clear();
+    return {std::move(shape), width, device_buffer<float>(heads, stream_),
+            device_buffer<float>(heads * static_cast<std::size_t>(plan_.shape.num_diagonals()), stream_),
+            device_buffer<float>(heads * static_cast<std::size_t>(width), stream_), device_buffer<index_t>(heads * static_cast<std::size_t>(width), stream_)};
+  }
   /// Key blocks per CTA of the window kernels: as many as make one wave of CTAs (four per SM fit:
   /// 52 KiB of shared memory at D 128, 94-96 registers by ptxas -v), since each CTA first loads its
   /// window rows and its first key tiles with nothing to overlap; at least 4, and enough that the
@@ -243,7 +258,7 @@ class window_backend {
     return {static_cast<unsigned>(heads_), static_cast<unsigned>((blocks_ + chunk_blocks_ - 1) / chunk_blocks_)};
   }
   [[nodiscard]] kernel::window_params<T> params() const {
-    return {window_, k_, key_global_block_.data(), rows_, heads_, heads_kv_, blocks_, chunk_blocks_, plan_.first_row(), scale_log2_,
+    return {window_, k_, key_global_block_, rows_, heads_, heads_kv_, blocks_, chunk_blocks_, plan_.first_row(), scale_log2_,
             plan_.shape.causal};
   }
   /// Ends a timed phase: synchronises the stream and writes the wall time since the last phase.
@@ -263,13 +278,12 @@ class window_backend {
   cudaStream_t stream_;
   estimator::statistics_timing* timing_;
   std::chrono::steady_clock::time_point last_;
-  const T* window_;  // [rows, Hq, D]: in q_local, or uploaded_window_
-  window_rows host_window_;                  // the window's rows on the host, when W > 1
-  device_buffer<T> uploaded_window_;
-  device_buffer<index_t> key_global_block_;  // [local blocks]
+  const T* window_;                          // [rows, Hq, D]: in q_local, or received_window_
+  device_buffer<T> received_window_;         // the broadcast rows, off the owner
+  device_buffer<index_t> every_key_global_block_;  // [world, local blocks]: every rank's key blocks (plan.key_global_block)
+  const index_t* key_global_block_;          // [local blocks]: this rank's
   index_t chunk_blocks_;                     // key blocks per CTA of the window kernels
-  device_buffer<float> normaliser_;          // [2, Hq, rows]: row max, then sum of exp2 (this rank's, then the global ones)
-  pinned_buffer<float> host_normaliser_;     // normaliser_'s host side: this rank's, then the global one
+  device_buffer<float> row_max_, row_sum_;   // [Hq, rows]: this rank's row max and sum of exp2, then the global ones
   device_buffer<float> tile_mass_;           // [Hq, local blocks]
   device_buffer<std::uint64_t> sorted_keys_;  // [Hq, run_stride_]: each head's candidates, mass descending (descending_bits)
   device_buffer<index_t> sorted_tokens_;      // [Hq, run_stride_]: their global key tokens

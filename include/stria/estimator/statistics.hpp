@@ -3,6 +3,7 @@
 // estimator's collectives: slash mass per block diagonal, and vertical candidates (DESIGN 7).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "stria/core/config.hpp"
@@ -33,6 +34,26 @@ struct vertical_candidate {
   }
   friend constexpr bool operator==(const vertical_candidate&, const vertical_candidate&) = default;
 };
+
+/// A candidate as one integer whose order is selection order (vertical_candidate's operator<,
+/// smaller first), so that a merge compares one integer instead of two fields, and one array carries
+/// a rank's candidates: the mass's bits, turned to sort heavier first, above token * 2 (tokens lie
+/// in [0, 2^31)), and in the last bit the sign of a zero mass (-0.0 == 0.0 in selection order, so
+/// both share their mass bits). A NaN mass has no place in selection order; here it sorts as its
+/// bits say. __builtin_bit_cast, not std::bit_cast: kernels call these too.
+STRIA_HOST_DEVICE constexpr std::uint64_t selection_key(const vertical_candidate& c) {
+  const auto bits = __builtin_bit_cast(std::uint32_t, c.mass);
+  const std::uint32_t negative_zero = bits == 0x80000000u, mass = bits & ~(negative_zero << 31);
+  // Non-negative masses: their 31 bits reversed, heaviest first; then the negative ones as they are.
+  const std::uint32_t order = mass ^ (((mass >> 31) - 1u) & 0x7fffffffu);
+  return std::uint64_t{order} << 32 | static_cast<std::uint64_t>(c.token) << 1 | negative_zero;
+}
+STRIA_HOST_DEVICE constexpr vertical_candidate candidate_of(std::uint64_t key) {
+  const auto order = static_cast<std::uint32_t>(key >> 32), mass = order ^ (((order >> 31) - 1u) & 0x7fffffffu);
+  return {__builtin_bit_cast(float, key & 1 ? 0x80000000u : mass), static_cast<index_t>(static_cast<std::uint32_t>(key) >> 1)};
+}
+/// The first selection key of a negative mass (a sentinel): every lighter candidate's key is at least this.
+inline constexpr std::uint64_t negative_masses = std::uint64_t{1} << 63;
 
 /// Identical on every rank. Estimators that need no statistics receive the shape alone.
 struct vs_statistics {

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Window statistics on the GPU: the engine of gather_window_statistics (window_statistics.hpp) on
 // the device backend, the statistics kept in device memory (device_statistics); then
-// estimate_device, which selects on the GPU too. The collectives exchange small host arrays (rows x
-// heads, blocks x heads, candidates), so any host_collectives communicator works; a world of one
-// rank needs no collective and no host round trip.
+// estimate_device, which selects on the GPU too. The collectives move device arrays in stream order
+// (any device_collectives communicator: comm::local_device, comm::nccl), so from the window to the
+// statistics nothing crosses the host, on any world size.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,9 +16,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "stria/comm/host_threads.hpp"
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
+#include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/device/window_statistics.cuh"
 #include "stria/engine/window_statistics_engine.hpp"
@@ -35,13 +35,14 @@ namespace stria::estimator {
 /// head's candidates are the first request.vertical_candidates of the host statistics' union, all
 /// that a selection reads. q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous
 /// device tensors of bf16 or fp16, as the attention kernels read (fp32 inputs: estimate on the host,
-/// estimator::gather_window_statistics). With `timing`, every phase ends with a synchronisation.
+/// estimator::gather_window_statistics). `comm` is the device communicator of the ranks. With
+/// `timing`, every phase ends with a synchronisation.
 template <class Comm, sharding_policy Sharding, class T>
 device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                               statistics_request request, cudaStream_t stream,
                                               statistics_timing* timing = nullptr) {
-  static_assert(check_host_collectives<Comm>());
+  static_assert(check_device_collectives<Comm>());
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
                 "stria: the device window statistics read bf16 or fp16 (the tensor cores' inputs); estimate fp32 inputs on the host");
   const auto start = std::chrono::steady_clock::now();
@@ -66,7 +67,7 @@ template <index_estimator Estimator, class Comm, sharding_policy Sharding, class
 device_selection estimate_device(const Estimator& estimator, Comm& comm, const Sharding& sharding, index_t seq_len, bool causal,
                                  const T* q_local, const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
                                  cudaStream_t stream) {
-  static_assert(check_host_collectives<Comm>());
+  static_assert(check_device_collectives<Comm>());
   estimator.validate(seq_len, heads_q);
   const statistics_request request = estimator.request(seq_len);
   if (request.window_rows == 0) return device_selection(detail::select_without_statistics(estimator, seq_len, heads_q, causal), stream);

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,7 +40,9 @@ global_selection select_without_statistics(const Estimator& estimator, index_t s
 template <class T>
 class window_backend {
  public:
-  using window_rows = std::vector<float>;  // [rows, Hq, D]
+  using floats = std::vector<float>;
+  using share = engine::rank_share<floats, std::vector<std::uint64_t>>;
+  using window_rows = std::span<float>;  // [rows, Hq, D]
   using statistics = vs_statistics;
 
   window_backend(const engine::window_plan& plan, index_t rank, const attention_shape& shape, tensor_view<const T, 3> q_local,
@@ -53,7 +57,11 @@ class window_backend {
     }
   }
 
-  window_rows& window() { return window_; }
+  template <class Comm>
+  engine::host_exchange<Comm> exchange(Comm& comm) const {
+    return {comm};
+  }
+  window_rows window() { return window_; }
 
   /// Scores against the local keys [Hq, rows, local tokens], -inf where causally masked, and the row max.
   void score_window() {
@@ -75,7 +83,7 @@ class window_backend {
     }
   }
 
-  std::vector<float> row_max() const { return max_; }
+  const std::vector<float>& row_max() const { return max_; }
   /// Sums of many small terms accumulate in fp64 here, then travel as fp32.
   std::vector<float> row_sum(const std::vector<float>& global_max) const {
     std::vector<float> sum(global_max.size());
@@ -87,9 +95,9 @@ class window_backend {
     }
     return sum;
   }
-  void place_normaliser(const std::vector<float>& global_max, const std::vector<float>& global_sum) {
-    max_ = global_max;
-    sum_ = global_sum;
+  void place_normaliser(std::vector<float> global_max, std::vector<float> global_sum) {
+    max_ = std::move(global_max);
+    sum_ = std::move(global_sum);
   }
 
   /// Probabilities into window mass per key token (the candidates) and per key block; each head's top candidates.
@@ -130,14 +138,13 @@ class window_backend {
     }
   }
 
-  engine::rank_share rank_share() { return {std::move(mass_), engine::sketch_of(candidates_, shape_.heads_q, plan_.per_rank)}; }
-  std::vector<vertical_candidate> candidates(const std::vector<index_t>& width) const {
-    return engine::runs_up_to(candidates_, plan_.per_rank, width);
+  share rank_share() const {
+    std::vector<std::uint64_t> keys(candidates_.size());
+    std::transform(candidates_.begin(), candidates_.end(), keys.begin(), selection_key);
+    return {mass_, std::move(keys)};
   }
-  vs_statistics global_statistics(vs_statistics st) { return st; }
-  vs_statistics own_statistics() {
-    return engine::combine_shares(plan_, mass_, candidates_, std::vector<index_t>(static_cast<std::size_t>(shape_.heads_q), plan_.per_rank));
-  }
+  vs_statistics global_statistics(share all) const { return engine::combine_shares(plan_, all.mass, all.candidates); }
+  vs_statistics own_statistics() const { return global_statistics(rank_share()); }
 
  private:
   static constexpr float neg_inf = -std::numeric_limits<float>::infinity();

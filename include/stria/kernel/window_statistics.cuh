@@ -4,7 +4,8 @@
 // window in registers (warp w: rows 16w .. 16w + 15, as the attention kernels hold Q) and walks a
 // chunk of consecutive key blocks through a ring of cp.async stages, scoring each 64-key tile with
 // the attention kernels' mma.sync product. Scores are kept in the log2 domain (scale * log2(e)) so
-// exp2 serves. Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a
+// exp2 serves. Small kernels around the collectives pack a rank's share and combine every rank's
+// (as engine::combine_shares does on the host). Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a
 // template's definition may appear in every translation unit that includes the header, a plain
 // __global__ function's may not (and `inline` is ignored on kernels).
 #pragma once
@@ -22,8 +23,10 @@
 #include "stria/core/config.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/core/tile.hpp"
+#include "stria/estimator/statistics.hpp"
 #include "stria/kernel/attention_tile.cuh"
 #include "stria/kernel/mma.cuh"
+#include "stria/kernel/search.cuh"
 
 namespace stria::kernel {
 
@@ -197,6 +200,17 @@ __global__ void __launch_bounds__(256)
     row_max[blockIdx.x] = top;
     row_sum[blockIdx.x] = top == -INFINITY ? 0.0f : total;
   }
+}
+
+/// This rank's sums of exp2 [Hq, rows], rescaled from its own row max to the global one (0 where
+/// the rank has no key for the row), in fp64 then rounded, as the all-reduce of the sums needs.
+/// Grid: ceil(count / 256), 256 threads.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256) rescale_row_sums(const float* __restrict__ own_max, const float* __restrict__ own_sum,
+                                                        const float* __restrict__ global_max, index_t count, float* __restrict__ sum) {
+  const index_t i = static_cast<index_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= count) return;
+  sum[i] = own_max[i] == -INFINITY ? 0.0f : float(double(own_sum[i]) * exp2(double(own_max[i]) - double(global_max[i])));
 }
 
 /// Pass 2, with the global (max, sum) of every row [Hq, rows]: the window probabilities, summed per
@@ -422,13 +436,80 @@ __global__ void candidate_keys(const float* __restrict__ vertical, const index_t
   values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
 }
 
-/// Each head's sketch of its sorted candidates (engine::rank_share::sketch): the masses at positions
-/// ceil((i + 1) * per_rank / points) - 1, i < points (engine::sketch_position). Grid: Hq; block: points.
+/// One rank's share for the all-gathers (engine::rank_share): its tile masses with, per head, their
+/// sum in fp64 in block order (one thread walks them, so the float is the host's sum), then each
+/// head's first per_rank candidates as selection keys.
+///   tile_mass [Hq, local_blocks]   sorted_keys, sorted_tokens [Hq, run_stride] (each head's run first)
+///   mass [Hq, local_blocks + 1]   candidates [Hq, per_rank]. Grid: Hq, 256 threads.
 template <int Unused = 0>
-__global__ void candidate_sketch(const std::uint64_t* __restrict__ sorted_keys, index_t run_stride, index_t per_rank, float* __restrict__ sketch) {
-  const std::int64_t h = blockIdx.x, i = threadIdx.x, points = blockDim.x;
-  const std::int64_t position = ((i + 1) * per_rank + points - 1) / points - 1;
-  sketch[h * points + i] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[h * run_stride + position]));
+__global__ void __launch_bounds__(256)
+    pack_rank_share(const float* __restrict__ tile_mass, const std::uint64_t* __restrict__ sorted_keys, const index_t* __restrict__ sorted_tokens,
+                    index_t local_blocks, index_t run_stride, index_t per_rank, float* __restrict__ mass, std::uint64_t* __restrict__ candidates) {
+  const std::int64_t h = blockIdx.x;
+  const float* tiles = tile_mass + h * local_blocks;
+  float* row = mass + h * (local_blocks + 1);
+  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) row[b] = tiles[b];
+  for (index_t i = threadIdx.x; i < per_rank; i += blockDim.x) {
+    const std::int64_t from = h * run_stride + i;
+    candidates[h * per_rank + i] = selection_key({mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from])), sorted_tokens[from]});
+  }
+  if (threadIdx.x == 0) {
+    double total = 0;
+    for (index_t b = 0; b < local_blocks; ++b) total += tiles[b];
+    row[local_blocks] = float(total);
+  }
+}
+
+/// The block and window masses of every rank's share (engine::combine_shares, bit for bit): each
+/// key block's mass onto its block diagonal (the others stay 0), and each head's window mass summed
+/// in fp32 in rank order.
+///   mass [world, Hq, rank_blocks + 1]   key_global_block [world, rank_blocks]
+///   slash_mass [Hq, diagonals]   window_mass [Hq]. Grid: Hq, 256 threads.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    combine_block_masses(const float* __restrict__ mass, const index_t* __restrict__ key_global_block, index_t world, index_t heads,
+                         index_t rank_blocks, index_t num_blocks, index_t diagonals, index_t diagonal_offset, float* __restrict__ slash_mass,
+                         float* __restrict__ window_mass) {
+  const std::int64_t h = blockIdx.x, row = rank_blocks + 1;
+  float* slash = slash_mass + h * diagonals;
+  for (index_t i = threadIdx.x; i < diagonals; i += blockDim.x) slash[i] = 0.0f;
+  __syncthreads();
+  for (std::int64_t e = threadIdx.x; e < std::int64_t{world} * rank_blocks; e += blockDim.x) {  // e = rank * rank_blocks + local block
+    const std::int64_t r = e / rank_blocks, b = e % rank_blocks;
+    slash[num_blocks - 1 - key_global_block[e] + diagonal_offset] = mass[(r * heads + h) * row + b];
+  }
+  if (threadIdx.x == 0) {
+    float window = mass[h * row + rank_blocks];
+    for (std::int64_t r = 1; r < world; ++r) window += mass[(r * heads + h) * row + rank_blocks];
+    window_mass[h] = window;
+  }
+}
+
+/// Each head's union of the ranks' runs (engine::combine_shares, bit for bit): the first `width`
+/// entries of the merge of the ranks' runs of selection keys, sentinels (negative masses) written as
+/// mass -1 and token 0. Merge by rank: keys are unique (tokens differ), so an entry's place in the
+/// union is its place in its own run plus the keys smaller than it in every other run, one binary
+/// search each; every entry finds its place alone. Only a run's first `width` can reach the union.
+///   runs [world, Hq, per_rank] (each ascending)   candidate_mass, candidate_token [Hq, width].
+///   Grid: ceil(world * Hq * min(per_rank, width) / 256), 256 threads.
+template <int Unused = 0>
+__global__ void __launch_bounds__(256)
+    merge_candidate_runs(const std::uint64_t* __restrict__ runs, index_t world, index_t heads, index_t per_rank, index_t width,
+                         float* __restrict__ candidate_mass, index_t* __restrict__ candidate_token) {
+  const index_t reach = min(per_rank, width);  // of each run
+  const std::int64_t entry = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (entry >= std::int64_t{world} * heads * reach) return;
+  const std::int64_t run = entry / reach;  // = rank * heads + head
+  const index_t i = static_cast<index_t>(entry % reach), r = static_cast<index_t>(run / heads), h = static_cast<index_t>(run % heads);
+  const std::uint64_t key = runs[run * per_rank + i];
+  std::int64_t place = i;
+  for (index_t other = 0; other < world && place < width; ++other)
+    if (other != r) place += detail::lower_bound_in(runs + (std::int64_t{other} * heads + h) * per_rank, 0, reach, key);
+  if (place >= width) return;
+  const bool sentinel = key >= negative_masses;
+  const vertical_candidate c = candidate_of(key);
+  candidate_mass[std::int64_t{h} * width + place] = sentinel ? -1.0f : c.mass;
+  candidate_token[std::int64_t{h} * width + place] = sentinel ? 0 : c.token;
 }
 
 /// One rank's statistics are already global (the collectives over one rank are identities): the
