@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // pinned_buffer<T>: owning, move-only page-locked host memory from a process-wide cache, for the
-// host round trips of small arrays (the estimator's window rows, normaliser, shares and statistics).
+// host round trips of small arrays (the GPU selection's list sizes, the NCCL communicator's host-array collectives).
 #pragma once
 
 #include <cuda_runtime_api.h>
