@@ -94,7 +94,7 @@ struct share_backend {
   }
   [[nodiscard]] std::vector<std::uint64_t> keys() const {
     std::vector<std::uint64_t> keys;
-    for (const vertical_candidate& c : given.candidates) keys.push_back(stria::selection_key(c));
+    for (const vertical_candidate& c : given.candidates) keys.push_back(stria::detail::selection_key(c));
     return keys;
   }
 };
@@ -225,7 +225,7 @@ void check_combine(index_t world, index_t blocks_per_rank, bool causal, index_t 
         slash[static_cast<std::size_t>(st.diagonal_of(plan.global_blocks(r)[static_cast<std::size_t>(b)] * block_tokens) + st.diagonal_offset())] = m[b];
       window = r == 0 ? m[plan.rank_blocks] : window + m[plan.rank_blocks];
       const auto run = shares.candidates.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r * heads + h) * run_length);
-      std::transform(run, run + static_cast<std::ptrdiff_t>(run_length), std::back_inserter(all), candidate_of);
+      std::transform(run, run + static_cast<std::ptrdiff_t>(run_length), std::back_inserter(all), stria::detail::candidate_of);
     }
     CHECK(std::equal(slash.begin(), slash.end(), st.slash_mass.begin() + h * st.num_diagonals()));
     CHECK(st.window_mass[static_cast<std::size_t>(h)] == window);

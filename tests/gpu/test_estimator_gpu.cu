@@ -22,9 +22,9 @@
 
 #include "stria/comm/local_device.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/core/numeric.cuh"
 #include "stria/device/window_statistics.cuh"
 #include "stria/engine/window_statistics_engine.hpp"
-#include "stria/core/numeric.cuh"
 #include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/estimator/select.cuh"
 #include "stria/estimator/vertical_slash_top_k.hpp"
@@ -386,7 +386,7 @@ TEST_CASE("the device combine of the ranks' shares is engine::combine_shares bit
       for (const index_t heads : {1, 3, 4})
         for (const index_t blocks_per_rank : {1, 3})
           for (const bool causal : {true, false})
-            for (const index_t cap : {1, 37, 64, 150})
+            for (const index_t cap : {0, 1, 37, 64, 150})
               for (const int keep_choice : {0, 1, 2, 3}) {
                 CAPTURE(world);
                 CAPTURE(heads);
@@ -398,6 +398,7 @@ TEST_CASE("the device combine of the ranks' shares is engine::combine_shares bit
                 engine::window_plan plan = engine::make_window_plan(sharding::striped<64>{}, world * blocks_per_rank * 64, world, causal, heads,
                                                                     {64, cap, rng.integer(0, std::min<index_t>(world * blocks_per_rank, 2 * blocks_per_rank))});
                 const index_t per_rank = plan.per_rank;
+                if (per_rank == 0 && keep_choice > 1) continue;  // no candidates (vertical.max 0): keep 0 or every run
                 // keep: per_rank (the estimator's), every run whole, between per_rank and the union, below per_rank.
                 const index_t keeps[] = {per_rank, engine::whole_union, rng.integer(per_rank, world * per_rank + 1), rng.integer(1, per_rank)};
                 plan.keep = keeps[keep_choice];

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "stria/engine/window_statistics_engine.hpp"
@@ -35,7 +36,7 @@ inline random_shares make_random_shares(const engine::window_plan& plan, seeded_
           run.push_back({block >= first_local_block ? -1.0f : m, block * block_tokens + t});
         }
       std::sort(run.begin(), run.end());
-      std::transform(run.begin(), run.begin() + plan.per_rank, std::back_inserter(shares.candidates), selection_key);
+      std::transform(run.begin(), run.begin() + plan.per_rank, std::back_inserter(shares.candidates), stria::detail::selection_key);
     }
   }
   return shares;

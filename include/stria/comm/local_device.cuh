@@ -72,7 +72,7 @@ class local_device {
   [[nodiscard]] index_t rank() const { return host_.rank(); }
   [[nodiscard]] index_t world_size() const { return host_.world_size(); }
   [[nodiscard]] int device() const { return device_; }
-  /// The host-surface handle of the same ranks (collectives of host arrays, e.g. the estimator's).
+  /// The host-surface handle of the same ranks (collectives of host arrays, e.g. the host estimator's).
   [[nodiscard]] host_threads& host() { return host_; }
 
   void group_start() { ++group_depth_; }

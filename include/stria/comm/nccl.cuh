@@ -82,7 +82,7 @@ struct nccl_options {
   }
 };
 
-/// Collectives of host arrays over an NCCL communicator (what the estimator's statistics use):
+/// Collectives of host arrays over an NCCL communicator (for host-side code such as the host estimator):
 /// each goes through a device staging buffer on the communicator's own stream and returns with the
 /// result on the host. Each is confirmed through the communicator's bounded wait() before its
 /// result is read back, so a failed or stuck peer raises nccl_error instead of hanging the rank.
@@ -178,7 +178,7 @@ class nccl {
   [[nodiscard]] index_t world_size() const { return world_; }
   /// The CUDA device this rank's communicator drives.
   [[nodiscard]] int device() const { return device_; }
-  /// Host-array collectives over this communicator (the estimator's statistics).
+  /// Host-array collectives over this communicator (host-side code; the GPU estimator uses the device ones).
   [[nodiscard]] nccl_host_surface& host() { return host_; }
   /// The stream the host-array collectives use.
   [[nodiscard]] cudaStream_t own_stream() const { return stream_; }

@@ -49,10 +49,12 @@ struct device_exchange {
     comm.all_reduce(mine.data(), all.data(), mine.size(), op, stream);
     return all;
   }
+  /// An empty share (no candidates: vertical.max 0, the same on every rank, the plan being global)
+  /// makes no call, so no communicator sees a null buffer.
   template <class T>
   device_buffer<T> all_gather(const device_buffer<T>& mine) {
     device_buffer<T> all(mine.size() * static_cast<std::size_t>(comm.world_size()), stream);
-    comm.all_gather(mine.data(), all.data(), mine.size(), stream);
+    if (mine.size() > 0) comm.all_gather(mine.data(), all.data(), mine.size(), stream);
     return all;
   }
 };
@@ -60,9 +62,9 @@ struct device_exchange {
 /// The device backend of the window statistics engine: the window against this rank's keys in the
 /// kernels of kernel/window_statistics.cuh, the candidates' top-k by one CUB radix sort, and the
 /// ranks' shares combined by kernels too; every buffer and collective in stream order on `stream`,
-/// so the gathering never waits for the device. The window is read where it lies: in q_local on its
-/// owner (and on the only rank), in the buffer the broadcast fills on the others. With `timing`,
-/// each phase ends by synchronising.
+/// so the gathering never waits for the device. The window is read in q_local on the only rank;
+/// over several, from a buffer that the owner fills from q_local and the broadcast fills on the
+/// others. With `timing`, each phase ends by synchronising.
 template <class T>
 class window_backend {
  public:
@@ -85,13 +87,14 @@ class window_backend {
     return {comm, stream_};
   }
 
-  /// The owner's rows in q_local (a broadcast only reads its root's data), or a buffer for them.
+  /// A buffer for the window's rows, which the owner fills from q_local (a copy, so that no
+  /// communicator's broadcast can write into the caller's const q) and the broadcast on the others.
   window_rows window() {
-    if (!owner_) {
-      received_window_ = device_buffer<T>(static_cast<std::size_t>(rows_ * heads_ * dim_), stream_);
-      window_ = received_window_.data();
-    }
-    return {const_cast<T*>(window_), static_cast<std::size_t>(rows_ * heads_ * dim_)};
+    const std::size_t count = static_cast<std::size_t>(rows_ * heads_ * dim_);
+    received_window_ = device_buffer<T>(count, stream_);
+    if (owner_) STRIA_CUDA_CHECK(cudaMemcpyAsync(received_window_.data(), window_, count * sizeof(T), cudaMemcpyDeviceToDevice, stream_));
+    window_ = received_window_.data();
+    return {received_window_.data(), count};
   }
 
   /// Pass 1: per (head, chunk, row) the max score and sum of exp2, then this rank's per row.
@@ -279,7 +282,7 @@ class window_backend {
   estimator::statistics_timing* timing_;
   std::chrono::steady_clock::time_point last_;
   const T* window_;                          // [rows, Hq, D]: in q_local, or received_window_
-  device_buffer<T> received_window_;         // the broadcast rows, off the owner
+  device_buffer<T> received_window_;         // over several ranks: the window rows (the owner's copy, the broadcast's elsewhere)
   device_buffer<index_t> every_key_global_block_;  // [world, local blocks]: every rank's key blocks (plan.key_global_block)
   const index_t* key_global_block_;          // [local blocks]: this rank's
   index_t chunk_blocks_;                     // key blocks per CTA of the window kernels

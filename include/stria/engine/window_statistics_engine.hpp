@@ -128,13 +128,13 @@ struct host_exchange {
 ///   from this rank's share alone.
 template <class B, class Comm>
 concept window_statistics_backend =
-    requires(B& b, Comm& comm, const typename B::floats& f, typename B::floats g, typename B::share all) {
+    requires(B& b, Comm& comm, const typename B::floats& f, typename B::floats g, typename B::floats h, typename B::share all) {
       b.exchange(comm);
       { b.window() } -> std::same_as<typename B::window_rows>;
       b.score_window();
       { b.row_max() } -> std::convertible_to<const typename B::floats&>;
       { b.row_sum(f) } -> std::same_as<typename B::floats>;
-      b.place_normaliser(std::move(g), std::move(g));
+      b.place_normaliser(std::move(g), std::move(h));
       b.probabilities();
       { b.rank_share() } -> std::same_as<typename B::share>;
       { b.global_statistics(std::move(all)) } -> std::same_as<typename B::statistics>;
@@ -158,7 +158,7 @@ constexpr bool check_window_statistics_backend() {
                 "stria: Backend must have row_max() returning floats (or a const reference to them)");
   static_assert(requires(B& b, const floats& m) { { b.row_sum(m) } -> std::same_as<floats>; },
                 "stria: Backend must have row_sum(const floats& global_max) returning floats");
-  static_assert(requires(B& b, floats m) { b.place_normaliser(std::move(m), std::move(m)); },
+  static_assert(requires(B& b, floats m, floats s) { b.place_normaliser(std::move(m), std::move(s)); },
                 "stria: Backend must have place_normaliser(floats global_max, floats global_sum)");
   static_assert(requires(B& b) { b.probabilities(); }, "stria: Backend must have probabilities()");
   static_assert(requires(B& b) { { b.rank_share() } -> std::same_as<typename B::share>; }, "stria: Backend must have rank_share() returning share");
@@ -280,8 +280,8 @@ inline vs_statistics combine_shares(const window_plan& plan, std::span<const flo
     // The union: the first `keep`, down to the first sentinel.
     const auto kept = std::span(runs).first(first[1] - 1);
     auto& union_h = st.vertical[h];
-    union_h.resize(static_cast<std::size_t>(std::lower_bound(kept.begin(), kept.end(), negative_masses) - kept.begin()));
-    std::transform(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(union_h.size()), union_h.begin(), candidate_of);
+    union_h.resize(static_cast<std::size_t>(std::lower_bound(kept.begin(), kept.end(), stria::detail::negative_masses) - kept.begin()));
+    std::transform(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(union_h.size()), union_h.begin(), stria::detail::candidate_of);
   }
   return st;
 }

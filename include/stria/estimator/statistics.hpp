@@ -35,6 +35,8 @@ struct vertical_candidate {
   friend constexpr bool operator==(const vertical_candidate&, const vertical_candidate&) = default;
 };
 
+namespace detail {
+
 /// A candidate as one integer whose order is selection order (vertical_candidate's operator<,
 /// smaller first), so that a merge compares one integer instead of two fields, and one array carries
 /// a rank's candidates: the mass's bits, turned to sort heavier first, above token * 2 (tokens lie
@@ -54,6 +56,8 @@ STRIA_HOST_DEVICE constexpr vertical_candidate candidate_of(std::uint64_t key) {
 }
 /// The first selection key of a negative mass (a sentinel): every lighter candidate's key is at least this.
 inline constexpr std::uint64_t negative_masses = std::uint64_t{1} << 63;
+
+}  // namespace detail
 
 /// Identical on every rank. Estimators that need no statistics receive the shape alone.
 struct vs_statistics {

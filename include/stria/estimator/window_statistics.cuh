@@ -18,6 +18,7 @@
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
+#include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_communicator.cuh"
 #include "stria/core/error.hpp"
 #include "stria/device/window_statistics.cuh"
@@ -35,8 +36,11 @@ namespace stria::estimator {
 /// head's candidates are the first request.vertical_candidates of the host statistics' union, all
 /// that a selection reads. q_local [S_local, Hq, D] and k_local [S_local, Hkv, D] are contiguous
 /// device tensors of bf16 or fp16, as the attention kernels read (fp32 inputs: estimate on the host,
-/// estimator::gather_window_statistics). `comm` is the device communicator of the ranks. With
-/// `timing`, every phase ends with a synchronisation.
+/// estimator::gather_window_statistics). `comm` is the device communicator of the ranks. Over
+/// several ranks, where `comm` has a bounded wait (device_communicator's `wait`), the call returns
+/// once the collectives have completed, or raises when a peer failed or the communicator's timeout
+/// passed: a rank that threw before its share would otherwise leave the others waiting forever at
+/// their next synchronisation. With `timing`, every phase ends with a synchronisation.
 template <class Comm, sharding_policy Sharding, class T>
 device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sharding, index_t seq_len, bool causal, const T* q_local,
                                               const T* k_local, index_t heads_q, index_t heads_kv, index_t dim, double softmax_scale,
@@ -57,7 +61,15 @@ device_statistics gather_window_statistics_device(Comm& comm, const Sharding& sh
       throw invalid_argument(name, pointer, "must be 16-byte aligned (the kernels load 16-byte vectors)");
   const engine::window_plan plan = engine::make_window_plan(sharding, seq_len, layout.world_size, causal, heads_q, request, request.vertical_candidates);
   device::detail::window_backend<T> backend(plan, comm.rank(), q_local, k_local, heads_kv, dim, softmax_scale, stream, timing, start);
-  return engine::gather_window_statistics(backend, comm, plan);
+  device_statistics statistics = engine::gather_window_statistics(backend, comm, plan);
+  if constexpr (requires(cudaEvent_t done, const std::string& what) { comm.wait(done, what); }) {
+    if (layout.world_size > 1) {
+      const cuda_event collectives_done;
+      collectives_done.record(stream);
+      comm.wait(collectives_done.get(), "the window statistics' collectives");
+    }
+  }
+  return statistics;
 }
 
 /// estimate() on the GPU: the window statistics, then the selection, into a device_selection for

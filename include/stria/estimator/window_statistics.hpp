@@ -140,7 +140,7 @@ class window_backend {
 
   share rank_share() const {
     std::vector<std::uint64_t> keys(candidates_.size());
-    std::transform(candidates_.begin(), candidates_.end(), keys.begin(), selection_key);
+    std::transform(candidates_.begin(), candidates_.end(), keys.begin(), stria::detail::selection_key);
     return {mass_, std::move(keys)};
   }
   vs_statistics global_statistics(share all) const { return engine::combine_shares(plan_, all.mass, all.candidates); }

@@ -5,9 +5,10 @@
 // chunk of consecutive key blocks through a ring of cp.async stages, scoring each 64-key tile with
 // the attention kernels' mma.sync product. Scores are kept in the log2 domain (scale * log2(e)) so
 // exp2 serves. Small kernels around the collectives pack a rank's share and combine every rank's
-// (as engine::combine_shares does on the host). Kernels without template parameters get a dummy one (`template <int Unused = 0>`): a
-// template's definition may appear in every translation unit that includes the header, a plain
-// __global__ function's may not (and `inline` is ignored on kernels).
+// (as engine::combine_shares does on the host). Kernels without template parameters get a dummy
+// one (`template <int Unused = 0>`): a template's definition may appear in every translation unit
+// that includes the header, a plain __global__ function's may not (and `inline` is ignored on
+// kernels).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -451,7 +452,7 @@ __global__ void __launch_bounds__(256)
   for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) row[b] = tiles[b];
   for (index_t i = threadIdx.x; i < per_rank; i += blockDim.x) {
     const std::int64_t from = h * run_stride + i;
-    candidates[h * per_rank + i] = selection_key({mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from])), sorted_tokens[from]});
+    candidates[h * per_rank + i] = stria::detail::selection_key({mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from])), sorted_tokens[from]});
   }
   if (threadIdx.x == 0) {
     double total = 0;
@@ -506,8 +507,8 @@ __global__ void __launch_bounds__(256)
   for (index_t other = 0; other < world && place < width; ++other)
     if (other != r) place += detail::lower_bound_in(runs + (std::int64_t{other} * heads + h) * per_rank, 0, reach, key);
   if (place >= width) return;
-  const bool sentinel = key >= negative_masses;
-  const vertical_candidate c = candidate_of(key);
+  const bool sentinel = key >= stria::detail::negative_masses;
+  const vertical_candidate c = stria::detail::candidate_of(key);
   candidate_mass[std::int64_t{h} * width + place] = sentinel ? -1.0f : c.mass;
   candidate_token[std::int64_t{h} * width + place] = sentinel ? 0 : c.token;
 }
