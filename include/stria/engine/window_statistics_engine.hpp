@@ -75,7 +75,7 @@ template <class Floats, class Keys>
 struct rank_share {
   /// [Hq, rank_blocks + 1]: the window mass on each local key block (the window lies in the last
   /// block, so a key block's mass is all on one block diagonal), then the rank's whole window mass:
-  /// the float of the blocks' sum in fp64, in block order.
+  /// the float of the blocks' sum in fp64.
   Floats mass;
   /// [Hq, per_rank]: each head's top per_rank vertical candidates in selection order, as
   /// selection_key. Tokens of the request's local blocks carry mass -1, so they sort last and never

@@ -437,9 +437,22 @@ __global__ void candidate_keys(const float* __restrict__ vertical, const index_t
   values[i] = key_global_block[j / block_tokens] * block_tokens + j % block_tokens;
 }
 
+namespace detail {
+
+/// A head's window mass on this rank: the fp64 sum of its `blocks` tile masses over the CTA's 256
+/// threads, rounded to float; valid in thread 0. One sum for one rank and for several.
+__device__ inline float window_mass_of(const float* tiles, index_t blocks) {
+  using reduce = cub::BlockReduce<double, 256>;
+  __shared__ typename reduce::TempStorage temp;
+  double total = 0;
+  for (index_t b = threadIdx.x; b < blocks; b += blockDim.x) total += tiles[b];
+  return float(reduce(temp).Sum(total));
+}
+
+}  // namespace detail
+
 /// One rank's share for the all-gathers (engine::rank_share): its tile masses with, per head, their
-/// sum in fp64 in block order (one thread walks them, so the float is the host's sum), then each
-/// head's first per_rank candidates as selection keys.
+/// sum (detail::window_mass_of), then each head's first per_rank candidates as selection keys.
 ///   tile_mass [Hq, local_blocks]   sorted_keys, sorted_tokens [Hq, run_stride] (each head's run first)
 ///   mass [Hq, local_blocks + 1]   candidates [Hq, per_rank]. Grid: Hq, 256 threads.
 template <int Unused = 0>
@@ -454,11 +467,7 @@ __global__ void __launch_bounds__(256)
     const std::int64_t from = h * run_stride + i;
     candidates[h * per_rank + i] = stria::detail::selection_key({mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from])), sorted_tokens[from]});
   }
-  if (threadIdx.x == 0) {
-    double total = 0;
-    for (index_t b = 0; b < local_blocks; ++b) total += tiles[b];
-    row[local_blocks] = float(total);
-  }
+  if (const float window = detail::window_mass_of(tiles, local_blocks); threadIdx.x == 0) row[local_blocks] = window;
 }
 
 /// The block and window masses of every rank's share (engine::combine_shares, bit for bit): each
@@ -526,20 +535,13 @@ __global__ void __launch_bounds__(256)
                            index_t run_stride, index_t per_rank, index_t num_blocks, index_t diagonals, index_t diagonal_offset,
                            float* __restrict__ slash_mass, float* __restrict__ window_mass, float* __restrict__ candidate_mass,
                            index_t* __restrict__ candidate_token) {
-  using reduce = cub::BlockReduce<double, 256>;
-  __shared__ typename reduce::TempStorage temp;
   const index_t h = blockIdx.x;
   float* slash = slash_mass + static_cast<std::int64_t>(h) * diagonals;
   const float* tiles = tile_mass + static_cast<std::int64_t>(h) * local_blocks;
   for (index_t i = threadIdx.x; i < diagonals; i += blockDim.x) slash[i] = 0.0f;
   __syncthreads();
-  double total = 0;
-  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) {
-    slash[num_blocks - 1 - key_global_block[b] + diagonal_offset] = tiles[b];
-    total += tiles[b];
-  }
-  total = reduce(temp).Sum(total);
-  if (threadIdx.x == 0) window_mass[h] = float(total);
+  for (index_t b = threadIdx.x; b < local_blocks; b += blockDim.x) slash[num_blocks - 1 - key_global_block[b] + diagonal_offset] = tiles[b];
+  if (const float window = detail::window_mass_of(tiles, local_blocks); threadIdx.x == 0) window_mass[h] = window;
   for (index_t i = threadIdx.x; i < per_rank; i += blockDim.x) {
     const std::int64_t from = static_cast<std::int64_t>(h) * run_stride + i, to = static_cast<std::int64_t>(h) * per_rank + i;
     candidate_mass[to] = mass_of_descending_bits(static_cast<std::uint32_t>(sorted_keys[from]));
