@@ -64,10 +64,9 @@ stria = None  # imported in main(), after the CUDA check, so that each missing p
 
 # --- data -----------------------------------------------------------------------------------------
 
-def recall_batch(step, args):
+def recall_batch(g, args):
     """(tokens (batch, seq) long, query positions (batch, queries), answers (batch, queries)) on the GPU,
-    a function of (seed, step) only, so that both runs train on the same batches."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
+    drawn from the CPU generator `g` (batch_of seeds it per step)."""
     s, n, q = args.seq_len, args.pairs, args.queries
     first_value = FIRST_KEY + args.keys
     context_end = s - 2 * q - 1  # SEP here, then q "k v" queries up to the last token
@@ -88,9 +87,8 @@ def recall_batch(step, args):
     return tokens.cuda(non_blocking=True), query_pos.cuda(), answers.cuda()
 
 
-def copy_batch(step, args):
+def copy_batch(g, args):
     """The same triple as recall_batch for --task copy: (tokens, loss positions, next tokens at them)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
     s, n = args.seq_len, args.loss_tokens
     tokens = torch.full((args.batch, s), FILLER, dtype=torch.long)
     tokens[:, 0] = BOS
@@ -108,9 +106,8 @@ def copy_batch(step, args):
     return tokens.cuda(non_blocking=True), positions.cuda(), answers.cuda()
 
 
-def lookup_batch(step, args):
+def lookup_batch(g, args):
     """The same triple for --task lookup: (tokens, query positions, the values of the queried pairs)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
     s, n, q = args.seq_len, args.pairs, args.queries
     first_value = FIRST_KEY + args.keys
     first_pair = first_value + args.values  # pair (k, v) is token first_pair + k * values + v
@@ -133,7 +130,10 @@ def lookup_batch(step, args):
 
 
 def batch_of(step, args):
-    return {"copy": copy_batch, "lookup": lookup_batch}.get(args.task, recall_batch)(step, args)
+    """The task's batch for `step`: a function of (seed, step) only (a CPU generator seeded per step),
+    so that both runs train on the same batches."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
+    return {"copy": copy_batch, "lookup": lookup_batch}.get(args.task, recall_batch)(g, args)
 
 
 def chance_loss(args):
