@@ -6,6 +6,7 @@ online-estimated Vertical-Slash selection, and the two loss curves compared (tar
     python3 tests/bench/train_quality.py [--steps 300] [--seq-len 32768] [--layers 2] [--seed 0]
         [--commit SHA] [--json train_quality_h200.json] [--plot PATH.png] [--quick]
         [--task recall|copy|lookup] [--dense-warmup N] [--only both|dense|stria]
+        [--repeats N] [--eval-batches N] [--eval-every N]
 
 Model: decoder-only, pre-norm (RMSNorm), RoPE (theta 1e6, so content matches survive 32K of rotation),
 grouped-query attention, SwiGLU MLP; fp32 parameters under bf16 autocast; AdamW with warm-up and
@@ -29,7 +30,13 @@ a key-value pair (their own vocabulary of keys x values) at random places in the
 `--queries` key tokens at the very end; the loss is the cross entropy of the value of each query's
 pair, predicted at the query itself. Each pair token is a vertical line the estimator must find among
 S filler keys. Chance: ln(values). Both runs see the same batches (a CPU generator seeded per step)
-and start from one deep-copied initial model. Times: wall clock per step (synchronised by the loss's
+and start from one deep-copied initial model. Every --eval-every steps and after the last, each
+run's model is evaluated without gradients on --eval-batches held-out batches (the same for both runs
+of a seed, never trained on; default 16 x batch 4 x 8 queries = 512 answers, against 32 per training
+step), with the attention it trains with at that point. --repeats N trains the seeds --seed .. --seed
++ N - 1, each with its own initial model, batches and held-out set. The figure for issue 21's target
+is the ratio of the seeds' mean final held-out losses, stria / dense; the training loss over the last
+10% of the steps is reported beside it. Times: wall clock per step (synchronised by the loss's
 .item()), median over the steps after three warm-up steps. Exit 77 where torch, CUDA or stria is
 missing; 1 where a run failed or its loss went non-finite; 0 otherwise, whether or not the target is met.
 """
@@ -129,10 +136,13 @@ def lookup_batch(g, args):
     return tokens.cuda(non_blocking=True), query_pos.cuda(), answers.cuda()
 
 
-def batch_of(step, args):
+HELD_OUT = 500_000_000  # generator offset of the held-out batches: no training step reaches it
+
+
+def batch_of(step, seed, args):
     """The task's batch for `step`: a function of (seed, step) only (a CPU generator seeded per step),
-    so that both runs train on the same batches."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 1)
+    so that both runs train on the same batches. Steps from HELD_OUT on are the held-out batches."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
     return {"copy": copy_batch, "lookup": lookup_batch}.get(args.task, recall_batch)(g, args)
 
 
@@ -294,21 +304,35 @@ def selection_summary(model, seq_len):
     return out
 
 
-def train(name, base, args, dense_backend, stria_options):
-    """Trains a deep copy of `base` with one attention kind; returns its record (losses, accuracies, times)."""
+def evaluate(model, seed, args):
+    """(mean loss, mean accuracy) over the --eval-batches held-out batches, without gradients, with the
+    attention the model trains with at this point (stria's run: its estimate, or every diagonal during
+    --dense-warmup). The same batches for both runs of a seed, never trained on."""
+    losses, accuracies = [], []
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for i in range(args.eval_batches):
+            loss, accuracy = model(*batch_of(HELD_OUT + i, seed, args))
+            losses.append(loss.item())
+            accuracies.append(accuracy.item())
+    return statistics.fmean(losses), statistics.fmean(accuracies)
+
+
+def train(name, base, seed, args, dense_backend, stria_options):
+    """Trains a deep copy of `base` with one attention kind; returns its record (losses, accuracies, times,
+    held-out evaluations every --eval-every steps and after the last)."""
     model = copy.deepcopy(base)
     model.set_attention("dense" if name == "dense" else "stria", dense_backend, stria_options)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    record = {"loss": [], "accuracy": [], "step_s": [], "selection": [], "error": None}
+    record = {"loss": [], "accuracy": [], "step_s": [], "selection": [], "eval": [], "error": None}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     try:
         for step in range(args.steps):
-            tokens, query_pos, answers = batch_of(step, args)
+            tokens, query_pos, answers = batch_of(step, seed, args)
             for block in model.blocks:
                 block.attn.all_diagonals = step < args.dense_warmup
             for group in optimizer.param_groups:
@@ -332,6 +356,10 @@ def train(name, base, args, dense_backend, stria_options):
                       f"grad {grad_value:.3f} lr {lr_at(step, args):.2e} {record['step_s'][-1] * 1e3:7.1f} ms", flush=True)
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"the loss is {loss_value} at step {step}")
+            if args.eval_batches and ((step + 1) % args.eval_every == 0 or step == args.steps - 1):
+                eval_loss, eval_accuracy = evaluate(model, seed, args)
+                record["eval"].append({"step": step + 1, "loss": round(eval_loss, 5), "accuracy": round(eval_accuracy, 4)})
+                print(f"{name:5} held-out after step {step + 1}: loss {eval_loss:.4f} acc {eval_accuracy:.3f}", flush=True)
     except Exception as e:  # report the other run anyway, then exit 1
         record["error"] = f"{type(e).__name__}: {e}"
         print(f"ERROR: the {name} run failed at step {len(record['loss'])}: {record['error']}", flush=True)
@@ -364,33 +392,43 @@ def write_plot(path, result, args):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    steps = [r["step"] for r in result["rows"]]
     window = max(1, args.steps // 30)
 
     def smooth(ys):
         return [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
 
-    fig, (ax, ax_ratio) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    curves = {}
-    for key, label, color in (("dense_loss", "dense (SDPA)", "tab:blue"), ("stria_loss", "stria (estimated VS)", "tab:orange")):
-        ys = [r[key] for r in result["rows"]]
-        if any(y is None for y in ys):
-            continue
-        curves[key] = smooth(ys)
-        ax.plot(steps, ys, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, curves[key], color=color, label=f"{label}, mean of {window}")
-    ax.axhline(chance_loss(args), color="gray", linestyle=":", label=f"chance = {chance_loss(args):.2f}")
-    ax.set_ylabel("loss on the predicted tokens")
-    ax.set_title(f"{ {'copy': 'copying', 'lookup': 'one-hop lookup'}.get(args.task, 'associative recall')} at {args.seq_len}: {args.layers} layers, d {args.d_model}, "
-                 f"Hq {args.heads} / Hkv {args.kv_heads}, D {args.head_dim}, batch {args.batch}")
+    fig, (ax, ax_eval) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
+    colors = {"dense": "tab:blue", "stria": "tab:orange"}
+    labels = {"dense": "dense (SDPA)", "stria": "stria (estimated VS)"}
+    for i, run in enumerate(result["runs"]):
+        steps = [r["step"] for r in run["rows"]]
+        for name in ("dense", "stria"):
+            ys = [r[name + "_loss"] for r in run["rows"]]
+            if any(y is None for y in ys):
+                continue
+            ax.plot(steps, smooth(ys), color=colors[name], alpha=1.0 if i == 0 else 0.45,
+                    label=f"{labels[name]}, mean of {window} steps" if i == 0 else None)
+            points = run["eval"].get(name, [])
+            if points:
+                ax_eval.plot([e["step"] for e in points], [e["loss"] for e in points], marker="o", markersize=3, color=colors[name],
+                             alpha=1.0 if i == 0 else 0.45, label=labels[name] if i == 0 else None)
+    for a in (ax, ax_eval):
+        a.axhline(chance_loss(args), color="gray", linestyle=":", label=f"chance = {chance_loss(args):.2f}")
+        if args.dense_warmup:
+            a.axvline(args.dense_warmup, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_ylabel("training loss (answer tokens)")
+    title = {"copy": "copying", "lookup": "one-hop lookup"}.get(args.task, "associative recall")
+    ax.set_title(f"{title} at {args.seq_len}: {args.layers} layers, d {args.d_model}, Hq {args.heads} / Hkv {args.kv_heads}, "
+                 f"D {args.head_dim}, batch {args.batch}, {len(result['runs'])} seed(s)"
+                 + (f"\nstria: every diagonal for the first {args.dense_warmup} steps (dashed line)" if args.dense_warmup else ""))
     ax.legend()
-    if len(curves) == 2:
-        ratios = [s / d if d > 0 else float("nan") for s, d in zip(curves["stria_loss"], curves["dense_loss"])]
-        ax_ratio.plot(steps, ratios, color="tab:green")
-        ax_ratio.axhline(1.02, color="gray", linestyle=":")
-        ax_ratio.axhline(0.98, color="gray", linestyle=":")
-    ax_ratio.set_ylabel("stria / dense")
-    ax_ratio.set_xlabel("step")
+    s = result["summary"]
+    ax_eval.set_ylabel(f"held-out loss ({args.eval_batches} batches)")
+    ax_eval.set_xlabel("step")
+    if "ratio_held_out" in s:
+        ax_eval.set_title(f"final held-out loss, mean over seeds: dense {s['dense_held_out']:.4f}, stria {s['stria_held_out']:.4f}, "
+                          f"ratio {s['ratio_held_out']:.4f}", fontsize=10)
+    ax_eval.legend()
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
@@ -421,7 +459,10 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed (initial model, batches, held-out set)")
+    parser.add_argument("--repeats", type=int, default=1, help="seeds --seed .. --seed + N - 1, each trained dense and with stria")
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches per evaluation (0: none)")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (also after the last)")
     parser.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD where that works, else unknown")
     parser.add_argument("--json", default=None, help="write the results here (default: print only)")
     parser.add_argument("--plot", default=None, help="PNG path (default: the --json path with .png; needs matplotlib)")
@@ -458,8 +499,10 @@ def main():
     problems = []
     if args.dense_warmup < 0:
         problems.append(f"--dense-warmup {args.dense_warmup}: must be >= 0")
-    if args.steps < 1 or args.batch < 1 or args.layers < 1:
-        problems.append("--steps, --batch and --layers must be >= 1")
+    if args.steps < 1 or args.batch < 1 or args.layers < 1 or args.repeats < 1 or args.eval_every < 1:
+        problems.append("--steps, --batch, --layers, --repeats and --eval-every must be >= 1")
+    if args.eval_batches < 0:
+        problems.append(f"--eval-batches {args.eval_batches}: must be >= 0")
     if args.seq_len % 64 != 0:
         problems.append(f"--seq-len {args.seq_len}: must be a multiple of 64 (stria's block)")
     if args.heads % args.kv_heads != 0:
@@ -499,9 +542,8 @@ def main():
     used = FIRST_KEY + {"copy": args.copy_vocab, "lookup": args.keys + args.values + args.keys * args.values}.get(args.task, args.keys + args.values)
     vocab = -(-used // 64) * 64
     dense_backend = SDPBackend.CUDNN_ATTENTION if args.dense_backend == "cudnn" else SDPBackend.FLASH_ATTENTION
-    torch.manual_seed(args.seed)
-    base = LM(args, vocab).cuda()
-    parameters = sum(p.numel() for p in base.parameters())
+    seeds = list(range(args.seed, args.seed + args.repeats))
+    parameters = sum(p.numel() for p in LM(args, vocab).parameters())
     config = {"seq_len": args.seq_len, "batch": args.batch, "steps": args.steps, "layers": args.layers, "d_model": args.d_model,
               "heads_q": args.heads, "heads_kv": args.kv_heads, "head_dim": args.head_dim, "mlp_hidden": args.mlp_hidden,
               "rope_theta": args.rope_theta, "vocab": vocab, "parameters": parameters, "keys": args.keys, "values": args.values,
@@ -510,66 +552,21 @@ def main():
                                   {"pairs": args.pairs, "queries": args.queries, "loss": "cross entropy of the answer tokens"}),
               "optimizer": f"AdamW lr {args.lr} betas (0.9, 0.95) wd {args.weight_decay}, warmup {args.warmup}, cosine to 0.1, "
                            f"clip {args.clip}",
-              "precision": "fp32 params, bf16 autocast", "seed": args.seed, "dense": f"SDPA {args.dense_backend}, causal",
+              "precision": "fp32 params, bf16 autocast", "seeds": seeds, "dense": f"SDPA {args.dense_backend}, causal",
               "stria": f"stria.sparse_attention, estimated selection, options {stria_options or 'library defaults'}"
                        + (f", every block diagonal for the first {args.dense_warmup} steps" if args.dense_warmup else ""),
+              "held_out": f"{args.eval_batches} batches of {args.batch} never trained on, every {args.eval_every} steps and after the last",
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "stria_version": getattr(stria, "__version__", "unknown") if stria else "not loaded"}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {parameters / 1e6:.2f} M parameters; "
           f"chance: ln(vocab) = {math.log(vocab):.3f}, on the predicted tokens {chance_loss(args):.3f}")
     print(json.dumps(config), flush=True)
 
-    records = {}
-    names = ("stria", "dense") if args.only == "both" else (args.only,)
-    for name in names:  # stria first: its failures surface before the longer dense run
-        records[name] = train(name, base, args, dense_backend, stria_options)
-
-    def at(name, field, i):
-        values = records[name][field] if name in records else []
-        return round(values[i], 5) if i < len(values) else None
-
-    rows = [{"step": i, "dense_loss": at("dense", "loss", i), "stria_loss": at("stria", "loss", i),
-             "dense_acc": at("dense", "accuracy", i), "stria_acc": at("stria", "accuracy", i)} for i in range(args.steps)]
-    final = {}
-    for name in ("dense", "stria"):
-        if name in records and not records[name]["error"]:  # a failed run has no final loss
-            final[name] = round(smoothed_final(records[name]["loss"], args.steps), 5)
-            final[name + "_acc"] = round(smoothed_final(records[name]["accuracy"], args.steps), 4)
-    if "dense" in final and "stria" in final:
-        final["ratio"] = round(final["stria"] / final["dense"], 4) if final["dense"] > 0 else None
-        final["difference"] = round(final["stria"] - final["dense"], 5)
-    final["window_steps"] = max(1, args.steps // 10)
-    timing = {name: {"median_step_ms": round(median_step_ms(r), 2), "wall_s": round(r["wall_s"], 1), "peak_gib": round(r["peak_gib"], 2),
-                     "error": r["error"]} for name, r in records.items()}
+    runs = [run_seed(seed, args, vocab, dense_backend, stria_options) for seed in seeds]
+    summary = summarise(runs)
     result = {"commit": args.commit, "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-              "gpu": torch.cuda.get_device_name(), "config": config, "rows": rows, "final": final, "timing": timing,
-              "stria_selection": records["stria"]["selection"] if "stria" in records else []}
-
-    def show(x, fmt):
-        return format(x, fmt) if x is not None else "-"
-
-    print(f"\n{'step':>6} {'dense loss':>11} {'stria loss':>11} {'ratio':>7} {'dense acc':>10} {'stria acc':>10}")
-    for r in rows:
-        if r["step"] % args.table_every == 0 or r["step"] == args.steps - 1:
-            ratio = r["stria_loss"] / r["dense_loss"] if r["stria_loss"] is not None and r["dense_loss"] else None
-            print(f"{r['step']:6d} {show(r['dense_loss'], '11.4f')} {show(r['stria_loss'], '11.4f')} {show(ratio, '7.3f')} "
-                  f"{show(r['dense_acc'], '10.3f')} {show(r['stria_acc'], '10.3f')}")
-    for name, t in timing.items():
-        print(f"{name}: median step {t['median_step_ms']:.1f} ms, wall {t['wall_s']:.1f} s, peak memory {t['peak_gib']:.2f} GiB"
-              + (f", FAILED: {t['error']}" if t["error"] else ""))
-    if "stria" in records and records["stria"]["selection"]:
-        last = records["stria"]["selection"][-1]
-        print(f"stria's estimated selection at step {last['step']}, per layer: {last['layers']}")
-    window = final["window_steps"]
-    if "ratio" in final and final["ratio"] is not None:
-        verdict = ("within 2% of dense (issue 21's target)" if abs(final["ratio"] - 1) <= 0.02 else
-                   "NOT within 2% of dense (issue 21's target): stria " + ("higher" if final["ratio"] > 1 else "lower"))
-        print(f"final loss (mean of the last {window} steps): dense {final['dense']:.4f} (acc {final['dense_acc']:.3f}), "
-              f"stria {final['stria']:.4f} (acc {final['stria_acc']:.3f}); difference {final['difference']:+.4f}, "
-              f"ratio {final['ratio']:.4f}: {verdict}")
-    if "dense" in final and final["dense"] > 0.9 * chance_loss(args) and not args.quick:
-        print(f"warning: the dense model did not learn the task (final {final['dense']:.3f} against chance "
-              f"{chance_loss(args):.3f}); the ratio says little: try more --steps, --batch or --lr")
+              "gpu": torch.cuda.get_device_name(), "config": config, "summary": summary, "runs": runs}
+    report(result, args)
 
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -579,7 +576,99 @@ def main():
     plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if plot:
         write_plot(plot, result, args)
-    sys.exit(1 if any(r["error"] for r in records.values()) else 0)
+    sys.exit(1 if any(t["error"] for run in runs for t in run["timing"].values()) else 0)
+
+
+def run_seed(seed, args, vocab, dense_backend, stria_options):
+    """Both runs of one seed (one initial model, one batch stream, one held-out set): their per-step rows,
+    held-out evaluations, final figures, timings and stria's selection summaries."""
+    torch.manual_seed(seed)
+    base = LM(args, vocab).cuda()
+    records = {}
+    names = ("stria", "dense") if args.only == "both" else (args.only,)
+    for name in names:  # stria first: its failures surface before the longer dense run
+        print(f"--- seed {seed}: {name}", flush=True)
+        records[name] = train(name, base, seed, args, dense_backend, stria_options)
+    del base
+    torch.cuda.empty_cache()
+
+    def at(name, field, i):
+        values = records[name][field] if name in records else []
+        return round(values[i], 5) if i < len(values) else None
+
+    rows = [{"step": i, "dense_loss": at("dense", "loss", i), "stria_loss": at("stria", "loss", i),
+             "dense_acc": at("dense", "accuracy", i), "stria_acc": at("stria", "accuracy", i)} for i in range(args.steps)]
+    final = {"window_steps": max(1, args.steps // 10)}
+    for name, r in records.items():
+        if r["error"]:  # a failed run has no final figures
+            continue
+        final[name] = round(smoothed_final(r["loss"], args.steps), 5)
+        final[name + "_acc"] = round(smoothed_final(r["accuracy"], args.steps), 4)
+        if r["eval"]:
+            final[name + "_held_out"] = r["eval"][-1]["loss"]
+            final[name + "_held_out_acc"] = r["eval"][-1]["accuracy"]
+    for key in ("", "_held_out"):
+        if "dense" + key in final and "stria" + key in final and final["dense" + key] > 0:
+            final["ratio" + key] = round(final["stria" + key] / final["dense" + key], 4)
+    timing = {name: {"median_step_ms": round(median_step_ms(r), 2), "wall_s": round(r["wall_s"], 1), "peak_gib": round(r["peak_gib"], 2),
+                     "error": r["error"]} for name, r in records.items()}
+    return {"seed": seed, "rows": rows, "eval": {name: r["eval"] for name, r in records.items()}, "final": final, "timing": timing,
+            "stria_selection": records["stria"]["selection"] if "stria" in records else []}
+
+
+def summarise(runs):
+    """Over the seeds: the mean final held-out loss of each run kind and their ratio (issue 21's figure),
+    with each seed's ratio beside it; and the same for the training loss's last 10% of steps."""
+    summary = {"seeds": len(runs)}
+    for key in ("_held_out", ""):
+        for name in ("dense", "stria"):
+            values = [run["final"][name + key] for run in runs if name + key in run["final"]]
+            if len(values) == len(runs):
+                summary[name + key] = round(statistics.fmean(values), 5)
+                if len(values) > 1:
+                    summary[name + key + "_stdev"] = round(statistics.stdev(values), 5)
+        if "dense" + key in summary and "stria" + key in summary and summary["dense" + key] > 0:
+            summary["ratio" + key] = round(summary["stria" + key] / summary["dense" + key], 4)
+            summary["ratio" + key + "_per_seed"] = [run["final"].get("ratio" + key) for run in runs]
+    return summary
+
+
+def report(result, args):
+    def show(x, fmt):
+        return format(x, fmt) if x is not None else "-"
+
+    for run in result["runs"]:
+        rows = run["rows"]
+        print(f"\nseed {run['seed']}\n{'step':>6} {'dense loss':>11} {'stria loss':>11} {'ratio':>7} {'dense acc':>10} {'stria acc':>10}")
+        for r in rows:
+            if r["step"] % args.table_every == 0 or r["step"] == args.steps - 1:
+                ratio = r["stria_loss"] / r["dense_loss"] if r["stria_loss"] is not None and r["dense_loss"] else None
+                print(f"{r['step']:6d} {show(r['dense_loss'], '11.4f')} {show(r['stria_loss'], '11.4f')} {show(ratio, '7.3f')} "
+                      f"{show(r['dense_acc'], '10.3f')} {show(r['stria_acc'], '10.3f')}")
+        for name, t in run["timing"].items():
+            print(f"{name}: median step {t['median_step_ms']:.1f} ms, wall {t['wall_s']:.1f} s, peak memory {t['peak_gib']:.2f} GiB"
+                  + (f", FAILED: {t['error']}" if t["error"] else ""))
+        if run["stria_selection"]:
+            last = run["stria_selection"][-1]
+            print(f"stria's estimated selection at step {last['step']}, per layer: {last['layers']}")
+        f = run["final"]
+        print(f"seed {run['seed']} final: training loss (last {f['window_steps']} steps) dense {show(f.get('dense'), '.4f')}, "
+              f"stria {show(f.get('stria'), '.4f')}; held-out dense {show(f.get('dense_held_out'), '.4f')} "
+              f"(acc {show(f.get('dense_held_out_acc'), '.3f')}), stria {show(f.get('stria_held_out'), '.4f')} "
+              f"(acc {show(f.get('stria_held_out_acc'), '.3f')}), ratio {show(f.get('ratio_held_out'), '.4f')}")
+    s = result["summary"]
+    key = "_held_out" if "ratio_held_out" in s else ""
+    if "ratio" + key in s:
+        what = "held-out loss after the last step" if key else f"training loss over the last {max(1, args.steps // 10)} steps"
+        ratio = s["ratio" + key]
+        verdict = ("within 2% of dense (issue 21's target)" if abs(ratio - 1) <= 0.02 else
+                   "NOT within 2% of dense (issue 21's target): stria " + ("higher" if ratio > 1 else "lower"))
+        print(f"final ({what}, mean of {s['seeds']} seed(s)): dense {s['dense' + key]:.4f}, stria {s['stria' + key]:.4f}; "
+              f"ratio {ratio:.4f} (per seed {s['ratio' + key + '_per_seed']}): {verdict}")
+    dense_final = s.get("dense")
+    if dense_final is not None and dense_final > 0.9 * chance_loss(args) and not args.quick:
+        print(f"warning: the dense model did not learn the task (final {dense_final:.3f} against chance "
+              f"{chance_loss(args):.3f}); the ratio says little: try more --steps, --batch or --lr")
 
 
 if __name__ == "__main__":
