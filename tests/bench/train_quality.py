@@ -566,13 +566,12 @@ def main():
     summary = summarise(runs)
     result = {"commit": args.commit, "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
               "gpu": torch.cuda.get_device_name(), "config": config, "summary": summary, "runs": runs}
-    report(result, args)
-
-    if args.json:
+    if args.json:  # first: the measurement survives a failure of what follows
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}")
+    report(result, args)
     plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if plot:
         write_plot(plot, result, args)
