@@ -130,17 +130,25 @@ TEST_CASE("comm::nccl on one GPU: a wait on held work returns once the work ran,
   const std::size_t n = values.size();
   const device_buffer<float> send(std::span<const float>(values), st);
   device_buffer<float> reduced(n, st), gathered(n, st), from_self(n, st);
-  stream.synchronize();  // the upload is done before the gate holds the stream
-  {
-    gate g;
-    const open_after opener(g, std::chrono::seconds(10));  // only if a call below waited on the held stream
-    g.hold(st);
+  const auto post = [&] {
     c.all_reduce(send.data(), reduced.data(), n, comm::reduce_op::sum, st);
     c.all_gather(send.data(), gathered.data(), n, st);
     c.group_start();  // one rank sends to itself: NCCL's p2p kernel, behind the gate too
     c.send(send.data(), n, 0, st);
     c.recv(from_self.data(), n, 0, st);
     c.group_end();
+  };
+  // Once with the stream free: NCCL connects lazily on a communicator's first operations, and that
+  // setup waited for the held stream on the H200 (the opener's 10 s), so the held round comes second.
+  post();
+  for (device_buffer<float>* out : {&reduced, &gathered, &from_self})  // poisoned: the held round must write them again
+    STRIA_CUDA_CHECK(cudaMemsetAsync(out->data(), 0xff, n * sizeof(float), st));
+  stream.synchronize();  // the upload, the first round and the poison are done before the gate holds the stream
+  {
+    gate g;
+    const open_after opener(g, std::chrono::seconds(10));  // only if a call below waited on the held stream
+    g.hold(st);
+    post();
     const cuda_event done;
     done.record(st);
     CHECK(cudaEventQuery(done.get()) == cudaErrorNotReady);  // held: the wait below has something to wait for
