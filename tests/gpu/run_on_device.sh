@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (the device tool): the `gpu` tests (and, where there are two or more GPUs,
+# Runs on the GPU machine (the device tool): the `gpu` tests (stria_gpu_tests, then comm::nccl's
+# timeout-and-abort tests on one GPU, stria_nccl_gpu_tests; and, where there are two or more GPUs,
 # the `multi_gpu` tests and multi_gpu_bench), compute-sanitizer memcheck, synccheck, initcheck and
 # racecheck over the `gpu` tests, then the benchmarks; prints a short table last and leaves logs in $OUT.
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
@@ -30,7 +31,7 @@ if [ ! -x "$bin/stria_gpu_tests" ]; then
   start=$(date +%s)
   cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
         -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
-    cmake --build build-device -j16 --target stria_gpu_tests stria_multi_gpu_tests stria_one_process_per_gpu attention_bench estimator_bench \
+    cmake --build build-device -j16 --target stria_gpu_tests stria_nccl_gpu_tests stria_multi_gpu_tests stria_one_process_per_gpu attention_bench estimator_bench \
       ring_bench multi_gpu_bench > "$OUT/build.log" 2>&1
   note "build on device: rc=$? in $(( $(date +%s) - start )) s"
 fi
@@ -47,6 +48,9 @@ run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and tim
 }
 
 run gpu_tests "$bin/stria_gpu_tests" ${TESTS:+-tc="$TESTS"}
+# comm::nccl's timeout and abort on one GPU (a world-1 communicator held behind a gate kernel).
+if [ -x "$bin/stria_nccl_gpu_tests" ]; then run nccl_gpu_tests "$bin/stria_nccl_gpu_tests"
+else note "nccl_gpu_tests: no $bin/stria_nccl_gpu_tests (it is built where NCCL is found)"; fi
 # With two or more GPUs: the multi-GPU tests, one process driving every GPU and one process per GPU
 # (NVLink multicast stays off).
 if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_tests" ]; then

@@ -27,46 +27,12 @@
 #include "stria/topology/flat_ring.hpp"
 #include "support/random.hpp"
 #include "support/selection.hpp"
+#include "support/stream_gate.cuh"
 
 using namespace stria;
+using stria::test::gate;
 
 namespace {
-
-/// Spins until the host opens the gate (host-mapped memory): a stream stuck for as long as a test wants.
-__global__ void hold_until_open(const volatile int* gate) {
-  while (*gate == 0) __nanosleep(1000);
-}
-
-/// A gate in host-mapped memory, opened by the host; closed while it lives, opened when it goes.
-class gate {
- public:
-  gate() {
-    void* host = nullptr;
-    STRIA_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int), cudaHostAllocMapped));
-    host_ = static_cast<volatile int*>(host);
-    *host_ = 0;
-    void* device = nullptr;
-    STRIA_CUDA_CHECK(cudaHostGetDevicePointer(&device, host, 0));
-    device_ = static_cast<const int*>(device);
-  }
-  ~gate() {
-    open();
-    (void)cudaDeviceSynchronize();  // whatever waited behind it has run
-    (void)cudaFreeHost(const_cast<int*>(host_));
-  }
-  gate(const gate&) = delete;
-  gate& operator=(const gate&) = delete;
-
-  void hold(cudaStream_t stream) const {
-    hold_until_open<<<1, 1, 0, stream>>>(device_);
-    STRIA_CUDA_CHECK_LAUNCH("hold_until_open");
-  }
-  void open() { *host_ = 1; }
-
- private:
-  volatile int* host_ = nullptr;
-  const int* device_ = nullptr;
-};
 
 /// comm::local_device with a fault: from its group number `from_group` on (counting group_start
 /// calls), rank `faulty`'s transfers wait behind `g` on the device (a rank whose stream never

@@ -164,7 +164,7 @@ class nccl {
 
   nccl(nccl&& other) noexcept
       : comm_(std::exchange(other.comm_, nullptr)), owned_(other.owned_), rank_(other.rank_), world_(other.world_), stream_(std::exchange(other.stream_, nullptr)),
-        device_(other.device_), options_(other.options_), aborted_(std::move(other.aborted_)), host_(*this) {}
+        device_(other.device_), options_(other.options_), aborted_(std::exchange(other.aborted_, {})), host_(*this) {}
   nccl& operator=(nccl&&) = delete;
   nccl(const nccl&) = delete;
   nccl& operator=(const nccl&) = delete;
