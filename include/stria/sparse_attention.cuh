@@ -59,11 +59,23 @@ struct attention_config {
   finite_check check = finite_check::off;
 };
 
-template <index_estimator Estimator, sharding_policy Sharding, class Topology, tile_traits Tile = tile<64, 64, 128>>
-  requires ring_topology<Topology> || topology::is_dynamic_solver<Topology>
+namespace detail {
+/// The front template's topology: topology::solver, or a ring_topology checked member by member.
+template <class Topology>
+constexpr bool check_front_topology() {
+  if constexpr (topology::is_dynamic_solver<Topology>) return true;
+  else return check_ring_topology<Topology>();
+}
+}  // namespace detail
+
+/// The policies are checked in the class body rather than constrained, so that a policy missing a
+/// member fails with one message naming it (core/concepts.hpp's check_* functions).
+template <class Estimator, class Sharding, class Topology, class Tile = tile<64, 64, 128>>
 class sparse_attention {
-  static_assert(Tile::block_q == block_tokens && Tile::block_kv == block_tokens,
-                "stria's kernels run 64x64 tiles: use stria::tile<64, 64, HeadDim>");
+  static_assert(check_index_estimator<Estimator>());
+  static_assert(check_sharding_policy<Sharding>());
+  static_assert(detail::check_front_topology<Topology>());
+  static_assert(check_tile_traits<Tile>());
   static constexpr bool dynamic = topology::is_dynamic_solver<Topology>;
   static_assert(!dynamic || std::is_same_v<Sharding, sharding::sequential>,
                 "topology::solver needs sharding::sequential: its plan moves the query and KV chunks of a sequential layout");

@@ -35,15 +35,49 @@ struct block_location {
 /// - `p.local_blocks(layout)`: blocks per rank;
 /// - `p.locate(layout, global_block)` and `p.global_block(layout, location)`: inverse bijections;
 ///   each rank's local order keeps global order (local block i < j implies global(i) < global(j)).
+namespace detail {
+// One concept per requirement of each policy kind, so that the check_* functions below name the one
+// that is missing.
 template <class P>
-concept sharding_policy =
-    std::semiregular<P> && requires(const P p, shard_layout layout, index_t global_block, block_location location) {
-      { P::name } -> std::convertible_to<std::string_view>;
-      { p.validate(layout) } -> std::same_as<void>;
-      { p.local_blocks(layout) } -> std::same_as<index_t>;
-      { p.locate(layout, global_block) } -> std::same_as<block_location>;
-      { p.global_block(layout, location) } -> std::same_as<index_t>;
-    };
+concept sharding_name = requires {
+  { P::name } -> std::convertible_to<std::string_view>;
+};
+template <class P>
+concept sharding_validate = requires(const P p, shard_layout layout) {
+  { p.validate(layout) } -> std::same_as<void>;
+};
+template <class P>
+concept sharding_local_blocks = requires(const P p, shard_layout layout) {
+  { p.local_blocks(layout) } -> std::same_as<index_t>;
+};
+template <class P>
+concept sharding_locate = requires(const P p, shard_layout layout, index_t global_block) {
+  { p.locate(layout, global_block) } -> std::same_as<block_location>;
+};
+template <class P>
+concept sharding_global_block = requires(const P p, shard_layout layout, block_location location) {
+  { p.global_block(layout, location) } -> std::same_as<index_t>;
+};
+}  // namespace detail
+
+template <class P>
+concept sharding_policy = std::semiregular<P> && detail::sharding_name<P> && detail::sharding_validate<P> && detail::sharding_local_blocks<P> &&
+                          detail::sharding_locate<P> && detail::sharding_global_block<P>;
+
+/// sharding_policy<P> as one static_assert per requirement, each naming the missing member. Use as
+/// `static_assert(check_sharding_policy<P>());` (true once the asserts pass).
+template <class P>
+constexpr bool check_sharding_policy() {
+  static_assert(std::semiregular<P>, "stria: a Sharding policy must be default-constructible and copyable (std::semiregular)");
+  static_assert(detail::sharding_name<P>, "stria: Sharding must have a static member name convertible to std::string_view");
+  static_assert(detail::sharding_validate<P>, "stria: Sharding must have validate(stria::shard_layout) const returning void");
+  static_assert(detail::sharding_local_blocks<P>, "stria: Sharding must have local_blocks(stria::shard_layout) const returning stria::index_t");
+  static_assert(detail::sharding_locate<P>,
+                "stria: Sharding must have locate(stria::shard_layout, index_t global_block) const returning stria::block_location");
+  static_assert(detail::sharding_global_block<P>,
+                "stria: Sharding must have global_block(stria::shard_layout, stria::block_location) const returning stria::index_t");
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Ring topology: which KV chunk each rank computes with at each step, and how chunks move.
@@ -87,16 +121,58 @@ struct transfer_list {
 ///   done: the travelling fp32 dK/dV partial sums. A received partial is added into the chunk's sum
 ///   at the end of `ready_step` (before that step end's sends); `ready_step == num_steps()` marks
 ///   the final delivery, after which every rank holds the complete dK/dV of its own chunk.
+namespace detail {
 template <class T>
-concept ring_topology = std::copyable<T> && requires(const T t, index_t rank, index_t step) {
+concept topology_name = requires {
   { T::name } -> std::convertible_to<std::string_view>;
+};
+template <class T>
+concept topology_world_size = requires(const T t) {
   { t.world_size() } -> std::same_as<index_t>;
+};
+template <class T>
+concept topology_num_steps = requires(const T t) {
   { t.num_steps() } -> std::same_as<index_t>;
+};
+template <class T>
+concept topology_kv_source_rank = requires(const T t, index_t rank, index_t step) {
   { t.kv_source_rank(rank, step) } -> std::same_as<index_t>;
+};
+template <class T>
+concept topology_kv_buffer = requires(const T t, index_t rank, index_t step) {
   { t.kv_buffer(rank, step) } -> std::same_as<int>;
+};
+template <class T>
+concept topology_transfers = requires(const T t, index_t rank, index_t step) {
   { t.transfers(rank, step) } -> std::same_as<transfer_list>;
+};
+template <class T>
+concept topology_gradient_transfers = requires(const T t, index_t rank, index_t step) {
   { t.gradient_transfers(rank, step) } -> std::same_as<transfer_list>;
 };
+}  // namespace detail
+
+template <class T>
+concept ring_topology = std::copyable<T> && detail::topology_name<T> && detail::topology_world_size<T> && detail::topology_num_steps<T> &&
+                        detail::topology_kv_source_rank<T> && detail::topology_kv_buffer<T> && detail::topology_transfers<T> &&
+                        detail::topology_gradient_transfers<T>;
+
+/// ring_topology<T> as one static_assert per requirement, each naming the missing member.
+template <class T>
+constexpr bool check_ring_topology() {
+  static_assert(std::copyable<T>, "stria: a Topology must be copyable");
+  static_assert(detail::topology_name<T>, "stria: Topology must have a static member name convertible to std::string_view");
+  static_assert(detail::topology_world_size<T>, "stria: Topology must have world_size() const returning stria::index_t");
+  static_assert(detail::topology_num_steps<T>, "stria: Topology must have num_steps() const returning stria::index_t");
+  static_assert(detail::topology_kv_source_rank<T>,
+                "stria: Topology must have kv_source_rank(index_t rank, index_t step) const returning stria::index_t");
+  static_assert(detail::topology_kv_buffer<T>, "stria: Topology must have kv_buffer(index_t rank, index_t step) const returning int");
+  static_assert(detail::topology_transfers<T>,
+                "stria: Topology must have transfers(index_t rank, index_t step) const returning stria::transfer_list");
+  static_assert(detail::topology_gradient_transfers<T>,
+                "stria: Topology must have gradient_transfers(index_t rank, index_t step) const returning stria::transfer_list");
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Index estimator: how the global sparse selection is found from the data, each layer.
@@ -110,26 +186,69 @@ struct statistics_request;   // stria/estimator/statistics.hpp
 /// - `e.validate(seq_len, num_heads)`: throws stria::invalid_argument for settings that cannot apply;
 /// - `e.request(seq_len)`: the window statistics to gather (window_rows 0: none);
 /// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
+namespace detail {
 template <class E>
-concept index_estimator = std::copyable<E> && requires(const E e, index_t seq_len, index_t num_heads,
-                                                       const vs_statistics& statistics) {
+concept estimator_name = requires {
   { E::name } -> std::convertible_to<std::string_view>;
+};
+template <class E>
+concept estimator_validate = requires(const E e, index_t seq_len, index_t num_heads) {
   { e.validate(seq_len, num_heads) } -> std::same_as<void>;
+};
+template <class E>
+concept estimator_request = requires(const E e, index_t seq_len) {
   { e.request(seq_len) } -> std::same_as<statistics_request>;
+};
+template <class E>
+concept estimator_select = requires(const E e, const vs_statistics& statistics) {
   { e.select(statistics) } -> std::same_as<global_selection>;
 };
+}  // namespace detail
+
+template <class E>
+concept index_estimator =
+    std::copyable<E> && detail::estimator_name<E> && detail::estimator_validate<E> && detail::estimator_request<E> && detail::estimator_select<E>;
+
+/// index_estimator<E> as one static_assert per requirement, each naming the missing member.
+template <class E>
+constexpr bool check_index_estimator() {
+  static_assert(std::copyable<E>, "stria: an Estimator must be copyable");
+  static_assert(detail::estimator_name<E>, "stria: Estimator must have a static member name convertible to std::string_view");
+  static_assert(detail::estimator_validate<E>, "stria: Estimator must have validate(index_t seq_len, index_t num_heads) const returning void");
+  static_assert(detail::estimator_request<E>, "stria: Estimator must have request(index_t seq_len) const returning stria::statistics_request");
+  static_assert(detail::estimator_select<E>,
+                "stria: Estimator must have select(const stria::vs_statistics&) const returning stria::global_selection");
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Tile: the kernel's tile shape (stria::tile<64, 64, D>).
 
 /// Requirements of tile traits T: compile-time `block_q`, `block_kv`, `head_dim`, with the
 /// tile sides equal to the 64-token block and head_dim a multiple of the 16-wide mma step.
+namespace detail {
 template <class T>
-concept tile_traits = requires {
+concept tile_members = requires {
   { T::block_q } -> std::convertible_to<index_t>;
   { T::block_kv } -> std::convertible_to<index_t>;
   { T::head_dim } -> std::convertible_to<index_t>;
-} && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
+};
+}  // namespace detail
+
+template <class T>
+concept tile_traits = detail::tile_members<T> && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
+
+/// tile_traits<T> as static_asserts: the members first, then their values (the kernels are written
+/// for the supported head dims 64 and 128 only).
+template <class T>
+constexpr bool check_tile_traits() {
+  static_assert(detail::tile_members<T>, "stria: Tile must have static members block_q, block_kv and head_dim (use stria::tile<64, 64, HeadDim>)");
+  if constexpr (detail::tile_members<T>) {
+    static_assert(T::block_q == 64 && T::block_kv == 64, "stria's kernels run 64x64 tiles: use stria::tile<64, 64, HeadDim>");
+    static_assert(T::head_dim == 64 || T::head_dim == 128, "stria supports head_dim 64 and 128: use tile<64, 64, 64> or tile<64, 64, 128>");
+  }
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Host communicators: one rank's handle on the world, moving host arrays. comm::host_threads is a
