@@ -32,8 +32,8 @@ pair, predicted at the query itself. Each pair token is a vertical line the esti
 S filler keys. Chance: ln(values). Both runs see the same batches (a CPU generator seeded per step)
 and start from one deep-copied initial model. Every --eval-every steps and after the last, each
 run's model is evaluated without gradients on --eval-batches held-out batches (the same for both runs
-of a seed, never trained on; default 16 x batch 4 x 8 queries = 512 answers, against 32 per training
-step), with the attention it trains with at that point. --repeats N trains the seeds --seed .. --seed
+of a seed, never trained on; --eval-batches x --batch x --queries answers: 16 x 4 x 8 = 512 in the
+committed run, against 32 per training step), with the attention it trains with at that point. --repeats N trains the seeds --seed .. --seed
 + N - 1, each with its own initial model, batches and held-out set. The figure for issue 21's target
 is the ratio of the seeds' mean final held-out losses, stria / dense; the training loss over the last
 10% of the steps is reported beside it. Times: wall clock per step (synchronised by the loss's
@@ -312,6 +312,8 @@ def evaluate(model, seed, args):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         for i in range(args.eval_batches):
             loss, accuracy = model(*batch_of(HELD_OUT + i, seed, args))
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(f"the held-out loss is {loss.item()} on held-out batch {i}")
             losses.append(loss.item())
             accuracies.append(accuracy.item())
     return statistics.fmean(losses), statistics.fmean(accuracies)
@@ -366,7 +368,10 @@ def train(name, base, seed, args, dense_backend, stria_options):
         traceback.print_exc()
         if name == "dense" and "FloatingPointError" not in record["error"]:
             print("hint: if SDPA found no kernel for this shape, try --dense-backend flash", flush=True)
-    torch.cuda.synchronize()
+    try:  # a CUDA fault is sticky: report this run as failed, not the process
+        torch.cuda.synchronize()
+    except Exception as e:
+        record["error"] = record["error"] or f"{type(e).__name__}: {e}"
     record["wall_s"] = time.perf_counter() - start
     record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del model, optimizer
@@ -562,15 +567,18 @@ def main():
           f"chance: ln(vocab) = {math.log(vocab):.3f}, on the predicted tokens {chance_loss(args):.3f}")
     print(json.dumps(config), flush=True)
 
-    runs = [run_seed(seed, args, vocab, dense_backend, stria_options) for seed in seeds]
-    summary = summarise(runs)
     result = {"commit": args.commit, "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
-              "gpu": torch.cuda.get_device_name(), "config": config, "summary": summary, "runs": runs}
-    if args.json:  # first: the measurement survives a failure of what follows
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+              "gpu": torch.cuda.get_device_name(), "config": config, "summary": {}, "runs": []}
+    for seed in seeds:  # the JSON is rewritten after every seed: a later failure keeps the seeds before it
+        result["runs"].append(run_seed(seed, args, vocab, dense_backend, stria_options))
+        result["summary"] = summarise(result["runs"])
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    if args.json:
         print(f"wrote {args.json}")
+    runs = result["runs"]
     report(result, args)
     plot = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if plot:
@@ -619,6 +627,9 @@ def summarise(runs):
     """Over the seeds: the mean final held-out loss of each run kind and their ratio (issue 21's figure),
     with each seed's ratio beside it; and the same for the training loss's last 10% of steps."""
     summary = {"seeds": len(runs)}
+    failed = [{"seed": run["seed"], "run": name, "error": t["error"]} for run in runs for name, t in run["timing"].items() if t["error"]]
+    if failed:
+        summary["failed"] = failed  # their kind has no mean below
     for key in ("_held_out", ""):
         for name in ("dense", "stria"):
             values = [run["final"][name + key] for run in runs if name + key in run["final"]]
@@ -628,7 +639,10 @@ def summarise(runs):
                     summary[name + key + "_stdev"] = round(statistics.stdev(values), 5)
         if "dense" + key in summary and "stria" + key in summary and summary["dense" + key] > 0:
             summary["ratio" + key] = round(summary["stria" + key] / summary["dense" + key], 4)
-            summary["ratio" + key + "_per_seed"] = [run["final"].get("ratio" + key) for run in runs]
+            per_seed = [run["final"].get("ratio" + key) for run in runs]
+            summary["ratio" + key + "_per_seed"] = per_seed
+            if len(per_seed) > 1 and None not in per_seed:  # how far the seeds alone move the ratio
+                summary["ratio" + key + "_standard_error"] = round(statistics.stdev(per_seed) / math.sqrt(len(per_seed)), 4)
     return summary
 
 
@@ -659,9 +673,14 @@ def report(result, args):
     key = "_held_out" if "ratio_held_out" in s else ""
     if "ratio" + key in s:
         what = "held-out loss after the last step" if key else f"training loss over the last {max(1, args.steps // 10)} steps"
-        ratio = s["ratio" + key]
+        ratio, error = s["ratio" + key], s.get("ratio" + key + "_standard_error")
         verdict = ("within 2% of dense (issue 21's target)" if abs(ratio - 1) <= 0.02 else
                    "NOT within 2% of dense (issue 21's target): stria " + ("higher" if ratio > 1 else "lower"))
+        if error is None:
+            verdict += "; one seed: no measure of how much the seeds alone move it"
+        elif 2 * error > 0.02:
+            verdict += (f"; but the seeds alone move the ratio by {error:.3f} (standard error of the per-seed ratios): "
+                        "too few seeds to resolve 2%")
         print(f"final ({what}, mean of {s['seeds']} seed(s)): dense {s['dense' + key]:.4f}, stria {s['stria' + key]:.4f}; "
               f"ratio {ratio:.4f} (per seed {s['ratio' + key + '_per_seed']}): {verdict}")
     dense_final = s.get("dense")

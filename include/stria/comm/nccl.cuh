@@ -206,7 +206,8 @@ class nccl {
   /// Returns once the work `done` captured has completed (an event recorded after NCCL operations
   /// of this communicator: the ring engines confirm their transfers so). Polls the event and
   /// ncclCommGetAsyncError; on an asynchronous error, or past options().timeout with no progress,
-  /// it aborts the communicator (ncclCommAbort: its kernels end, so the streams drain) and raises
+  /// it aborts the communicator (ncclCommAbort: its kernels end, so the streams drain; work of
+  /// other kernels queued ahead on the stream still has to finish before the abort returns) and raises
   /// nccl_error naming this rank, `what` and the time waited. An aborted communicator refuses
   /// further calls; a wrapped one is freed by the abort, so its owner must not destroy it again.
   void wait(cudaEvent_t done, const std::string& what) { wait_all(done, what, rank_, {this}); }

@@ -28,13 +28,6 @@ struct block_location {
   friend constexpr bool operator==(const block_location&, const block_location&) = default;
 };
 
-/// Requirements of a sharding policy P (built-ins: sharding::sequential, zigzag, striped<G>):
-/// - `P::name`: a short name for reports;
-/// - `p.validate(layout)`: throws stria::invalid_argument naming seq_len or world_size when the
-///   layout cannot be sharded (every rank must own the same number of blocks);
-/// - `p.local_blocks(layout)`: blocks per rank;
-/// - `p.locate(layout, global_block)` and `p.global_block(layout, location)`: inverse bijections;
-///   each rank's local order keeps global order (local block i < j implies global(i) < global(j)).
 namespace detail {
 // One concept per requirement of each policy kind, so that the check_* functions below name the one
 // that is missing.
@@ -60,6 +53,13 @@ concept sharding_global_block = requires(const P p, shard_layout layout, block_l
 };
 }  // namespace detail
 
+/// Requirements of a sharding policy P (built-ins: sharding::sequential, zigzag, striped<G>):
+/// - `P::name`: a short name for reports;
+/// - `p.validate(layout)`: throws stria::invalid_argument naming seq_len or world_size when the
+///   layout cannot be sharded (every rank must own the same number of blocks);
+/// - `p.local_blocks(layout)`: blocks per rank;
+/// - `p.locate(layout, global_block)` and `p.global_block(layout, location)`: inverse bijections;
+///   each rank's local order keeps global order (local block i < j implies global(i) < global(j)).
 template <class P>
 concept sharding_policy = std::semiregular<P> && detail::sharding_name<P> && detail::sharding_validate<P> && detail::sharding_local_blocks<P> &&
                           detail::sharding_locate<P> && detail::sharding_global_block<P>;
@@ -110,17 +110,6 @@ struct transfer_list {
   constexpr const ring_transfer* end() const { return items + count; }
 };
 
-/// Requirements of a ring topology T (built-ins: topology::flat_ring, hierarchical_ring):
-/// - `T::name`; `t.world_size()`; `t.num_steps()` (a ring has one step per KV chunk);
-/// - `t.kv_source_rank(rank, step)`: whose KV chunk `rank` computes with at `step`; over all steps
-///   each rank meets every chunk exactly once;
-/// - `t.kv_buffer(rank, step)`: the slot that holds that chunk during the step;
-/// - `t.transfers(rank, step)`: KV moves `rank` posts at the start of `step` (each received chunk is
-///   in place before `ready_step` computes);
-/// - `t.gradient_transfers(rank, step)`: backward only, posted in list order once `step`'s compute is
-///   done: the travelling fp32 dK/dV partial sums. A received partial is added into the chunk's sum
-///   at the end of `ready_step` (before that step end's sends); `ready_step == num_steps()` marks
-///   the final delivery, after which every rank holds the complete dK/dV of its own chunk.
 namespace detail {
 template <class T>
 concept topology_name = requires {
@@ -152,6 +141,17 @@ concept topology_gradient_transfers = requires(const T t, index_t rank, index_t 
 };
 }  // namespace detail
 
+/// Requirements of a ring topology T (built-ins: topology::flat_ring, hierarchical_ring):
+/// - `T::name`; `t.world_size()`; `t.num_steps()` (a ring has one step per KV chunk);
+/// - `t.kv_source_rank(rank, step)`: whose KV chunk `rank` computes with at `step`; over all steps
+///   each rank meets every chunk exactly once;
+/// - `t.kv_buffer(rank, step)`: the slot that holds that chunk during the step;
+/// - `t.transfers(rank, step)`: KV moves `rank` posts at the start of `step` (each received chunk is
+///   in place before `ready_step` computes);
+/// - `t.gradient_transfers(rank, step)`: backward only, posted in list order once `step`'s compute is
+///   done: the travelling fp32 dK/dV partial sums. A received partial is added into the chunk's sum
+///   at the end of `ready_step` (before that step end's sends); `ready_step == num_steps()` marks
+///   the final delivery, after which every rank holds the complete dK/dV of its own chunk.
 template <class T>
 concept ring_topology = std::copyable<T> && detail::topology_name<T> && detail::topology_world_size<T> && detail::topology_num_steps<T> &&
                         detail::topology_kv_source_rank<T> && detail::topology_kv_buffer<T> && detail::topology_transfers<T> &&
@@ -181,11 +181,6 @@ struct global_selection;     // stria/index/global_selection.hpp
 struct vs_statistics;        // stria/estimator/statistics.hpp
 struct statistics_request;   // stria/estimator/statistics.hpp
 
-/// Requirements of an index estimator E (built-ins: estimator::vertical_slash_top_p, top_k, dense, block_mask):
-/// - `E::name`;
-/// - `e.validate(seq_len, num_heads)`: throws stria::invalid_argument for settings that cannot apply;
-/// - `e.request(seq_len)`: the window statistics to gather (window_rows 0: none);
-/// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
 namespace detail {
 template <class E>
 concept estimator_name = requires {
@@ -205,6 +200,11 @@ concept estimator_select = requires(const E e, const vs_statistics& statistics) 
 };
 }  // namespace detail
 
+/// Requirements of an index estimator E (built-ins: estimator::vertical_slash_top_p, top_k, dense, block_mask):
+/// - `E::name`;
+/// - `e.validate(seq_len, num_heads)`: throws stria::invalid_argument for settings that cannot apply;
+/// - `e.request(seq_len)`: the window statistics to gather (window_rows 0: none);
+/// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
 template <class E>
 concept index_estimator =
     std::copyable<E> && detail::estimator_name<E> && detail::estimator_validate<E> && detail::estimator_request<E> && detail::estimator_select<E>;
@@ -224,8 +224,6 @@ constexpr bool check_index_estimator() {
 // ---------------------------------------------------------------------------------------------
 // Tile: the kernel's tile shape (stria::tile<64, 64, D>).
 
-/// Requirements of tile traits T: compile-time `block_q`, `block_kv`, `head_dim`, with the
-/// tile sides equal to the 64-token block and head_dim a multiple of the 16-wide mma step.
 namespace detail {
 template <class T>
 concept tile_members = requires {
@@ -235,6 +233,10 @@ concept tile_members = requires {
 };
 }  // namespace detail
 
+/// Requirements of tile traits T: compile-time `block_q`, `block_kv`, `head_dim`, with the
+/// tile sides equal to the 64-token block and head_dim a multiple of the 16-wide mma step. The
+/// kernels exist for head_dim 64 and 128 only, so the front template's check_tile_traits asks for
+/// one of those (a tile of another head dim satisfies the concept, and fails there).
 template <class T>
 concept tile_traits = detail::tile_members<T> && T::block_q == 64 && T::block_kv == 64 && T::head_dim > 0 && T::head_dim % 16 == 0;
 
