@@ -32,7 +32,7 @@ namespace detail {
 // One concept per requirement of each policy kind, so that the check_* functions below name the one
 // that is missing.
 template <class P>
-concept sharding_name = requires {
+concept policy_name = requires {  // every policy kind's short name for reports
   { P::name } -> std::convertible_to<std::string_view>;
 };
 template <class P>
@@ -61,7 +61,7 @@ concept sharding_global_block = requires(const P p, shard_layout layout, block_l
 /// - `p.locate(layout, global_block)` and `p.global_block(layout, location)`: inverse bijections;
 ///   each rank's local order keeps global order (local block i < j implies global(i) < global(j)).
 template <class P>
-concept sharding_policy = std::semiregular<P> && detail::sharding_name<P> && detail::sharding_validate<P> && detail::sharding_local_blocks<P> &&
+concept sharding_policy = std::semiregular<P> && detail::policy_name<P> && detail::sharding_validate<P> && detail::sharding_local_blocks<P> &&
                           detail::sharding_locate<P> && detail::sharding_global_block<P>;
 
 /// sharding_policy<P> as one static_assert per requirement, each naming the missing member. Use as
@@ -69,7 +69,7 @@ concept sharding_policy = std::semiregular<P> && detail::sharding_name<P> && det
 template <class P>
 constexpr bool check_sharding_policy() {
   static_assert(std::semiregular<P>, "stria: a Sharding policy must be default-constructible and copyable (std::semiregular)");
-  static_assert(detail::sharding_name<P>, "stria: Sharding must have a static member name convertible to std::string_view");
+  static_assert(detail::policy_name<P>, "stria: Sharding must have a static member name convertible to std::string_view");
   static_assert(detail::sharding_validate<P>, "stria: Sharding must have validate(stria::shard_layout) const returning void");
   static_assert(detail::sharding_local_blocks<P>, "stria: Sharding must have local_blocks(stria::shard_layout) const returning stria::index_t");
   static_assert(detail::sharding_locate<P>,
@@ -112,10 +112,6 @@ struct transfer_list {
 
 namespace detail {
 template <class T>
-concept topology_name = requires {
-  { T::name } -> std::convertible_to<std::string_view>;
-};
-template <class T>
 concept topology_world_size = requires(const T t) {
   { t.world_size() } -> std::same_as<index_t>;
 };
@@ -153,7 +149,7 @@ concept topology_gradient_transfers = requires(const T t, index_t rank, index_t 
 ///   at the end of `ready_step` (before that step end's sends); `ready_step == num_steps()` marks
 ///   the final delivery, after which every rank holds the complete dK/dV of its own chunk.
 template <class T>
-concept ring_topology = std::copyable<T> && detail::topology_name<T> && detail::topology_world_size<T> && detail::topology_num_steps<T> &&
+concept ring_topology = std::copyable<T> && detail::policy_name<T> && detail::topology_world_size<T> && detail::topology_num_steps<T> &&
                         detail::topology_kv_source_rank<T> && detail::topology_kv_buffer<T> && detail::topology_transfers<T> &&
                         detail::topology_gradient_transfers<T>;
 
@@ -161,7 +157,7 @@ concept ring_topology = std::copyable<T> && detail::topology_name<T> && detail::
 template <class T>
 constexpr bool check_ring_topology() {
   static_assert(std::copyable<T>, "stria: a Topology must be copyable");
-  static_assert(detail::topology_name<T>, "stria: Topology must have a static member name convertible to std::string_view");
+  static_assert(detail::policy_name<T>, "stria: Topology must have a static member name convertible to std::string_view");
   static_assert(detail::topology_world_size<T>, "stria: Topology must have world_size() const returning stria::index_t");
   static_assert(detail::topology_num_steps<T>, "stria: Topology must have num_steps() const returning stria::index_t");
   static_assert(detail::topology_kv_source_rank<T>,
@@ -183,10 +179,6 @@ struct statistics_request;   // stria/estimator/statistics.hpp
 
 namespace detail {
 template <class E>
-concept estimator_name = requires {
-  { E::name } -> std::convertible_to<std::string_view>;
-};
-template <class E>
 concept estimator_validate = requires(const E e, index_t seq_len, index_t num_heads) {
   { e.validate(seq_len, num_heads) } -> std::same_as<void>;
 };
@@ -207,13 +199,13 @@ concept estimator_select = requires(const E e, const vs_statistics& statistics) 
 /// - `e.select(statistics)`: the global selection, identical on every rank given identical statistics.
 template <class E>
 concept index_estimator =
-    std::copyable<E> && detail::estimator_name<E> && detail::estimator_validate<E> && detail::estimator_request<E> && detail::estimator_select<E>;
+    std::copyable<E> && detail::policy_name<E> && detail::estimator_validate<E> && detail::estimator_request<E> && detail::estimator_select<E>;
 
 /// index_estimator<E> as one static_assert per requirement, each naming the missing member.
 template <class E>
 constexpr bool check_index_estimator() {
   static_assert(std::copyable<E>, "stria: an Estimator must be copyable");
-  static_assert(detail::estimator_name<E>, "stria: Estimator must have a static member name convertible to std::string_view");
+  static_assert(detail::policy_name<E>, "stria: Estimator must have a static member name convertible to std::string_view");
   static_assert(detail::estimator_validate<E>, "stria: Estimator must have validate(index_t seq_len, index_t num_heads) const returning void");
   static_assert(detail::estimator_request<E>, "stria: Estimator must have request(index_t seq_len) const returning stria::statistics_request");
   static_assert(detail::estimator_select<E>,
