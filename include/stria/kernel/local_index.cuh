@@ -78,10 +78,6 @@ __device__ inline bool on_slash(const index_build_params& p, index_t h, index_t 
   return (__ldg(p.slash_bits + static_cast<std::int64_t>(h) * p.slash_words + bit / 32) >> (bit % 32)) & 1u;
 }
 
-__device__ inline bool tile_active(const index_build_params& p, index_t h, index_t q_block, index_t k_block) {
-  return on_slash(p, h, q_block - k_block) || explicit_tile(p, h, q_block, k_block);
-}
-
 /// Walks the tiles of row (h, local query block i) in ascending local KV block (slash diagonals from
 /// the largest delta down, merged with the explicit tiles of this query block): tile(local_kv_block).
 /// Only the diagonals that cross the KV rank's span of global blocks [kv_global[0], kv_global[last]]

@@ -47,14 +47,6 @@ namespace detail {
 /// The first 1024-byte aligned address at or after `p` (shared memory): swizzled tiles start there.
 __device__ inline unsigned char* align_1024(unsigned char* p) { return p + ((1024 - shared_address(p) % 1024) % 1024); }
 
-/// This warp's A fragments (rows 16w .. 16w + 15 of the warpgroup) of a swizzled tile.
-template <int D>
-__device__ void load_swizzled_fragments(unsigned (&af)[D / 16][4], const unsigned char* tile) {
-  const int lane = threadIdx.x % 32, row = 16 * ((threadIdx.x / 32) % 4) + lane % 16;
-#pragma unroll
-  for (int k = 0; k < D / 16; ++k) ldmatrix_x4(af[k], tile + swizzled_tile<D>::offset(row, 2 * k + lane / 16));
-}
-
 /// Descriptor of a swizzled tile as a wgmma operand: K-major (the tile's rows are M or N, a k-step
 /// advances 32 bytes inside a slab) or MN-major (the rows are K, a k-step of 16 rows advances 2048
 /// bytes; slabs lie along M or N).
