@@ -156,12 +156,12 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
+    const forward_tensors<T> tensors{q, k, v, out, lse};
+    const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
-      device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, config_.softmax_scale, out, lse, stream,
-                                             transfer_.get(), config_.check);
+      device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, run);
     else
-      device::ring_forward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, config_.softmax_scale, out,
-                                           lse, stream, transfer_.get(), device::forward_kernel::automatic, config_.check);
+      device::ring_forward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), tensors, config_.softmax_scale, run);
   }
 
   /// dq [S_local, Hq, D] of the rank's queries, and dk, dv [S_local, Hkv, D] of its own keys and
@@ -175,12 +175,13 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
+    const backward_tensors<T> tensors{q, k, v, out, d_out, lse, dq, dk, dv};
+    const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
-      device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, q, k, v, out, d_out, lse, config_.softmax_scale, dq,
-                                              dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
+      device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, config_.backward_mode, run);
     else
-      device::ring_backward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), q, k, v, out, d_out, lse,
-                                            config_.softmax_scale, dq, dk, dv, config_.backward_mode, stream, transfer_.get(), config_.check);
+      device::ring_backward<Tile::head_dim>(comm, topology_, std::span<const device_step_index>(indices_), tensors, config_.softmax_scale,
+                                            config_.backward_mode, run);
   }
 
  private:

@@ -83,16 +83,23 @@ double time_ring(const global_selection& g, const Sharding& sharding, index_t wo
       const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, c.rank(), st);
       const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
           dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
+      const forward_tensors<T> forward{qv, kv, vv, tensor_view<T, 3>(out.data(), {local, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, local})};
+      const backward_tensors<T> backward{qv,
+                                         kv,
+                                         vv,
+                                         ov,
+                                         dov,
+                                         tensor_view<const float, 2>(lse.data(), {hq, local}),
+                                         tensor_view<T, 3>(dq.data(), {local, hq, dim}),
+                                         tensor_view<T, 3>(dk.data(), {local, hkv, dim}),
+                                         tensor_view<T, 3>(dv.data(), {local, hkv, dim})};
+      const device::run_options run{st, transfer.get(), check};
       for (int i = 0; i < repeats + 1; ++i) {  // one warm-up
         compute.synchronize();
         c.barrier();
         const auto t0 = std::chrono::steady_clock::now();
-        device::ring_forward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, scale, tensor_view<T, 3>(out.data(), {local, hq, dim}),
-                             tensor_view<float, 2>(lse.data(), {hq, local}), st, transfer.get(), device::forward_kernel::automatic, check);
-        device::ring_backward(c, ring, std::span<const device_step_index>(indices), qv, kv, vv, ov, dov,
-                              tensor_view<const float, 2>(lse.data(), {hq, local}), scale, tensor_view<T, 3>(dq.data(), {local, hq, dim}),
-                              tensor_view<T, 3>(dk.data(), {local, hkv, dim}), tensor_view<T, 3>(dv.data(), {local, hkv, dim}),
-                              device::determinism::atomic, st, transfer.get(), check);
+        device::ring_forward(c, ring, std::span<const device_step_index>(indices), forward, scale, run);
+        device::ring_backward(c, ring, std::span<const device_step_index>(indices), backward, scale, device::determinism::atomic, run);
         compute.synchronize();
         c.barrier();
         if (c.rank() == 0 && i > 0) wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());

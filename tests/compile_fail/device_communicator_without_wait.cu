@@ -23,6 +23,7 @@ int main() {
   using T = __nv_bfloat16;
   without_wait comm;
   const stria::tensor_view<const T, 3> x(nullptr, {0, 0, 0});
-  stria::device::ring_forward(comm, stria::topology::flat_ring(1), {}, x, x, x, 0.125, stria::tensor_view<T, 3>(nullptr, {0, 0, 0}),
-                              stria::tensor_view<float, 2>(nullptr, {0, 0}), nullptr, nullptr);
+  stria::device::ring_forward(comm, stria::topology::flat_ring(1), {},
+                              stria::forward_tensors<T>{x, x, x, stria::tensor_view<T, 3>(nullptr, {0, 0, 0}), stria::tensor_view<float, 2>(nullptr, {0, 0})},
+                              0.125, {});
 }

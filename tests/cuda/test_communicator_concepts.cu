@@ -110,11 +110,12 @@ TEST_CASE("a third-party device communicator drives the device ring: refused for
   const tensor_view<const T, 3> x(nullptr, {0, 0, 0});
   const tensor_view<T, 3> y(nullptr, {0, 0, 0});
   const std::string rule = "comm.world_size() = 2: must equal the topology's world size 3";
-  CHECK_THROWS_WITH_AS(device::ring_forward(comm, topology::flat_ring(3), {}, x, x, x, 0.125, y, tensor_view<float, 2>(nullptr, {0, 0}), nullptr,
-                                            nullptr),
+  CHECK_THROWS_WITH_AS(device::ring_forward(comm, topology::flat_ring(3), {}, forward_tensors<T>{x, x, x, y, tensor_view<float, 2>(nullptr, {0, 0})},
+                                            0.125, {}),
                        doctest::Contains(rule.c_str()), invalid_argument);
-  CHECK_THROWS_WITH_AS(device::ring_backward(comm, topology::flat_ring(3), {}, x, x, x, x, x, tensor_view<const float, 2>(nullptr, {0, 0}), 0.125,
-                                             y, y, y, device::determinism::atomic, nullptr, nullptr),
+  CHECK_THROWS_WITH_AS(device::ring_backward(comm, topology::flat_ring(3), {},
+                                             backward_tensors<T>{x, x, x, x, x, tensor_view<const float, 2>(nullptr, {0, 0}), y, y, y}, 0.125,
+                                             device::determinism::atomic, {}),
                        doctest::Contains(rule.c_str()), invalid_argument);
   CHECK(comm.log.empty());  // nothing was sent before the check
   CHECK(comm.groups == 0);

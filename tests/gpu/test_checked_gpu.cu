@@ -64,6 +64,28 @@ shards random_shards(test::seeded_rng& rng) {
 
 const T nan_value = from_float<T>(std::numeric_limits<float>::quiet_NaN());
 
+/// A rank's device buffers as the ring's and the solver's forward and backward take them.
+tensor_view<const T, 3> view_of(const device_buffer<T>& b, index_t heads) { return {b.data(), {s::local_tokens, heads, s::dim}}; }
+tensor_view<T, 3> view_of(device_buffer<T>& b, index_t heads) { return {b.data(), {s::local_tokens, heads, s::dim}}; }
+forward_tensors<T> forward_of(const device_buffer<T>& q, const device_buffer<T>& k, const device_buffer<T>& v, device_buffer<T>& out,
+                              device_buffer<float>& lse) {
+  return {view_of(q, s::heads_q), view_of(k, s::heads_kv), view_of(v, s::heads_kv), view_of(out, s::heads_q),
+          tensor_view<float, 2>(lse.data(), {s::heads_q, s::local_tokens})};
+}
+backward_tensors<T> backward_of(const device_buffer<T>& q, const device_buffer<T>& k, const device_buffer<T>& v, const device_buffer<T>& out,
+                                const device_buffer<T>& d_out, const device_buffer<float>& lse, device_buffer<T>& dq, device_buffer<T>& dk,
+                                device_buffer<T>& dv) {
+  return {view_of(q, s::heads_q),
+          view_of(k, s::heads_kv),
+          view_of(v, s::heads_kv),
+          view_of(out, s::heads_q),
+          view_of(d_out, s::heads_q),
+          tensor_view<const float, 2>(lse.data(), {s::heads_q, s::local_tokens}),
+          view_of(dq, s::heads_q),
+          view_of(dk, s::heads_kv),
+          view_of(dv, s::heads_kv)};
+}
+
 /// The device ring's forward (the backward too, on the forward's results, if asked) on 4 ranks
 /// sharing the GPU; `deterministic` picks the backward's order (atomic otherwise).
 void run_ring(shards& x, finite_check check, bool backward, bool deterministic = false) {
@@ -81,16 +103,11 @@ void run_ring(shards& x, finite_check check, bool backward, bool deterministic =
       device_buffer<float> lse(std::size_t(s::heads_q) * s::local_tokens, st);
       const device_selection on_device(selection, st);
       const std::vector<device_step_index> indices = build_ring_indices_device(on_device, sharding::sequential{}, ring, c.rank(), st);
-      const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
-      const auto to = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
-      device::ring_forward(c, ring, std::span<const device_step_index>(indices), in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), 0.125,
-                           to(out, s::heads_q), tensor_view<float, 2>(lse.data(), {s::heads_q, s::local_tokens}), st, transfer.get(),
-                           device::forward_kernel::automatic, check);
+      const device::run_options run{st, transfer.get(), check};
+      device::ring_forward(c, ring, std::span<const device_step_index>(indices), forward_of(q, k, v, out, lse), 0.125, run);
       if (backward)
-        device::ring_backward(c, ring, std::span<const device_step_index>(indices), in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv),
-                              in(out, s::heads_q), in(d_out, s::heads_q), tensor_view<const float, 2>(lse.data(), {s::heads_q, s::local_tokens}),
-                              0.125, to(dq, s::heads_q), to(dk, s::heads_kv), to(dv, s::heads_kv),
-                              deterministic ? device::determinism::deterministic : device::determinism::atomic, st, transfer.get(), check);
+        device::ring_backward(c, ring, std::span<const device_step_index>(indices), backward_of(q, k, v, out, d_out, lse, dq, dk, dv), 0.125,
+                              deterministic ? device::determinism::deterministic : device::determinism::atomic, run);
       x.out[r] = out.download(st);
       x.lse[r] = lse.download(st);
       if (backward) {
@@ -119,15 +136,11 @@ void run_solver(shards& x, const solver::plan& plan, finite_check check, bool ba
       device_buffer<float> lse(std::size_t(s::heads_q) * s::local_tokens, st);
       const device_selection on_device(selection, st);
       const device::solver_task_indices indices = device::build_solver_indices(on_device, p, plan, c.rank(), st);
-      const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
-      const auto to = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
-      device::solver_forward(c, p, plan, indices, in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), 0.125, to(out, s::heads_q),
-                             tensor_view<float, 2>(lse.data(), {s::heads_q, s::local_tokens}), st, transfer.get(), check);
+      const device::run_options run{st, transfer.get(), check};
+      device::solver_forward(c, p, plan, indices, forward_of(q, k, v, out, lse), 0.125, run);
       if (backward)
-        device::solver_backward(c, p, plan, indices, in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), in(out, s::heads_q),
-                                in(d_out, s::heads_q), tensor_view<const float, 2>(lse.data(), {s::heads_q, s::local_tokens}), 0.125,
-                                to(dq, s::heads_q), to(dk, s::heads_kv), to(dv, s::heads_kv),
-                                deterministic ? device::determinism::deterministic : device::determinism::atomic, st, transfer.get(), check);
+        device::solver_backward(c, p, plan, indices, backward_of(q, k, v, out, d_out, lse, dq, dk, dv), 0.125,
+                                deterministic ? device::determinism::deterministic : device::determinism::atomic, run);
       x.out[r] = out.download(st);
       x.lse[r] = lse.download(st);
       if (backward) {

@@ -91,11 +91,13 @@ void run_faulty_ring(const gate& g, bool throw_instead, std::chrono::millisecond
       const std::span<const device_step_index> steps(indices);
       const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {local, heads, dim}); };
       const auto to = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {local, heads, dim}); };
-      device::ring_forward(f, ring, steps, in(q, hq), in(k, hkv), in(v, hkv), 0.125, to(out, hq), tensor_view<float, 2>(lse.data(), {hq, local}), st,
-                           transfer.get());
-      device::ring_backward(f, ring, steps, in(q, hq), in(k, hkv), in(v, hkv), in(out, hq), in(out, hq),
-                            tensor_view<const float, 2>(lse.data(), {hq, local}), 0.125, to(dq, hq), to(dk, hkv), to(dv, hkv),
-                            device::determinism::atomic, st, transfer.get());
+      const device::run_options run{st, transfer.get()};
+      device::ring_forward(f, ring, steps, forward_tensors<T>{in(q, hq), in(k, hkv), in(v, hkv), to(out, hq), tensor_view<float, 2>(lse.data(), {hq, local})},
+                           0.125, run);
+      device::ring_backward(f, ring, steps,
+                            backward_tensors<T>{in(q, hq), in(k, hkv), in(v, hkv), in(out, hq), in(out, hq),
+                                                tensor_view<const float, 2>(lse.data(), {hq, local}), to(dq, hq), to(dk, hkv), to(dv, hkv)},
+                            0.125, device::determinism::atomic, run);
     } catch (const std::exception& e) {
       const std::lock_guard lock(mutex);
       errors[static_cast<std::size_t>(c.rank())] = e.what();

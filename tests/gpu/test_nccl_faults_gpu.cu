@@ -260,8 +260,10 @@ TEST_CASE("the device solver over a one-rank comm::nccl raises when its transfer
   const device::solver_task_indices indices = device::build_solver_indices(on_device, problem, plan, 0, st);
   const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {seq_len, heads, dim}); };
   const auto forward = [&] {
-    device::solver_forward(c, problem, plan, indices, in(q, hq), in(k, hkv), in(v, hkv), 0.125, tensor_view<T, 3>(out.data(), {seq_len, hq, dim}),
-                           tensor_view<float, 2>(lse.data(), {hq, seq_len}), st, transfer.get());
+    device::solver_forward(c, problem, plan, indices,
+                           forward_tensors<T>{in(q, hq), in(k, hkv), in(v, hkv), tensor_view<T, 3>(out.data(), {seq_len, hq, dim}),
+                                              tensor_view<float, 2>(lse.data(), {hq, seq_len})},
+                           0.125, {st, transfer.get()});
   };
   // Open: the plan's confirmations return (and every kernel is loaded before the timed call).
   CHECK_NOTHROW(forward());

@@ -157,6 +157,12 @@ struct rank_tensors {
   [[nodiscard]] tensor_view<T, 3> to(device_buffer<T>& b, index_t heads) const { return {b.data(), {local, heads, dim}}; }
   [[nodiscard]] tensor_view<float, 2> lse_out() { return {lse.data(), {hq, local}}; }
   [[nodiscard]] tensor_view<const float, 2> lse_for_backward() const { return {lse_in.data(), {hq, local}}; }
+  /// The forward's tensors (writing out and lse), and the backward's (reading the reference's
+  /// out_in and lse_in, writing dq, dk, dv).
+  [[nodiscard]] forward_tensors<T> forward() { return {in(q, hq), in(k, hkv), in(v, hkv), to(out, hq), lse_out()}; }
+  [[nodiscard]] backward_tensors<T> backward() {
+    return {in(q, hq), in(k, hkv), in(v, hkv), in(out_in, hq), in(d_out, hq), lse_for_backward(), to(dq, hq), to(dk, hkv), to(dv, hkv)};
+  }
 };
 
 /// Splits p over W ranks by `sharding`, runs run_rank(comm, tensors, stream, transfer_stream) on
@@ -205,11 +211,8 @@ void check_ring(const global_problem<T>& p, const Sharding& sharding, const Topo
     const device_selection selection(p.selection, st);
     const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, topology, c.rank(), st);
     const std::span<const device_step_index> steps(indices);
-    device::ring_forward(c, topology, steps, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), p.scale, t.to(t.out, p.hq), t.lse_out(), st,
-                         transfer);
-    device::ring_backward(c, topology, steps, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), t.in(t.out_in, p.hq), t.in(t.d_out, p.hq),
-                          t.lse_for_backward(), p.scale, t.to(t.dq, p.hq), t.to(t.dk, p.hkv), t.to(t.dv, p.hkv), device::determinism::atomic,
-                          st, transfer);
+    device::ring_forward(c, topology, steps, t.forward(), p.scale, {st, transfer});
+    device::ring_backward(c, topology, steps, t.backward(), p.scale, device::determinism::atomic, {st, transfer});
   });
 }
 
@@ -222,11 +225,8 @@ solver::plan check_solver(const global_problem<T>& p, index_t world, index_t chu
   check_distributed(p, sharding::sequential{}, world, name, run_world, [&](auto& c, rank_tensors<T>& t, cudaStream_t st, cudaStream_t transfer) {
     const device_selection selection(p.selection, st);
     const device::solver_task_indices indices = device::build_solver_indices(selection, problem, plan, c.rank(), st);
-    device::solver_forward(c, problem, plan, indices, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), p.scale, t.to(t.out, p.hq),
-                           t.lse_out(), st, transfer);
-    device::solver_backward(c, problem, plan, indices, t.in(t.q, p.hq), t.in(t.k, p.hkv), t.in(t.v, p.hkv), t.in(t.out_in, p.hq),
-                            t.in(t.d_out, p.hq), t.lse_for_backward(), p.scale, t.to(t.dq, p.hq), t.to(t.dk, p.hkv), t.to(t.dv, p.hkv),
-                            device::determinism::atomic, st, transfer);
+    device::solver_forward(c, problem, plan, indices, t.forward(), p.scale, {st, transfer});
+    device::solver_backward(c, problem, plan, indices, t.backward(), p.scale, device::determinism::atomic, {st, transfer});
   });
   return plan;
 }

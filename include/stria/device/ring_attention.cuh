@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
+#include "stria/core/attention_tensors.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/cuda_stream.cuh"
@@ -182,17 +183,25 @@ class ring_backend {
 
 }  // namespace detail
 
-/// This rank's ring forward on `stream` (the transfers run on `transfer_stream`, which the call
-/// leaves with nothing pending past its end). q [Sq, Hq, D], k, v [Sk, Hkv, D] are the local
-/// shards (bf16 or fp16, device); indices[s] is this rank's index for step s. Writes out
-/// [Sq, Hq, D] and the fp32 lse [Hq, Sq] of the whole sequence's attention for the local queries.
-/// With finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked
-/// after every step.
+/// Where a ring or solver call runs: its kernels on `stream`, its transfers on `transfer_stream`
+/// (left with nothing pending past the call), and whether each step's results are checked for
+/// NaN and infinity (finite_check::every_step) before they travel on.
+struct run_options {
+  cudaStream_t stream = nullptr;
+  cudaStream_t transfer_stream = nullptr;
+  finite_check check = finite_check::off;
+};
+
+/// This rank's ring forward. t.q [Sq, Hq, D], t.k, t.v [Sk, Hkv, D] are the local shards (bf16 or
+/// fp16, device); indices[s] is this rank's index for step s. Writes t.out [Sq, Hq, D] and the fp32
+/// t.lse [Hq, Sq] of the whole sequence's attention for the local queries. With
+/// finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked after
+/// every step.
 template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
-void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
-                  tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out,
-                  tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
-                  forward_kernel which = forward_kernel::automatic, finite_check check = finite_check::off) {
+void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const forward_tensors<T>& t,
+                  double softmax_scale, run_options run, forward_kernel which = forward_kernel::automatic) {
+  const auto [q, k, v, out, lse] = t;
+  const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
   detail::check_head_dim<HeadDim>(s.head_dim);  // before any transfer or launch
@@ -222,17 +231,15 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
       });
 }
 
-/// This rank's ring backward on `stream` (transfers on `transfer_stream`). out and lse are the
-/// forward results, d_out the incoming gradient (local shards). Writes dq [Sq, Hq, D] and the
-/// complete dk, dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 as they travel. With
-/// finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step,
-/// before that sum travels on.
+/// This rank's ring backward. t.out and t.lse are the forward's results, t.d_out the incoming
+/// gradient (local shards). Writes t.dq [Sq, Hq, D] and the complete t.dk, t.dv [Sk, Hkv, D] of this
+/// rank's own KV chunk, summed in fp32 as they travel. With finite_check::every_step, dQ and the
+/// step's chunk's dK/dV sum are checked after every step, before that sum travels on.
 template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
-void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, tensor_view<const T, 3> q,
-                   tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
-                   tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
-                   tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
-                   finite_check check = finite_check::off) {
+void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const backward_tensors<T>& t,
+                   double softmax_scale, determinism mode, run_options run) {
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = t;
+  const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
   detail::check_head_dim<HeadDim>(s.head_dim);  // before any transfer or launch

@@ -402,15 +402,15 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
 
 }  // namespace detail
 
-/// This rank's forward as `plan` places its tasks, on `stream` (transfers on `transfer_stream`,
-/// left with nothing pending past the call). q [m x tokens, Hq, D], k, v [m x tokens, Hkv, D] are
-/// this rank's sequential shards (bf16 or fp16, device); writes out and the fp32 lse [Hq, m x tokens].
+/// This rank's forward as `plan` places its tasks (`run`: its streams, the transfers' left with
+/// nothing pending past the call). t.q [m x tokens, Hq, D], t.k, t.v [m x tokens, Hkv, D] are this
+/// rank's sequential shards (bf16 or fp16, device); writes t.out and the fp32 t.lse [Hq, m x tokens].
 /// With finite_check::every_step each stage's results are checked ("solver stage 0", "solver stage 1").
 template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
-                    tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale,
-                    tensor_view<T, 3> out, tensor_view<float, 2> lse, cudaStream_t stream, cudaStream_t transfer_stream,
-                    finite_check check = finite_check::off) {
+                    const forward_tensors<T>& t, double softmax_scale, run_options run) {
+  const auto [q, k, v, out, lse] = t;
+  const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
   const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
@@ -422,16 +422,15 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   engine::run_solver_plan(backend, plan, me, check);
 }
 
-/// This rank's backward as `plan` places its tasks. out and lse are the forward's results, d_out
-/// the incoming gradient (local shards). Writes dq and the complete dk, dv of this rank's chunks;
-/// the gradients of moved chunks are summed in fp32 at their owners. With finite_check::every_step
-/// each stage's dQ and dK/dV sums are checked.
+/// This rank's backward as `plan` places its tasks. t.out and t.lse are the forward's results,
+/// t.d_out the incoming gradient (local shards). Writes t.dq and the complete t.dk, t.dv of this
+/// rank's chunks; the gradients of moved chunks are summed in fp32 at their owners. With
+/// finite_check::every_step each stage's dQ and dK/dV sums are checked.
 template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
-                     tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out,
-                     tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq,
-                     tensor_view<T, 3> dk, tensor_view<T, 3> dv, determinism mode, cudaStream_t stream, cudaStream_t transfer_stream,
-                     finite_check check = finite_check::off) {
+                     const backward_tensors<T>& t, double softmax_scale, determinism mode, run_options run) {
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = t;
+  const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
   const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
