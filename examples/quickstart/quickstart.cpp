@@ -95,14 +95,19 @@ int run_host(const quickstart::options& o, const Topology& topology, const std::
     auto q3 = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {local, hq, d}); };
     auto kv3 = [&](const std::vector<float>& x) { return tensor_view<const float, 3>(x.data(), {local, hkv, d}); };
     t = clock_type::now();
-    host::ring_forward(c, topology, q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), std::span<const step_index>(indices), scale,
-                       tensor_view<float, 3>(out_s[r].data(), {local, hq, d}), tensor_view<float, 2>(lse_s[r].data(), {hq, local}));
+    host::ring_forward(c, topology, std::span<const step_index>(indices),
+                       forward_tensors<float>{q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), tensor_view<float, 3>(out_s[r].data(), {local, hq, d}),
+                                              tensor_view<float, 2>(lse_s[r].data(), {hq, local})},
+                       scale);
     forward_s[r] = seconds_since(t);
     t = clock_type::now();
-    host::ring_backward(c, topology, q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), q3(out_s[r]), q3(d_out_s[r]),
-                        tensor_view<const float, 2>(lse_s[r].data(), {hq, local}), std::span<const step_index>(indices), scale,
-                        tensor_view<float, 3>(dq_s[r].data(), {local, hq, d}), tensor_view<float, 3>(dk_s[r].data(), {local, hkv, d}),
-                        tensor_view<float, 3>(dv_s[r].data(), {local, hkv, d}));
+    host::ring_backward(c, topology, std::span<const step_index>(indices),
+                        backward_tensors<float>{q3(q_s[r]), kv3(k_s[r]), kv3(v_s[r]), q3(out_s[r]), q3(d_out_s[r]),
+                                                tensor_view<const float, 2>(lse_s[r].data(), {hq, local}),
+                                                tensor_view<float, 3>(dq_s[r].data(), {local, hq, d}),
+                                                tensor_view<float, 3>(dk_s[r].data(), {local, hkv, d}),
+                                                tensor_view<float, 3>(dv_s[r].data(), {local, hkv, d})},
+                        scale);
     backward_s[r] = seconds_since(t);
   });
   auto slowest = [](const std::vector<double>& x) { return *std::max_element(x.begin(), x.end()); };

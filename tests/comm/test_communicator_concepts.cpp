@@ -84,9 +84,11 @@ TEST_CASE("a third-party host communicator runs the host ring and the estimator 
       auto&& comm = make_comm(c);
       const auto me = static_cast<std::size_t>(c.rank());
       const std::vector<step_index> indices = build_ring_indices(selection, striped, ring, c.rank());
-      host::ring_forward(comm, ring, test::view3(q_s[me], local, hq, dim), test::view3(k_s[me], local, hkv, dim),
-                         test::view3(v_s[me], local, hkv, dim), std::span<const step_index>(indices), 0.125,
-                         test::view3(r.out[me], local, hq, dim), test::view2(r.lse[me], hq, local));
+      host::ring_forward(comm, ring, std::span<const step_index>(indices),
+                         forward_tensors<float>{test::view3(q_s[me], local, hq, dim), test::view3(k_s[me], local, hkv, dim),
+                                                test::view3(v_s[me], local, hkv, dim), test::view3(r.out[me], local, hq, dim),
+                                                test::view2(r.lse[me], hq, local)},
+                         0.125);
       r.estimated[me] = estimator::estimate(estimator::vertical_slash_top_p{}, comm, striped, seq, true, test::view3(q_s[me], local, hq, dim),
                                             test::view3(k_s[me], local, hkv, dim), 0.125);
       if constexpr (requires { comm.messages; })

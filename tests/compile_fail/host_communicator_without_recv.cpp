@@ -21,6 +21,7 @@ struct without_recv {
 int main() {
   without_recv comm;
   const stria::tensor_view<const float, 3> x(nullptr, {0, 0, 0});
-  stria::host::ring_forward(comm, stria::topology::flat_ring(1), x, x, x, {}, 0.125, stria::tensor_view<float, 3>(nullptr, {0, 0, 0}),
-                            stria::tensor_view<float, 2>(nullptr, {0, 0}));
+  stria::host::ring_forward(comm, stria::topology::flat_ring(1), {},
+                            stria::forward_tensors<float>{x, x, x, stria::tensor_view<float, 3>(nullptr, {0, 0, 0}), stria::tensor_view<float, 2>(nullptr, {0, 0})},
+                            0.125);
 }

@@ -203,9 +203,11 @@ TEST_CASE("solver engine: a third party's fp32 forward backend equals host::solv
     comm::host_world(world, std::chrono::seconds(60)).run([&](comm::host_threads& comm) {
       const index_t first = comm.rank() * local;
       const auto shard = [&](const std::vector<float>& x, index_t h) { return tensor_view<const float, 3>(x.data() + first * h * dim, {local, h, dim}); };
-      host::solver_forward(comm, c.problem, c.plan, c.g, shard(q, hq), shard(k, hkv), shard(v, hkv), 0.125,
-                           tensor_view<float, 3>(out.data() + first * hq * dim, {local, hq, dim}),
-                           tensor_view<float, 2>(lse.data() + first * hq, {hq, local}), finite_check::every_step);
+      host::solver_forward(comm, c.problem, c.plan, c.g,
+                           forward_tensors<float>{shard(q, hq), shard(k, hkv), shard(v, hkv),
+                                                  tensor_view<float, 3>(out.data() + first * hq * dim, {local, hq, dim}),
+                                                  tensor_view<float, 2>(lse.data() + first * hq, {hq, local})},
+                           0.125, finite_check::every_step);
       const solver::rank_chunks me(c.problem, c.plan, c.g.seq_len, hq, comm.rank(), world, local, local, hq, hkv);
       third_party::attention_backend b{comm, c.problem, c.g, me, shard(q, hq).data(), shard(k, hkv).data(), shard(v, hkv).data(), hq, hkv, dim};
       engine::run_solver_plan(b, c.plan, me, finite_check::every_step);

@@ -47,13 +47,17 @@ void run_ring(shards& x, finite_check check, bool backward) {
     const std::vector<step_index> indices = build_ring_indices(selection, sharding::sequential{}, ring, c.rank());
     const auto q = view3(std::as_const(x.q[r]), s::local_tokens, s::heads_q, s::dim), k = view3(std::as_const(x.k[r]), s::local_tokens, s::heads_kv, s::dim),
                v = view3(std::as_const(x.v[r]), s::local_tokens, s::heads_kv, s::dim);
-    host::ring_forward(c, ring, q, k, v, std::span<const step_index>(indices), scale, view3(x.out[r], s::local_tokens, s::heads_q, s::dim),
-                       view2(x.lse[r], s::heads_q, s::local_tokens), check);
+    host::ring_forward(c, ring, std::span<const step_index>(indices),
+                       forward_tensors<float>{q, k, v, view3(x.out[r], s::local_tokens, s::heads_q, s::dim), view2(x.lse[r], s::heads_q, s::local_tokens)},
+                       scale, check);
     if (!backward) return;
-    host::ring_backward(c, ring, q, k, v, view3(std::as_const(x.out[r]), s::local_tokens, s::heads_q, s::dim),
-                        view3(std::as_const(x.d_out[r]), s::local_tokens, s::heads_q, s::dim), view2(std::as_const(x.lse[r]), s::heads_q, s::local_tokens),
-                        std::span<const step_index>(indices), scale, view3(x.dq[r], s::local_tokens, s::heads_q, s::dim),
-                        view3(x.dk[r], s::local_tokens, s::heads_kv, s::dim), view3(x.dv[r], s::local_tokens, s::heads_kv, s::dim), check);
+    host::ring_backward(c, ring, std::span<const step_index>(indices),
+                        backward_tensors<float>{q, k, v, view3(std::as_const(x.out[r]), s::local_tokens, s::heads_q, s::dim),
+                                                view3(std::as_const(x.d_out[r]), s::local_tokens, s::heads_q, s::dim),
+                                                view2(std::as_const(x.lse[r]), s::heads_q, s::local_tokens),
+                                                view3(x.dq[r], s::local_tokens, s::heads_q, s::dim), view3(x.dk[r], s::local_tokens, s::heads_kv, s::dim),
+                                                view3(x.dv[r], s::local_tokens, s::heads_kv, s::dim)},
+                        scale, check);
   });
 }
 
@@ -154,10 +158,12 @@ TEST_CASE("checked mode is off by default: the same NaN passes silently into the
   REQUIRE_NOTHROW(host.run([&](comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     const std::vector<step_index> indices = build_ring_indices(selection, sharding::sequential{}, ring, c.rank());
-    host::ring_forward(c, ring, view3(std::as_const(x.q[r]), s::local_tokens, s::heads_q, s::dim),
-                       view3(std::as_const(x.k[r]), s::local_tokens, s::heads_kv, s::dim), view3(std::as_const(x.v[r]), s::local_tokens, s::heads_kv, s::dim),
-                       std::span<const step_index>(indices), 0.125, view3(x.out[r], s::local_tokens, s::heads_q, s::dim),
-                       view2(x.lse[r], s::heads_q, s::local_tokens));
+    host::ring_forward(c, ring, std::span<const step_index>(indices),
+                       forward_tensors<float>{view3(std::as_const(x.q[r]), s::local_tokens, s::heads_q, s::dim),
+                                              view3(std::as_const(x.k[r]), s::local_tokens, s::heads_kv, s::dim),
+                                              view3(std::as_const(x.v[r]), s::local_tokens, s::heads_kv, s::dim),
+                                              view3(x.out[r], s::local_tokens, s::heads_q, s::dim), view2(x.lse[r], s::heads_q, s::local_tokens)},
+                       0.125);
   }));
   const float o = x.out[2][s::element(64, 3, s::heads_q) - 7];
   CHECK(o != o);  // rank 2's head 3, local token 64: NaN, unreported

@@ -45,12 +45,14 @@ test::attention_errors compare_ring(test::seeded_rng& rng, const Sharding& shard
   host.run([&](comm::host_threads& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     const std::vector<step_index> indices = build_ring_indices(selection, sharding, topology, c.rank());
-    host::ring_forward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
-                       std::span<const step_index>(indices), p.scale, view3(out_s[r], sq, heads_q, dim), view2(lse_s[r], heads_q, sq));
-    host::ring_backward(c, topology, view3(q_s[r], sq, heads_q, dim), view3(k_s[r], sq, heads_kv, dim), view3(v_s[r], sq, heads_kv, dim),
-                        view3(std::as_const(out_s[r]), sq, heads_q, dim), view3(d_out_s[r], sq, heads_q, dim),
-                        view2(std::as_const(lse_s[r]), heads_q, sq), std::span<const step_index>(indices), p.scale,
-                        view3(dq_s[r], sq, heads_q, dim), view3(dk_s[r], sq, heads_kv, dim), view3(dv_s[r], sq, heads_kv, dim));
+    const auto q = view3(q_s[r], sq, heads_q, dim), k = view3(k_s[r], sq, heads_kv, dim), v = view3(v_s[r], sq, heads_kv, dim);
+    host::ring_forward(c, topology, std::span<const step_index>(indices),
+                       forward_tensors<float>{q, k, v, view3(out_s[r], sq, heads_q, dim), view2(lse_s[r], heads_q, sq)}, p.scale);
+    host::ring_backward(c, topology, std::span<const step_index>(indices),
+                        backward_tensors<float>{q, k, v, view3(std::as_const(out_s[r]), sq, heads_q, dim), view3(d_out_s[r], sq, heads_q, dim),
+                                                view2(std::as_const(lse_s[r]), heads_q, sq), view3(dq_s[r], sq, heads_q, dim),
+                                                view3(dk_s[r], sq, heads_kv, dim), view3(dv_s[r], sq, heads_kv, dim)},
+                        p.scale);
   });
   using stria::sharding::join;
   return test::errors_against(p, join(sharding, out_s, q_ext), join(sharding, lse_s, lse_ext, 1), join(sharding, dq_s, q_ext),
@@ -175,17 +177,19 @@ TEST_CASE("indices built for another configuration are rejected") {
   CHECK_THROWS_WITH_AS(host.run([&](comm::host_threads& c) {
                          // Indices of rank 0 used on every rank.
                          const std::vector<step_index> indices = build_ring_indices(selection, sharding::striped<64>{}, ring, 0);
-                         host::ring_forward(c, ring, view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
-                                            view3(std::as_const(k), 128, 1, 64), std::span<const step_index>(indices), 0.125,
-                                            view3(out, 128, 2, 64), view2(lse, 2, 128));
+                         host::ring_forward(c, ring, std::span<const step_index>(indices),
+                                            forward_tensors<float>{view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
+                                                                   view3(std::as_const(k), 128, 1, 64), view3(out, 128, 2, 64), view2(lse, 2, 128)},
+                                            0.125);
                        }),
                        doctest::Contains("the index was built for another configuration"), stria::invalid_argument);
   comm::host_world three(3, std::chrono::seconds(30));
   CHECK_THROWS_WITH_AS(three.run([&](comm::host_threads& c) {
                          const std::vector<step_index> indices;
-                         host::ring_forward(c, ring, view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
-                                            view3(std::as_const(k), 128, 1, 64), std::span<const step_index>(indices), 0.125,
-                                            view3(out, 128, 2, 64), view2(lse, 2, 128));
+                         host::ring_forward(c, ring, std::span<const step_index>(indices),
+                                            forward_tensors<float>{view3(std::as_const(q), 128, 2, 64), view3(std::as_const(k), 128, 1, 64),
+                                                                   view3(std::as_const(k), 128, 1, 64), view3(out, 128, 2, 64), view2(lse, 2, 128)},
+                                            0.125);
                        }),
                        doctest::Contains("comm.world_size() = 3: must equal the topology's world size 4"), stria::invalid_argument);
 }

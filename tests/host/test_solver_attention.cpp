@@ -50,13 +50,16 @@ test::attention_errors compare_solver(test::seeded_rng& rng, const global_select
       return tensor_view<float, 3>(x.data() + static_cast<std::size_t>(first) * heads * dim, {local, heads, dim});
     };
     std::vector<float> my_lse(static_cast<std::size_t>(hq) * local);
-    host::solver_forward(c, problem, plan, g, shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), p.scale, shard_out(out, hq),
-                         view2(my_lse, hq, local));
+    host::solver_forward(c, problem, plan, g,
+                         forward_tensors<float>{shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), shard_out(out, hq), view2(my_lse, hq, local)},
+                         p.scale);
     for (index_t h = 0; h < hq; ++h)
       std::copy_n(my_lse.begin() + static_cast<std::ptrdiff_t>(h * local), local, lse.begin() + static_cast<std::ptrdiff_t>(h * seq + first));
-    host::solver_backward(c, problem, plan, g, shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), shard(std::as_const(out), hq),
-                          shard(p.d_out, hq), view2(std::as_const(my_lse), hq, local), p.scale, shard_out(dq, hq), shard_out(dk, heads_kv),
-                          shard_out(dv, heads_kv));
+    host::solver_backward(c, problem, plan, g,
+                          backward_tensors<float>{shard(p.q, hq), shard(p.k, heads_kv), shard(p.v, heads_kv), shard(std::as_const(out), hq),
+                                                  shard(p.d_out, hq), view2(std::as_const(my_lse), hq, local), shard_out(dq, hq),
+                                                  shard_out(dk, heads_kv), shard_out(dv, heads_kv)},
+                          p.scale);
   });
   return test::errors_against(p, out, lse, dq, dk, dv);
 }
@@ -126,8 +129,11 @@ TEST_CASE("solver execution refuses a plan or tensors that do not fit") {
   const auto run_with = [&](index_t world, index_t local_tokens) {
     comm::host_world host(world, std::chrono::seconds(10));
     host.run([&](comm::host_threads& c) {
-      host::solver_forward(c, p, plan, g, view3(std::as_const(q), local_tokens, 2, 64), view3(std::as_const(kv), local_tokens, 1, 64),
-                           view3(std::as_const(kv), local_tokens, 1, 64), 0.125, view3(out, local_tokens, 2, 64), view2(lse, 2, local_tokens));
+      host::solver_forward(c, p, plan, g,
+                           forward_tensors<float>{view3(std::as_const(q), local_tokens, 2, 64), view3(std::as_const(kv), local_tokens, 1, 64),
+                                                  view3(std::as_const(kv), local_tokens, 1, 64), view3(out, local_tokens, 2, 64),
+                                                  view2(lse, 2, local_tokens)},
+                           0.125);
     });
   };
   CHECK_THROWS_WITH_AS(run_with(3, 128), doctest::Contains("comm.world_size() = 3: must equal the plan's world size 2"), invalid_argument);
@@ -143,8 +149,10 @@ TEST_CASE("a corrupted plan is refused naming the entry, never reaching a lookup
     comm::host_world host(2, std::chrono::seconds(10));
     host.run([&](comm::host_threads& c) {
       std::vector<float> mine(std::size_t{128} * 2 * 64), mine_lse(std::size_t{2} * 128);
-      host::solver_forward(c, p, plan, g, view3(q, 128, 2, 64), view3(kv, 128, 1, 64), view3(kv, 128, 1, 64), 0.125, view3(mine, 128, 2, 64),
-                           view2(mine_lse, 2, 128));
+      host::solver_forward(c, p, plan, g,
+                           forward_tensors<float>{view3(q, 128, 2, 64), view3(kv, 128, 1, 64), view3(kv, 128, 1, 64), view3(mine, 128, 2, 64),
+                                                  view2(mine_lse, 2, 128)},
+                           0.125);
     });
   };
   CHECK_NOTHROW(run_with(good));

@@ -53,16 +53,18 @@ void run_solver(shards& x, const solver::plan& plan, std::optional<finite_check>
                v = view3(std::as_const(x.v[r]), s::local_tokens, s::heads_kv, s::dim);
     const auto out = view3(x.out[r], s::local_tokens, s::heads_q, s::dim);
     const auto lse = view2(x.lse[r], s::heads_q, s::local_tokens);
-    if (check) host::solver_forward(c, p, plan, g, q, k, v, 0.125, out, lse, *check);
-    else host::solver_forward(c, p, plan, g, q, k, v, 0.125, out, lse);
+    const forward_tensors<float> tensors{q, k, v, out, lse};
+    if (check) host::solver_forward(c, p, plan, g, tensors, 0.125, *check);
+    else host::solver_forward(c, p, plan, g, tensors, 0.125);
     if (!backward) return;
     const auto out_in = view3(std::as_const(x.out[r]), s::local_tokens, s::heads_q, s::dim);
     const auto d_out = view3(std::as_const(x.d_out[r]), s::local_tokens, s::heads_q, s::dim);
     const auto lse_in = view2(std::as_const(x.lse[r]), s::heads_q, s::local_tokens);
     const auto dq = view3(x.dq[r], s::local_tokens, s::heads_q, s::dim), dk = view3(x.dk[r], s::local_tokens, s::heads_kv, s::dim),
                dv = view3(x.dv[r], s::local_tokens, s::heads_kv, s::dim);
-    if (check) host::solver_backward(c, p, plan, g, q, k, v, out_in, d_out, lse_in, 0.125, dq, dk, dv, *check);
-    else host::solver_backward(c, p, plan, g, q, k, v, out_in, d_out, lse_in, 0.125, dq, dk, dv);
+    const backward_tensors<float> gradients{q, k, v, out_in, d_out, lse_in, dq, dk, dv};
+    if (check) host::solver_backward(c, p, plan, g, gradients, 0.125, *check);
+    else host::solver_backward(c, p, plan, g, gradients, 0.125);
   });
 }
 

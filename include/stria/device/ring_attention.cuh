@@ -192,15 +192,14 @@ struct run_options {
   finite_check check = finite_check::off;
 };
 
-/// This rank's ring forward. t.q [Sq, Hq, D], t.k, t.v [Sk, Hkv, D] are the local shards (bf16 or
-/// fp16, device); indices[s] is this rank's index for step s. Writes t.out [Sq, Hq, D] and the fp32
-/// t.lse [Hq, Sq] of the whole sequence's attention for the local queries. With
-/// finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked after
-/// every step.
+/// This rank's ring forward (`tensors`: q, k, v in, out, lse out). q [Sq, Hq, D], k, v [Sk, Hkv, D] are the
+/// local shards (bf16 or fp16, device); indices[s] is this rank's index for step s. Writes out [Sq, Hq, D]
+/// and the fp32 lse [Hq, Sq] of the whole sequence's attention for the local queries. With
+/// finite_check::every_step the merged O (the last step: `out` itself) and LSE are checked after every step.
 template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
-void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const forward_tensors<T>& t,
+void ring_forward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const forward_tensors<T>& tensors,
                   double softmax_scale, run_options run, forward_kernel which = forward_kernel::automatic) {
-  const auto [q, k, v, out, lse] = t;
+  const auto [q, k, v, out, lse] = tensors;
   const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
@@ -231,14 +230,14 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
       });
 }
 
-/// This rank's ring backward. t.out and t.lse are the forward's results, t.d_out the incoming
-/// gradient (local shards). Writes t.dq [Sq, Hq, D] and the complete t.dk, t.dv [Sk, Hkv, D] of this
-/// rank's own KV chunk, summed in fp32 as they travel. With finite_check::every_step, dQ and the
-/// step's chunk's dK/dV sum are checked after every step, before that sum travels on.
+/// This rank's ring backward (`tensors`: q, k, v, out, d_out, lse in; dq, dk, dv out). out and lse are the
+/// forward's results, d_out the incoming gradient (local shards). Writes dq [Sq, Hq, D] and the complete dk,
+/// dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 as they travel. With finite_check::every_step,
+/// dQ and the step's chunk's dK/dV sum are checked after every step, before that sum travels on.
 template <index_t HeadDim = any_head_dim, class Comm, ring_topology Topology, class T>
-void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const backward_tensors<T>& t,
+void ring_backward(Comm& comm, const Topology& topology, std::span<const device_step_index> indices, const backward_tensors<T>& tensors,
                    double softmax_scale, determinism mode, run_options run) {
-  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = t;
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);

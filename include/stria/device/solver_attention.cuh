@@ -402,14 +402,15 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
 
 }  // namespace detail
 
-/// This rank's forward as `plan` places its tasks (`run`: its streams, the transfers' left with
-/// nothing pending past the call). t.q [m x tokens, Hq, D], t.k, t.v [m x tokens, Hkv, D] are this
-/// rank's sequential shards (bf16 or fp16, device); writes t.out and the fp32 t.lse [Hq, m x tokens].
-/// With finite_check::every_step each stage's results are checked ("solver stage 0", "solver stage 1").
+/// This rank's forward (`tensors`: q, k, v in, out, lse out) as `plan` places its tasks (`run`: its streams;
+/// the transfer stream is left with nothing pending past the call). q [m x tokens, Hq, D], k, v [m x tokens,
+/// Hkv, D] are this rank's sequential shards (bf16 or fp16, device); writes out and the fp32 lse [Hq, m x
+/// tokens]. With finite_check::every_step each stage's results are checked ("solver stage 0", "solver stage
+/// 1").
 template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
-                    const forward_tensors<T>& t, double softmax_scale, run_options run) {
-  const auto [q, k, v, out, lse] = t;
+                    const forward_tensors<T>& tensors, double softmax_scale, run_options run) {
+  const auto [q, k, v, out, lse] = tensors;
   const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
@@ -422,14 +423,14 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   engine::run_solver_plan(backend, plan, me, check);
 }
 
-/// This rank's backward as `plan` places its tasks. t.out and t.lse are the forward's results,
-/// t.d_out the incoming gradient (local shards). Writes t.dq and the complete t.dk, t.dv of this
-/// rank's chunks; the gradients of moved chunks are summed in fp32 at their owners. With
-/// finite_check::every_step each stage's dQ and dK/dV sums are checked.
+/// This rank's backward (`tensors`: q, k, v, out, d_out, lse in; dq, dk, dv out) as `plan` places its tasks.
+/// out and lse are the forward's results, d_out the incoming gradient (local shards). Writes dq and the
+/// complete dk, dv of this rank's chunks; the gradients of moved chunks are summed in fp32 at their owners.
+/// With finite_check::every_step each stage's dQ and dK/dV sums are checked.
 template <index_t HeadDim = any_head_dim, class Comm, class T>
 void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const solver_task_indices& indices,
-                     const backward_tensors<T>& t, double softmax_scale, determinism mode, run_options run) {
-  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = t;
+                     const backward_tensors<T>& tensors, double softmax_scale, determinism mode, run_options run) {
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const auto [stream, transfer_stream, check] = run;
   static_assert(check_device_communicator<Comm>());
   const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
+#include "stria/core/attention_tensors.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
@@ -86,15 +87,15 @@ struct ring_backend {
 
 }  // namespace detail
 
-/// This rank's ring forward. q [Sq, Hq, D], k, v [Sk, Hkv, D] are the local shards; indices[s] is
-/// this rank's index for step s (see build_ring_indices). Writes out [Sq, Hq, D] and the fp32 lse
-/// [Hq, Sq] of the whole sequence's attention for the local queries. With finite_check::every_step
-/// the running O and LSE are checked after every step's merge.
+/// This rank's ring forward (`tensors`: q, k, v in, out, lse out). q [Sq, Hq, D], k, v [Sk, Hkv, D] are the
+/// local shards; indices[s] is this rank's index for step s (see build_ring_indices). Writes out [Sq, Hq, D]
+/// and the fp32 lse [Hq, Sq] of the whole sequence's attention for the local queries. With
+/// finite_check::every_step the running O and LSE are checked after every step's merge.
 template <class Comm, ring_topology Topology, class T>
-void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
-                  tensor_view<const T, 3> v, std::span<const step_index> indices, double softmax_scale,
-                  tensor_view<T, 3> out, tensor_view<float, 2> lse, finite_check check = finite_check::off) {
+void ring_forward(Comm& comm, const Topology& topology, std::span<const step_index> indices, const forward_tensors<T>& tensors, double softmax_scale,
+                  finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
+  const auto [q, k, v, out, lse] = tensors;
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
   check_extents(lse, {s.heads_q, s.query_tokens}, "lse");
@@ -125,17 +126,16 @@ void ring_forward(Comm& comm, const Topology& topology, tensor_view<const T, 3> 
     for (index_t t = 0; t < s.query_tokens; ++t) lse(h, t) = running_lse[static_cast<std::size_t>(h * s.query_tokens + t)];
 }
 
-/// This rank's ring backward. out and lse are the forward results, d_out the incoming gradient
-/// (all local shards). Writes dq [Sq, Hq, D] and the complete dk, dv [Sk, Hkv, D] of this rank's
-/// own KV chunk, summed in fp32 over all ranks as they travel the ring. With
-/// finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step,
-/// before that sum travels on.
+/// This rank's ring backward (`tensors`: q, k, v, out, d_out, lse in; dq, dk, dv out). out and lse are the
+/// forward results, d_out the incoming gradient (all local shards). Writes dq [Sq, Hq, D] and the complete
+/// dk, dv [Sk, Hkv, D] of this rank's own KV chunk, summed in fp32 over all ranks as they travel the ring.
+/// With finite_check::every_step, dQ and the step's chunk's dK/dV sum are checked after every step, before
+/// that sum travels on.
 template <class Comm, ring_topology Topology, class T>
-void ring_backward(Comm& comm, const Topology& topology, tensor_view<const T, 3> q, tensor_view<const T, 3> k,
-                   tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
-                   tensor_view<const float, 2> lse, std::span<const step_index> indices, double softmax_scale,
-                   tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv, finite_check check = finite_check::off) {
+void ring_backward(Comm& comm, const Topology& topology, std::span<const step_index> indices, const backward_tensors<T>& tensors, double softmax_scale,
+                   finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
   detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 

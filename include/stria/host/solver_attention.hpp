@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "stria/core/attention_shape.hpp"
+#include "stria/core/attention_tensors.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
 #include "stria/core/finite_check.hpp"
@@ -288,16 +289,16 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
 
 }  // namespace detail
 
-/// This rank's forward as `plan` places the tasks of `g` (p = the problem the plan solved, e.g.
-/// solver::problem_from_selection(g, W, m, Hkv)). q [m x tokens, Hq, D], k, v [m x tokens, Hkv, D]
-/// are this rank's sequential shards; writes out and the fp32 lse [Hq, m x tokens] of the whole
-/// sequence's attention for the local queries. With finite_check::every_step each stage's results
+/// This rank's forward (`tensors`: q, k, v in, out, lse out) as `plan` places the tasks of `g` (p = the
+/// problem the plan solved, e.g. solver::problem_from_selection(g, W, m, Hkv)). q [m x tokens, Hq, D], k, v
+/// [m x tokens, Hkv, D] are this rank's sequential shards; writes out and the fp32 lse [Hq, m x tokens] of
+/// the whole sequence's attention for the local queries. With finite_check::every_step each stage's results
 /// are checked ("solver stage 0", "solver stage 1").
 template <class Comm, class T>
-void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, tensor_view<const T, 3> q,
-                    tensor_view<const T, 3> k, tensor_view<const T, 3> v, double softmax_scale, tensor_view<T, 3> out, tensor_view<float, 2> lse,
-                    finite_check check = finite_check::off) {
+void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, const forward_tensors<T>& tensors,
+                    double softmax_scale, finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
+  const auto [q, k, v, out, lse] = tensors;
   const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2);
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), comm.rank(), comm.world_size(), q.extent(0), k.extent(0), hq, hkv);
   check_extents(v, {k.extent(0), hkv, dim}, "v");
@@ -307,16 +308,15 @@ void solver_forward(Comm& comm, const solver::problem& p, const solver::plan& pl
   engine::run_solver_plan(backend, plan, me, check);
 }
 
-/// This rank's backward as `plan` places the tasks. out and lse are the forward's results, d_out
-/// the incoming gradient (all local shards). Writes dq and the complete dk, dv of this rank's
-/// chunks; the partial gradients of moved chunks are summed in fp32 at their owners. With
-/// finite_check::every_step each stage's dQ and dK/dV sums are checked.
+/// This rank's backward (`tensors`: q, k, v, out, d_out, lse in; dq, dk, dv out) as `plan` places the tasks.
+/// out and lse are the forward's results, d_out the incoming gradient (all local shards). Writes dq and the
+/// complete dk, dv of this rank's chunks; the partial gradients of moved chunks are summed in fp32 at their
+/// owners. With finite_check::every_step each stage's dQ and dK/dV sums are checked.
 template <class Comm, class T>
-void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, tensor_view<const T, 3> q,
-                     tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<const T, 3> out, tensor_view<const T, 3> d_out,
-                     tensor_view<const float, 2> lse, double softmax_scale, tensor_view<T, 3> dq, tensor_view<T, 3> dk, tensor_view<T, 3> dv,
-                     finite_check check = finite_check::off) {
+void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& plan, const global_selection& g, const backward_tensors<T>& tensors,
+                     double softmax_scale, finite_check check = finite_check::off) {
   static_assert(check_host_communicator<Comm>());
+  const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), comm.rank(), comm.world_size(), q.extent(0), k.extent(0), q.extent(1), k.extent(1));
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
