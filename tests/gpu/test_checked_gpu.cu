@@ -222,9 +222,8 @@ TEST_CASE("checked mode through sparse_attention: config.check names the NaN; of
         const device_buffer<T> q = up(x.q[r]), k = up(x.k[r]), v = up(x.v[r]);
         device_buffer<T> o(q.size(), st);
         device_buffer<float> lse(std::size_t(s::heads_q) * s::local_tokens, st);
-        const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
         layer.use_selection(c, s::selection(), st);
-        layer.forward(c, in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), tensor_view<T, 3>(o.data(), {s::local_tokens, s::heads_q, s::dim}),
+        layer.forward(c, view_of(q, s::heads_q), view_of(k, s::heads_kv), view_of(v, s::heads_kv), view_of(o, s::heads_q),
                       tensor_view<float, 2>(lse.data(), {s::heads_q, s::local_tokens}), st);
         out[r] = o.download(st);
       }
@@ -319,15 +318,13 @@ TEST_CASE("checked mode through sparse_attention with topology::solver: config.c
         const device_buffer<T> q = up(x.q[r]), k = up(x.k[r]), v = up(x.v[r]), d_out = up(x.d_out[r]);
         device_buffer<T> o(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
         device_buffer<float> lse(std::size_t(s::heads_q) * s::local_tokens, st);
-        const auto in = [&](const device_buffer<T>& b, index_t heads) { return tensor_view<const T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
-        const auto to = [&](device_buffer<T>& b, index_t heads) { return tensor_view<T, 3>(b.data(), {s::local_tokens, heads, s::dim}); };
         layer.use_selection(c, s::selection(), st);
-        layer.forward(c, in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), to(o, s::heads_q),
+        layer.forward(c, view_of(q, s::heads_q), view_of(k, s::heads_kv), view_of(v, s::heads_kv), view_of(o, s::heads_q),
                       tensor_view<float, 2>(lse.data(), {s::heads_q, s::local_tokens}), st);
         if (backward)
-          layer.backward(c, in(q, s::heads_q), in(k, s::heads_kv), in(v, s::heads_kv), in(o, s::heads_q), in(d_out, s::heads_q),
-                         tensor_view<const float, 2>(lse.data(), {s::heads_q, s::local_tokens}), to(dq, s::heads_q), to(dk, s::heads_kv),
-                         to(dv, s::heads_kv), st);
+          layer.backward(c, view_of(q, s::heads_q), view_of(k, s::heads_kv), view_of(v, s::heads_kv), view_of(std::as_const(o), s::heads_q),
+                         view_of(d_out, s::heads_q), tensor_view<const float, 2>(lse.data(), {s::heads_q, s::local_tokens}), view_of(dq, s::heads_q),
+                         view_of(dk, s::heads_kv), view_of(dv, s::heads_kv), st);
         x.out[r] = o.download(st);
         if (backward) x.dq[r] = dq.download(st);
       }
