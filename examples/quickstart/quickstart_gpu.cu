@@ -100,9 +100,17 @@ single_rank_result single_rank(const global_selection& g, const std::vector<T>& 
   lse.upload(lse_in);
   device::backward_delta(ov, dov, tensor_view<float, 2>(delta.data(), {hq, s}), nullptr);
   for (auto* b : {&dq, &dk, &dv}) b->fill_bytes(0);
-  device::sparse_backward(index, qv, kv, vv, dov, tensor_view<const float, 2>(lse.data(), {hq, s}), tensor_view<const float, 2>(delta.data(), {hq, s}),
-                          scale, tensor_view<float, 3>(dq.data(), {s, hq, dim}), tensor_view<float, 3>(dk.data(), {s, hkv, dim}),
-                          tensor_view<float, 3>(dv.data(), {s, hkv, dim}), device::determinism::atomic, nullptr);
+  device::sparse_backward<T>(index,
+                             {.q = qv,
+                              .k = kv,
+                              .v = vv,
+                              .d_out = dov,
+                              .lse = tensor_view<const float, 2>(lse.data(), {hq, s}),
+                              .delta = tensor_view<const float, 2>(delta.data(), {hq, s}),
+                              .dq = tensor_view<float, 3>(dq.data(), {s, hq, dim}),
+                              .dk = tensor_view<float, 3>(dk.data(), {s, hkv, dim}),
+                              .dv = tensor_view<float, 3>(dv.data(), {s, hkv, dim})},
+                             scale, nullptr);
   // Rounded to bf16, as the distributed run returns them.
   auto rounded = [](const std::vector<float>& x) { return to_float(to_bf16(x)); };
   result.dq = rounded(dq.download());

@@ -128,7 +128,7 @@ void backward_typed(const problem& p, const T* q, const T* k, const T* v, const 
                     const padded_selection& selection, bool deterministic, const backward_scratch& scratch, T* dq, T* dk, T* dv) {
   const batch_views<T> views{p};
   const auto zero = [&](float* x, std::int64_t count) { STRIA_CUDA_CHECK(cudaMemsetAsync(x, 0, static_cast<std::size_t>(count) * sizeof(float), p.stream)); };
-  // dQ goes out in T from the backward itself (sparse_backward's dq_out: one step, so no fp32 dQ,
+  // dQ goes out in T from the backward itself (step_backward_tensors' dq_out: one step, so no fp32 dQ,
   // no memset and no cast); dK and dV are summed in fp32 (the vertical tokens add by reductions).
   const tensor_view<float, 3> no_dq_sum = views.q_like(static_cast<float*>(nullptr), 0);
   const tensor_view<float, 3> dk_sum = views.kv_like(scratch.dk, 0), dv_sum = views.kv_like(scratch.dv, 0);
@@ -138,10 +138,19 @@ void backward_typed(const problem& p, const T* q, const T* k, const T* v, const 
     zero(scratch.dk, views.kv_elements());
     zero(scratch.dv, views.kv_elements());
     device::backward_delta<T>(views.q_like(out, b), views.q_like(d_out, b), delta, p.stream);
-    device::sparse_backward<T>(index, views.q_like(q, b), views.kv_like(k, b), views.kv_like(v, b), views.q_like(d_out, b),
-                               views.rows(lse, b), delta, p.softmax_scale, no_dq_sum, dk_sum, dv_sum,
-                               deterministic ? device::determinism::deterministic : device::determinism::atomic, p.stream,
-                               device::backward_kernel::automatic, device::dq_source::automatic, 0, views.q_like(dq, b).data());
+    device::sparse_backward<T>(index,
+                               {.q = views.q_like(q, b),
+                                .k = views.kv_like(k, b),
+                                .v = views.kv_like(v, b),
+                                .d_out = views.q_like(d_out, b),
+                                .lse = views.rows(lse, b),
+                                .delta = delta,
+                                .dq = no_dq_sum,
+                                .dk = dk_sum,
+                                .dv = dv_sum,
+                                .dq_out = views.q_like(dq, b).data()},
+                               p.softmax_scale, p.stream,
+                               {.mode = deterministic ? device::determinism::deterministic : device::determinism::atomic});
     device::write_output<T>(dk_sum, views.kv_like(dk, b), p.stream);
     device::write_output<T>(dv_sum, views.kv_like(dv, b), p.stream);
   }

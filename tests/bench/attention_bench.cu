@@ -292,11 +292,13 @@ int main(int argc, char** argv) try {
 
       device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
       device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);
+      const device::step_backward_tensors<T> gradients{
+          .q = qv, .k = kv, .v = vv, .d_out = dov, .lse = lse_view, .delta = delta_view, .dq = dq_view, .dk = dk_view, .dv = dv_view};
       auto backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic,
                           device::dq_source requested = device::dq_source::automatic) {
         const device::dq_source source = requested == device::dq_source::automatic ? main_source : requested;
         return [&, mode, which, source] {
-          device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, mode, nullptr, which, source);
+          device::sparse_backward<T>(index, gradients, scale, nullptr, {.mode = mode, .which = which, .source = source});
         };
       };
       // On Hopper the automatic backward stores dS where the workspace fits; the recomputing dQ pass

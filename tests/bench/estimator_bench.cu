@@ -172,7 +172,9 @@ std::pair<double, double> attention_ms(const global_selection& g, index_t heads_
   const device_step_index index = build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {});
   auto forward = [&] { device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr); };
   auto backward = [&] {
-    device::sparse_backward<T>(index, qv, kv, vv, dov, lse_view, delta_view, scale, dq_view, dk_view, dv_view, device::determinism::atomic, nullptr);
+    device::sparse_backward<T>(
+        index, {.q = qv, .k = kv, .v = vv, .d_out = dov, .lse = lse_view, .delta = delta_view, .dq = dq_view, .dk = dk_view, .dv = dv_view}, scale,
+        nullptr);
   };
   out.fill_bytes(0xff);  // NaN
   forward();

@@ -46,10 +46,17 @@ std::vector<double> rank_step_ms(const device_selection& selection, const Shardi
                              tensor_view<float, 2>(lse.data(), {h.hq, local}), device::running_state::overwrite, nullptr);
     });
     const double bwd = median_ms(repeats, [&] {
-      device::sparse_backward(index, qv, kv, vv, dov, tensor_view<const float, 2>(lse.data(), {h.hq, local}),
-                              tensor_view<const float, 2>(delta.data(), {h.hq, local}), scale,
-                              tensor_view<float, 3>(dq.data(), {local, h.hq, h.dim}), tensor_view<float, 3>(dk.data(), {local, h.hkv, h.dim}),
-                              tensor_view<float, 3>(dv.data(), {local, h.hkv, h.dim}), device::determinism::atomic, nullptr);
+      device::sparse_backward<T>(index,
+                                 {.q = qv,
+                                  .k = kv,
+                                  .v = vv,
+                                  .d_out = dov,
+                                  .lse = tensor_view<const float, 2>(lse.data(), {h.hq, local}),
+                                  .delta = tensor_view<const float, 2>(delta.data(), {h.hq, local}),
+                                  .dq = tensor_view<float, 3>(dq.data(), {local, h.hq, h.dim}),
+                                  .dk = tensor_view<float, 3>(dk.data(), {local, h.hkv, h.dim}),
+                                  .dv = tensor_view<float, 3>(dv.data(), {local, h.hkv, h.dim})},
+                                 scale, nullptr);
     });
     ms.push_back(fwd + bwd);
   }

@@ -65,7 +65,8 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   std::vector<float> grad_q(out_host.size()), grad_kv(static_cast<std::size_t>(sq) * hkv * dim + 8);
   auto backward = [&](tensor_view<float, 3> dq, tensor_view<float, 3> dk) {
     return message([&] {
-      device::sparse_backward<T>(index, q, k, k, q, lse, lse, 0.1, dq, dk, dk, device::determinism::deterministic, nullptr);
+      device::sparse_backward<T>(index, {.q = q, .k = k, .v = k, .d_out = q, .lse = lse, .delta = lse, .dq = dq, .dk = dk, .dv = dk}, 0.1, nullptr,
+                                 {.mode = device::determinism::deterministic});
     });
   };
   CHECK(contains(backward(tensor_view<float, 3>(grad_q.data(), {sq, hq, dim + 64}), tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim})),
@@ -76,9 +77,17 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   CHECK(contains(message([&] { device::sparse_forward<T, 128>(index, q, k, k, 0.1, out, lse, device::running_state::overwrite, nullptr); }),
                  "q.extent(2) (head_dim) = 64: must be 128: this launcher is instantiated for head_dim 128 alone"));
   CHECK(contains(message([&] {
-                   device::sparse_backward<T, 128>(index, q, k, k, q, lse, lse, 0.1, tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}),
-                                                   tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim}),
-                                                   tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim}), device::determinism::atomic, nullptr);
+                   device::sparse_backward<T, 128>(index,
+                                                   {.q = q,
+                                                    .k = k,
+                                                    .v = k,
+                                                    .d_out = q,
+                                                    .lse = lse,
+                                                    .delta = lse,
+                                                    .dq = tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}),
+                                                    .dk = tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim}),
+                                                    .dv = tensor_view<float, 3>(grad_kv.data(), {sq, hkv, dim})},
+                                                   0.1, nullptr);
                  }),
                  "q.extent(2) (head_dim) = 64: must be 128"));
   // The final cast and delta check their extents against each other.

@@ -110,9 +110,17 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dq.fill_bytes(0);
     dk.fill_bytes(0);
     dv.fill_bytes(0);
-    device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
-                               tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, dq_view(dq), dk_view(dk), dk_view(dv), mode,
-                               nullptr, which, source, ds_limit);
+    device::sparse_backward<T>(on_device,
+                               {.q = q_view,
+                                .k = k_view,
+                                .v = v_view,
+                                .d_out = d_out_view,
+                                .lse = tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
+                                .delta = tensor_view<const float, 2>(delta.data(), {hq, sq}),
+                                .dq = dq_view(dq),
+                                .dk = dk_view(dk),
+                                .dv = dk_view(dv)},
+                               scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
     return gradients{dq.download(), dk.download(), dv.download()};
   };
   // The same step as a layer's only one: no fp32 dq, dQ written out in T (poisoned first).
@@ -122,9 +130,18 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dv.fill_bytes(0);
     device_buffer<T> dq_out(dq_ref.size());
     dq_out.fill_bytes(0xff);
-    device::sparse_backward<T>(on_device, q_view, k_view, v_view, d_out_view, tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
-                               tensor_view<const float, 2>(delta.data(), {hq, sq}), scale, tensor_view<float, 3>(nullptr, {sq, hq, dim}),
-                               dk_view(dk), dk_view(dv), mode, nullptr, which, source, ds_limit, dq_out.data());
+    device::sparse_backward<T>(on_device,
+                               {.q = q_view,
+                                .k = k_view,
+                                .v = v_view,
+                                .d_out = d_out_view,
+                                .lse = tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
+                                .delta = tensor_view<const float, 2>(delta.data(), {hq, sq}),
+                                .dq = tensor_view<float, 3>(nullptr, {sq, hq, dim}),
+                                .dk = dk_view(dk),
+                                .dv = dk_view(dv),
+                                .dq_out = dq_out.data()},
+                               scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
     return dq_out.download();
   };
   // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in
@@ -153,7 +170,7 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   // dS stored by request with a limit below one head's workspace: an error naming the limit.
   if (device::hopper_kernels_available() && largest_head > 1)
     CHECK_THROWS_WITH_AS(run_backward(device::determinism::atomic, device::backward_kernel::wgmma, device::dq_source::stored, largest_head - 1),
-                         doctest::Contains("ds_workspace_limit"), stria::invalid_argument);
+                         doctest::Contains("options.ds_workspace_limit"), stria::invalid_argument);
   for (const auto& [which, source, ds_limit, name] : backward_kernels) {
     const std::string kernel_name = name;
     CAPTURE(kernel_name);

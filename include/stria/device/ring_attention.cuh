@@ -267,10 +267,17 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const device_
       [&](index_t step, int slot) {
         device_buffer<float> working(2 * kv_elems, stream);
         working.fill_bytes(0, stream);
-        sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(step)], q, backend.k(slot), backend.v(slot), d_out, lse, delta_view,
-                                    softmax_scale, tensor_view<float, 3>(dq32.data(), q_extents), tensor_view<float, 3>(working.data(), kv_extents),
-                                    tensor_view<float, 3>(working.data() + kv_elems, kv_extents), mode, stream, backward_kernel::automatic,
-                                    dq_source::automatic, 0, step + 1 == steps && dq_out_by_last_step ? dq.data() : nullptr);
+        const step_backward_tensors<T> operands{.q = q,
+                                                .k = backend.k(slot),
+                                                .v = backend.v(slot),
+                                                .d_out = d_out,
+                                                .lse = lse,
+                                                .delta = delta_view,
+                                                .dq = tensor_view<float, 3>(dq32.data(), q_extents),
+                                                .dk = tensor_view<float, 3>(working.data(), kv_extents),
+                                                .dv = tensor_view<float, 3>(working.data() + kv_elems, kv_extents),
+                                                .dq_out = step + 1 == steps && dq_out_by_last_step ? dq.data() : nullptr};
+        sparse_backward<T, HeadDim>(indices[static_cast<std::size_t>(step)], operands, softmax_scale, stream, {.mode = mode});
         return working;
       },
       [&](index_t step, const std::string& phase, index_t owner, const device_buffer<float>& sum) {

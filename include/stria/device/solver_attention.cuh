@@ -357,7 +357,10 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
     const auto [kc, vc] = this->kv_chunk(t.kv_chunk);
     const auto [dk_sum, dv_sum] = dkv(t.kv_chunk);
     const query_side s = query(t.query_chunk);
-    sparse_backward<T, HeadDim>(this->index(stage, i), s.q, kc, vc, s.d_out, s.lse, s.delta, this->scale, s.dq, dk_sum, dv_sum, mode, stream);
+    sparse_backward<T, HeadDim>(
+        this->index(stage, i),
+        {.q = s.q, .k = kc, .v = vc, .d_out = s.d_out, .lse = s.lse, .delta = s.delta, .dq = s.dq, .dk = dk_sum, .dv = dv_sum}, this->scale,
+        stream, {.mode = mode});
   }
   void check(index_t stage, const std::string& phase, bool moved) {
     const index_t rank = me.rank();

@@ -53,7 +53,7 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// Where the Hopper backward's dQ pass gets dS from. `stored`: the dK/dV passes write each active
 /// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
 /// instead of three; the passes run over ranges of query heads whose workspace fits
-/// sparse_backward's `ds_workspace_limit` (0: no limit for `stored`; for `automatic`, a quarter of the
+/// backward_options' `ds_workspace_limit` (0: no limit for `stored`; for `automatic`, a quarter of the
 /// device's memory and at most half of what is available); a head alone past it is an error for
 /// `stored`, and `automatic` then recomputes (as it does where the workspace cannot be allocated after
 /// all). The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the dQ pass forms
@@ -263,19 +263,37 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
   STRIA_CUDA_CHECK_LAUNCH("backward_delta");
 }
 
+/// One ring step's backward operands (device tensors): the step's queries and KV chunk, the incoming
+/// gradient and the layer's row statistics in; the fp32 gradient sums, which the step adds to.
+template <class T>
+struct step_backward_tensors {
+  tensor_view<const T, 3> q;               // [Sq, Hq, D]
+  tensor_view<const T, 3> k, v;            // [Sk, Hkv, D]
+  tensor_view<const T, 3> d_out;           // [Sq, Hq, D]
+  tensor_view<const float, 2> lse, delta;  // [Hq, Sq]: the final forward LSE; backward_delta's
+  tensor_view<float, 3> dq;                // [Sq, Hq, D] fp32, the local queries'
+  tensor_view<float, 3> dk, dv;            // [Sk, Hkv, D] fp32, the KV chunk's (they travel with it)
+  T* dq_out = nullptr;                     // [Sq, Hq, D] T, the layer's last step only (sparse_backward)
+};
+
+/// How a backward step runs; the defaults are what a training step wants.
+struct backward_options {
+  determinism mode = determinism::atomic;
+  backward_kernel which = backward_kernel::automatic;
+  dq_source source = dq_source::automatic;
+  std::size_t ds_workspace_limit = 0;  // bytes of stored dS (dq_source); 0: the source's default
+};
+
 /// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
-/// dk, dv (fp32, the step's KV chunk, travelling with it). `lse` is the final forward LSE, `delta`
-/// comes from backward_delta. With `dq_out` (the layer's last step), dq + this step's dQ goes out there
-/// in T, and dq's contents are not needed afterwards (the Hopper dQ passes write dq_out directly and
-/// leave dq as it was; the mma.sync passes, or a dq_out not aligned to 4 bytes, add into dq and cast);
-/// dq's data may then be null (a single step: no fp32 dq at all).
-///   d_out [Sq, Hq, D] (T)   lse, delta [Hq, Sq]   dq [Sq, Hq, D]   dk, dv [Sk, Hkv, D]
+/// dk, dv (fp32, the step's KV chunk, travelling with it). With `dq_out` (the layer's last step),
+/// dq + this step's dQ goes out there in T, and dq's contents are not needed afterwards (the Hopper dQ
+/// passes write dq_out directly and leave dq as it was; the mma.sync passes, or a dq_out not aligned
+/// to 4 bytes, add into dq and cast); dq's data may then be null (a single step: no fp32 dq at all).
 template <class T, index_t HeadDim = any_head_dim>
-void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
-                     tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<const float, 2> delta,
-                     double softmax_scale, tensor_view<float, 3> dq, tensor_view<float, 3> dk, tensor_view<float, 3> dv,
-                     determinism mode, cudaStream_t stream, backward_kernel which = backward_kernel::automatic,
-                     dq_source source = dq_source::automatic, std::size_t ds_workspace_limit = 0, T* dq_out = nullptr) {
+void sparse_backward(const device_step_index& index, const step_backward_tensors<T>& tensors, double softmax_scale, cudaStream_t stream,
+                     const backward_options& options = {}) {
+  const auto& [q, k, v, d_out, lse, delta, dq, dk, dv, dq_out] = tensors;
+  const auto& [mode, which, source, ds_workspace_limit] = options;
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   detail::check_head_dim<HeadDim>(shape.head_dim);
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
@@ -364,7 +382,7 @@ void sparse_backward(const device_step_index& index, tensor_view<const T, 3> q, 
         std::size_t end = begin + 1;
         if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
           if (source == dq_source::stored)
-            throw invalid_argument("ds_workspace_limit", limit,
+            throw invalid_argument("options.ds_workspace_limit", limit,
                                    "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
                                        " bytes): raise it, or let dq_source::automatic recompute dS");
           head_ranges.clear();
