@@ -2,7 +2,7 @@
 # Runs on the GPU machine (the device tool): the `gpu` tests (stria_gpu_tests, then comm::nccl's
 # timeout-and-abort tests on one GPU, stria_nccl_gpu_tests; and, where there are two or more GPUs,
 # the `multi_gpu` tests and multi_gpu_bench), compute-sanitizer memcheck, synccheck, initcheck and
-# racecheck over the `gpu` tests, then the benchmarks; prints a short table last and leaves logs in $OUT.
+# racecheck over every `gpu` test case, then the benchmarks; prints a short table last and leaves logs in $OUT.
 # Uses binaries carried in .device/bin when present (built on the dev machine with the same nvcc,
 # sm_90a); otherwise configures and builds them here with -j16.
 #   usage: tests/gpu/run_on_device.sh [quick]      (quick: no sanitizers; SANITIZER_TIMEOUT, default 400 s, bounds each
@@ -33,7 +33,7 @@ if [ ! -x "$bin/stria_gpu_tests" ]; then
   cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRIA_BUILD_EXAMPLES=OFF \
         -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$PWD/$bin" > "$OUT/configure.log" 2>&1 &&
     cmake --build build-device -j16 --target stria_gpu_tests stria_nccl_gpu_tests stria_multi_gpu_tests stria_one_process_per_gpu attention_bench estimator_bench \
-      ring_bench multi_gpu_bench > "$OUT/build.log" 2>&1
+      ring_bench multi_gpu_bench stria_racecheck_probe > "$OUT/build.log" 2>&1
   note "build on device: rc=$? in $(( $(date +%s) - start )) s"
 fi
 
@@ -67,31 +67,43 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
   fi
 fi
 if [ "$mode" != quick ]; then
-  # memcheck, synccheck (barrier and warp-synchronous misuse) and initcheck (reads of device memory
-  # never written) over every test case but the fault cases, each tool in 8 shards of doctest's
-  # -f/-l ranges (1-based, inclusive), 12 processes at once on the one GPU: one after another the three
-  # tools outlast a 10-minute device call. The fault cases hold a rank's stream behind a gate kernel
-  # that the host opens only after every rank has raised; compute-sanitizer serializes kernel launches,
-  # and a shard holding them ran past 500 s under every tool (2026-12-04). doctest's summary counts
-  # the cases outside a shard's range as passed; the sanitizer's own ERROR SUMMARY is what counts.
-  sanitize_shard() {  # TOOL FIRST LAST
-    local log="$OUT/sanitize_$1_$2.log" start=$(date +%s)
-    timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "$bin/stria_gpu_tests" \
-      -tce="*local_device fault*" -f="$2" -l="$3" > "$log" 2>&1
+  # The tools of SANITIZERS (default: memcheck, synccheck, initcheck, racecheck) over every test case
+  # but the fault cases, each tool in 8 shards of doctest's -f/-l ranges (1-based, inclusive),
+  # SANITIZER_PROCS (12) processes at once on the one GPU: one after another they outlast a 10-minute
+  # device call. The fault cases hold a rank's stream behind a gate kernel that the host opens only
+  # after every rank has raised; compute-sanitizer serializes kernel launches, and a shard holding
+  # them ran past 500 s under every tool (2026-12-04): they run alone, each under the tools of
+  # SANITIZE_FAULTS (default memcheck). doctest's summary counts the cases outside a shard's range as
+  # passed; the sanitizer's own ERROR SUMMARY is what counts. SANITIZER_TIMEOUT (400 s) bounds each.
+  sanitize_shard() {  # TOOL FIRST LAST | TOOL fault PATTERN
+    local log="$OUT/sanitize_$1_$2_${3//[^a-z0-9]/}.log" start=$(date +%s) cases
+    if [ "$2" = fault ]; then cases=(-tc="$3"); else cases=(-tce="*local_device fault*" -f="$2" -l="$3"); fi
+    timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
     local rc=$?
-    echo "$1 cases $2-$3: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error' "$log" | head -1)"
+    echo "$1 cases $2 $3: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
     [ $rc = 0 ] && rm -f "$log"  # the logs of clean shards do not come back (at most 8 files do)
   }
   export -f sanitize_shard; export OUT bin
   start=$(date +%s)
-  for tool in memcheck synccheck initcheck; do for first in 1 5 9 13 17 21 25 29; do echo "$tool $first $((first + 3))"; done; done |
-    xargs -P 12 -L 1 bash -c 'sanitize_shard "$0" "$1" "$2"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
+  {
+    for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
+      for first in 1 5 9 13 17 21 25 29; do echo "$tool $first $((first + 3))"; done
+    done
+    for tool in ${SANITIZE_FAULTS-memcheck}; do
+      echo "$tool fault *local_device?fault:?a?rank?whose*"
+      echo "$tool fault *local_device?fault:?a?rank?that?throws*"
+    done
+  } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
+  # What racecheck reports on a correct mbarrier hand-over (tests/gpu/racecheck_probe.cu): the
+  # forward's stage rings are synchronized so; its hazards there are read against this.
+  if [[ " ${SANITIZERS-racecheck} " == *" racecheck "* ]] && [ -x "$bin/stria_racecheck_probe" ]; then
+    for how in copies stores syncthreads; do
+      echo "racecheck probe $how: $(compute-sanitizer --tool racecheck "$bin/stria_racecheck_probe" "$how" 2>&1 |
+        grep -o 'consumer summed .*\|RACECHECK SUMMARY: [0-9]* hazard[s]*' | paste -sd ' ')"
+    done >> "$OUT/sanitizers.log"
+  fi
   cat "$OUT/sanitizers.log"
-  note "memcheck, synccheck, initcheck: $(grep -c 'rc=0 ' "$OUT/sanitizers.log") of 24 shards clean in $(( $(date +%s) - start )) s"
-  # racecheck is slow: by default it covers the window-statistics kernels and one small problem through
-  # every attention kernel; RACECHECK_CASES picks other doctest test cases ("*" for all).
-  run racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/stria_gpu_tests" \
-    -tc="${RACECHECK_CASES:-*window statistics*,*one small problem*}"
+  note "sanitizers: $(grep -c 'rc=0 ' "$OUT/sanitizers.log") of $(grep -c 'rc=' "$OUT/sanitizers.log") runs clean in $(( $(date +%s) - start )) s"
 fi
 # The PyTorch package (python/): built against the device's torch with pip (no index, no isolation:
 # nothing can be downloaded there), then its tests against SDPA's math path. TORCH=0 skips it.
