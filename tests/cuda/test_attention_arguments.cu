@@ -73,6 +73,19 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
                  "dq.extent(2)"));
   CHECK(contains(backward(tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}), tensor_view<float, 3>(grad_kv.data(), {sq, hq, dim})),
                  "dk.extent(1)"));
+  // With dq_out (dQ written out in T) the fp32 dq is not used: any view, an empty one too, passes its
+  // checks; without dq_out an empty dq is named.
+  const tensor_view<float, 3> grad_k(grad_kv.data(), {sq, hkv, dim});
+  auto backward_without_dq = [&](T* dq_out) {
+    return message([&] {
+      device::sparse_backward<T>(
+          index, {.q = q, .k = k, .v = k, .d_out = q, .lse = lse, .delta = lse, .dq = {}, .dk = grad_k, .dv = grad_k, .dq_out = dq_out}, 0.1,
+          nullptr);
+    });
+  };
+  const std::string with_dq_out = backward_without_dq(q_host.data());
+  CHECK_MESSAGE((!contains(with_dq_out, "dq.") && !contains(with_dq_out, "dq =")), with_dq_out);
+  CHECK(contains(backward_without_dq(nullptr), "dq.data() = nullptr: must point to memory"));
   // Launchers instantiated for one Tile (the front template's) take that head dim only.
   CHECK(contains(message([&] { device::sparse_forward<T, 128>(index, q, k, k, 0.1, out, lse, device::running_state::overwrite, nullptr); }),
                  "q.extent(2) (head_dim) = 64: must be 128: this launcher is instantiated for head_dim 128 alone"));

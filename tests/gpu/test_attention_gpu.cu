@@ -102,6 +102,16 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
   delta.fill_bytes(0xff);
   device::backward_delta<T>(tensor_view<const T, 3>(out_device.data(), {sq, hq, dim}), d_out_view, tensor_view<float, 2>(delta.data(), {hq, sq}),
                             nullptr);
+  // The step's inputs; each run below sets the gradient sums it adds to.
+  const device::step_backward_tensors<T> inputs{.q = q_view,
+                                                .k = k_view,
+                                                .v = v_view,
+                                                .d_out = d_out_view,
+                                                .lse = tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
+                                                .delta = tensor_view<const float, 2>(delta.data(), {hq, sq}),
+                                                .dq = {},
+                                                .dk = {},
+                                                .dv = {}};
   auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit) {
     struct gradients {
       std::vector<float> dq, dk, dv;
@@ -110,17 +120,11 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dq.fill_bytes(0);
     dk.fill_bytes(0);
     dv.fill_bytes(0);
-    device::sparse_backward<T>(on_device,
-                               {.q = q_view,
-                                .k = k_view,
-                                .v = v_view,
-                                .d_out = d_out_view,
-                                .lse = tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
-                                .delta = tensor_view<const float, 2>(delta.data(), {hq, sq}),
-                                .dq = dq_view(dq),
-                                .dk = dk_view(dk),
-                                .dv = dk_view(dv)},
-                               scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
+    device::step_backward_tensors<T> tensors = inputs;
+    tensors.dq = dq_view(dq);
+    tensors.dk = dk_view(dk);
+    tensors.dv = dk_view(dv);
+    device::sparse_backward<T>(on_device, tensors, scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
     return gradients{dq.download(), dk.download(), dv.download()};
   };
   // The same step as a layer's only one: no fp32 dq, dQ written out in T (poisoned first).
@@ -130,18 +134,11 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     dv.fill_bytes(0);
     device_buffer<T> dq_out(dq_ref.size());
     dq_out.fill_bytes(0xff);
-    device::sparse_backward<T>(on_device,
-                               {.q = q_view,
-                                .k = k_view,
-                                .v = v_view,
-                                .d_out = d_out_view,
-                                .lse = tensor_view<const float, 2>(lse_device.data(), {hq, sq}),
-                                .delta = tensor_view<const float, 2>(delta.data(), {hq, sq}),
-                                .dq = tensor_view<float, 3>(nullptr, {sq, hq, dim}),
-                                .dk = dk_view(dk),
-                                .dv = dk_view(dv),
-                                .dq_out = dq_out.data()},
-                               scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
+    device::step_backward_tensors<T> tensors = inputs;  // no fp32 dq
+    tensors.dk = dk_view(dk);
+    tensors.dv = dk_view(dv);
+    tensors.dq_out = dq_out.data();
+    device::sparse_backward<T>(on_device, tensors, scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
     return dq_out.download();
   };
   // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in

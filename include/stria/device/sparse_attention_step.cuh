@@ -299,13 +299,14 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
   check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
-  if (dq.data() || !dq_out) check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");  // null with dq_out: no fp32 dQ
+  const bool with_dq = dq.data() || !dq_out;  // null with dq_out: no fp32 dQ (then any view, an empty one too)
+  if (with_dq) check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
   check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
   detail::check_layout(d_out, "d_out", 16);
   detail::check_layout(lse, "lse", 4);
   detail::check_layout(delta, "delta", 4);
-  detail::check_layout(dq, "dq", 16);  // the Hopper passes add dQ by 16-byte reductions
+  if (with_dq) detail::check_layout(dq, "dq", 16);  // the Hopper passes add dQ by 16-byte reductions
   detail::check_layout(dk, "dk", 8);
   detail::check_layout(dv, "dv", 8);
   detail::check_on_device({{q.data(), "q"},
