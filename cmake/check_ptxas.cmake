@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-# cmake -DNVCC=<nvcc> -DSOURCE=<.cu> -DINCLUDE=<include dir> -DOUTPUT=<cubin> -P check_ptxas.cmake
+# cmake -DNVCC=<nvcc> [-DCCBIN=<host compiler>] -DSOURCE=<.cu> -DINCLUDE=<include dir> -DOUTPUT=<cubin> -P check_ptxas.cmake
 # Compiles SOURCE for sm_90a with ptxas's report (-Xptxas -v) and fails naming every kernel that
 # ptxas serialized (its C75xx "Potential Performance Loss" notes: wgmma products waited for one by
 # one, or waits it injected) or that spills registers. Both are silent in a normal build, and either
@@ -10,9 +10,13 @@ foreach(var NVCC SOURCE INCLUDE OUTPUT)
     message(FATAL_ERROR "check_ptxas.cmake needs -D${var}=...")
   endif()
 endforeach()
+set(host_compiler "")
+if(CCBIN)
+  set(host_compiler "-ccbin=${CCBIN}")  # the build's CMAKE_CUDA_HOST_COMPILER, where one is set
+endif()
 execute_process(
-  COMMAND "${NVCC}" -O3 -DNDEBUG -std=c++20 "-I${INCLUDE}" -gencode=arch=compute_90a,code=sm_90a -cubin -o "${OUTPUT}" "${SOURCE}"
-          -Xptxas -v
+  COMMAND "${NVCC}" ${host_compiler} -O3 -DNDEBUG -std=c++20 "-I${INCLUDE}" -gencode=arch=compute_90a,code=sm_90a -cubin -o "${OUTPUT}"
+          "${SOURCE}" -Xptxas -v
   RESULT_VARIABLE result OUTPUT_VARIABLE report ERROR_VARIABLE report)
 if(NOT result EQUAL 0)
   message(FATAL_ERROR "nvcc failed on ${SOURCE}:\n${report}")
@@ -37,6 +41,6 @@ if(kernels EQUAL 0)
   message(FATAL_ERROR "ptxas reported no function of ${SOURCE}:\n${report}")
 endif()
 if(found)
-  message(FATAL_ERROR "ptxas serialized or spilled in ${SOURCE}:${found}")
+  message(FATAL_ERROR "ptxas serialized or spilled:\n  ${SOURCE}${found}")  # indented lines: message() does not rewrap them
 endif()
 message(STATUS "${kernels} functions of ${SOURCE}: no wgmma serialized, no spills")

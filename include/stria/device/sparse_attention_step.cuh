@@ -322,7 +322,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
 
   const bool hopper = which != backward_kernel::mma_sync && hopper_kernels_available();
   if (which == backward_kernel::wgmma && !hopper)
-    throw invalid_argument("which", "backward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
+    throw invalid_argument("options.which", "backward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
   // dq_out written by the Hopper dQ passes themselves (pairs of T: 4-byte aligned); otherwise the
   // passes add into dq (zeros in a scratch where dq is null) and it is cast to dq_out after them.
   const bool dq_out_direct = dq_out && hopper && reinterpret_cast<std::uintptr_t>(dq_out) % 4 == 0;

@@ -318,6 +318,10 @@ struct row_tile_rings {
 
   /// Consumer, after k.wait(t) and before k.release(t): whether tile t crosses the diagonal of the
   /// query block at `query_global` (-1 without the causal mask).
+  /// Known race (RESULTS, 2026-12-04, fifth): every lane reads the slot, but stage_ring::release is
+  /// lane 0's arrival, which orders only lane 0's reads before the copier's next write into it. The
+  /// fix (lane 0 reads and shuffles the value to its warp; the slots start at -1) passes the ptxas
+  /// check but has not run on a GPU yet.
   __device__ bool diagonal(const row_tiles& row, index_t t, index_t query_global) const {
     return row.is_block(t) && kv_global_block[k.stage(t)] == query_global;
   }

@@ -103,7 +103,8 @@ struct stage_ring {
   /// Consumer: waits until tile t has landed. The copies are generic-proxy writes: wgmma (the async
   /// proxy) reads them only after fence_async_shared, which the caller issues once for all its waits.
   __device__ void wait(std::int64_t t) { barrier_wait(&full[stage(t)], parity(t)); }
-  /// Consumer: every warp, once its products on tile t have completed.
+  /// Consumer: every warp, once its products on tile t have completed. Lane 0's arrival releases
+  /// only lane 0's own accesses: reads of the stage by other lanes need ordering before it.
   __device__ void release(std::int64_t t) { barrier_arrive_lane0(&empty[stage(t)]); }
 };
 
