@@ -68,7 +68,8 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
 fi
 if [ "$mode" != quick ]; then
   # The tools of SANITIZERS (default: memcheck, synccheck, initcheck, racecheck) over every test case
-  # but the fault cases, each tool in 8 shards of doctest's -f/-l ranges (1-based, inclusive),
+  # but the fault cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases, doctest's -f/-l
+  # ranges (1-based, inclusive),
   # SANITIZER_PROCS (12) processes at once on the one GPU: one after another they outlast a 10-minute
   # device call (racecheck alone ran 4 of its 8 shards past 470 s: pick tools per call). The fault
   # case of a rank that throws runs alone under the tools of SANITIZE_FAULTS (default memcheck); the
@@ -88,7 +89,8 @@ if [ "$mode" != quick ]; then
   start=$(date +%s)
   {
     for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
-      for first in 1 5 9 13 17 21 25 29; do echo "$tool $first $((first + 3))"; done
+      per=${SANITIZER_SHARD_CASES:-4}  # cases per shard: 32 / per shards (the test binary has 31 cases)
+      for ((first = 1; first <= 32; first += per)); do echo "$tool $first $((first + per - 1))"; done
     done
     for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
   } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
