@@ -156,7 +156,7 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
-    const forward_tensors<T> tensors{q, k, v, out, lse};
+    const forward_tensors<T> tensors{.q = q, .k = k, .v = v, .out = out, .lse = lse};
     const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
       device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, run);
@@ -175,7 +175,7 @@ class sparse_attention {
     check_shard(q, config_.heads_q, "q");
     check_shard(k, config_.heads_kv, "k");
     check_shard(v, config_.heads_kv, "v");
-    const backward_tensors<T> tensors{q, k, v, out, d_out, lse, dq, dk, dv};
+    const backward_tensors<T> tensors{.q = q, .k = k, .v = v, .out = out, .d_out = d_out, .lse = lse, .dq = dq, .dk = dk, .dv = dv};
     const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
       device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, config_.backward_mode, run);

@@ -68,14 +68,13 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
 fi
 if [ "$mode" != quick ]; then
   # The tools of SANITIZERS (default: memcheck, synccheck, initcheck, racecheck) over every test case
-  # but the fault cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases, doctest's -f/-l
-  # ranges (1-based, inclusive),
-  # SANITIZER_PROCS (12) processes at once on the one GPU: one after another they outlast a 10-minute
-  # device call (racecheck alone ran 4 of its 8 shards past 470 s: pick tools per call). The fault
-  # case of a rank that throws runs alone under the tools of SANITIZE_FAULTS (default memcheck); the
-  # other one holds a rank's stream behind a gate kernel that the host opens only after every rank
-  # has raised, and compute-sanitizer serializes kernel launches: it cannot finish under a sanitizer
-  # (2026-12-04) and is left out. doctest's summary counts the cases outside a shard's range as
+  # but the fault cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases (doctest's -f/-l
+  # ranges, 1-based, inclusive, up to the binary's own count of cases), SANITIZER_PROCS (12) processes
+  # at once on the one GPU: one after another they outlast a 10-minute device call (racecheck alone
+  # ran 4 of its 8 shards past 470 s: pick tools per call). The fault case of a rank that throws runs
+  # alone under the tools of SANITIZE_FAULTS (default memcheck); the other one holds a rank's stream
+  # behind a gate kernel that the host opens only after every rank has raised, and compute-sanitizer
+  # serializes kernel launches: it cannot finish under a sanitizer (2026-12-04) and is left out. doctest's summary counts the cases outside a shard's range as
   # passed; the sanitizer's own ERROR SUMMARY is what counts. SANITIZER_TIMEOUT (400 s) bounds each.
   sanitize_shard() {  # TOOL FIRST LAST | TOOL fault PATTERN
     local log="$OUT/sanitize_$1_$2_${3//[^a-z0-9]/}.log" start=$(date +%s) cases
@@ -87,10 +86,12 @@ if [ "$mode" != quick ]; then
   }
   export -f sanitize_shard; export OUT bin
   start=$(date +%s)
+  # The binary's count of test cases (doctest's listing), so that a new case is not left out of every shard.
+  all_cases=$("$bin/stria_gpu_tests" -ltc | grep -o 'passing the current filters: [0-9]*' | grep -o '[0-9]*$')
+  per=${SANITIZER_SHARD_CASES:-4}
   {
     for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
-      per=${SANITIZER_SHARD_CASES:-4}  # cases per shard: 32 / per shards (the test binary has 31 cases)
-      for ((first = 1; first <= 32; first += per)); do echo "$tool $first $((first + per - 1))"; done
+      for ((first = 1; first <= ${all_cases:-64}; first += per)); do echo "$tool $first $((first + per - 1))"; done
     done
     for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
   } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
