@@ -274,9 +274,12 @@ struct row_tile_rings {
   stage_ring<VStages, copier_threads> v;
   index_t kv_global_block[KStages];
 
+  /// The slots start at -1: lane 0 reads its stage's slot for every tile, gathered tiles too, whose
+  /// slot no copy has written yet when they come first.
   __device__ void init() {
     k.init();
     v.init();
+    for (index_t& global : kv_global_block) global = -1;
   }
   /// The first byte of K stage `stage` in the K ring `ks`.
   template <int D>
@@ -317,13 +320,12 @@ struct row_tile_rings {
   }
 
   /// Consumer, after k.wait(t) and before k.release(t): whether tile t crosses the diagonal of the
-  /// query block at `query_global` (-1 without the causal mask).
-  /// Known race (RESULTS, 2026-12-04, fifth): every lane reads the slot, but stage_ring::release is
-  /// lane 0's arrival, which orders only lane 0's reads before the copier's next write into it. The
-  /// fix (lane 0 reads and shuffles the value to its warp; the slots start at -1) passes the ptxas
-  /// check but has not run on a GPU yet.
+  /// query block at `query_global` (-1 without the causal mask). Lane 0 alone reads the slot and
+  /// hands it to its warp: stage_ring::release is lane 0's arrival, which orders only lane 0's own
+  /// reads before the copier's next write into the stage.
   __device__ bool diagonal(const row_tiles& row, index_t t, index_t query_global) const {
-    return row.is_block(t) && kv_global_block[k.stage(t)] == query_global;
+    const index_t global = __shfl_sync(0xffffffffu, threadIdx.x % 32 == 0 ? kv_global_block[k.stage(t)] : 0, 0);
+    return row.is_block(t) && global == query_global;
   }
 };
 
