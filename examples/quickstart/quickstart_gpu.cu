@@ -92,8 +92,13 @@ single_rank_result single_rank(const global_selection& g, const std::vector<T>& 
   device_buffer<T> out(q.size());
   const tensor_view<const T, 3> qv(q_d.data(), {s, hq, dim}), kv(k_d.data(), {s, hkv, dim}), vv(v_d.data(), {s, hkv, dim}),
       dov(d_out_d.data(), {s, hq, dim}), ov(out.data(), {s, hq, dim});
-  device::sparse_forward(index, qv, kv, vv, scale, tensor_view<float, 3>(running.data(), {s, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, s}),
-                         device::running_state::overwrite, nullptr);
+  device::sparse_forward<T>(index,
+                            {.q = qv,
+                             .k = kv,
+                             .v = vv,
+                             .out = tensor_view<float, 3>(running.data(), {s, hq, dim}),
+                             .lse = tensor_view<float, 2>(lse.data(), {hq, s})},
+                            scale, nullptr, {.state = device::running_state::overwrite});
   device::write_output(tensor_view<const float, 3>(running.data(), {s, hq, dim}), tensor_view<T, 3>(out.data(), {s, hq, dim}), nullptr);
   single_rank_result result{to_float(out.download()), lse.download(), {}, {}, {}};
   out.upload(out_in);

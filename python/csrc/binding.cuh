@@ -117,9 +117,14 @@ void forward_typed(const problem& p, const T* q, const T* k, const T* v, const p
   const batch_views<T> views{p};
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const device_step_index index = index_of(p, selection, b);
-    device::sparse_forward<T>(index, views.q_like(q, b), views.kv_like(k, b), views.kv_like(v, b), p.softmax_scale, tensor_view<float, 3>{},
-                              views.rows(lse, b), device::running_state::overwrite, p.stream, device::forward_kernel::automatic,
-                              views.q_like(out, b));
+    device::sparse_forward<T>(index,
+                              {.q = views.q_like(q, b),
+                               .k = views.kv_like(k, b),
+                               .v = views.kv_like(v, b),
+                               .out = tensor_view<float, 3>{},
+                               .lse = views.rows(lse, b),
+                               .final_out = views.q_like(out, b)},
+                              p.softmax_scale, p.stream, {.state = device::running_state::overwrite});
   }
 }
 

@@ -275,9 +275,10 @@ int main(int argc, char** argv) try {
       const double causal_entries = double(s) * (double(s) + 1) / 2 * hq;
       if (!pattern_dir.empty()) write_pattern(pattern_dir + "/" + name + "_" + length + ".json", g, entries);
 
+      const device::step_forward_tensors<T> operands{.q = qv, .k = kv, .v = vv, .out = out_view, .lse = lse_view};
       auto forward = [&](device::forward_kernel which) {
         return [&, which] {
-          device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr, which);
+          device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .which = which});
         };
       };
       std::uint64_t bad = 0;

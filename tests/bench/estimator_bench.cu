@@ -170,7 +170,10 @@ std::pair<double, double> attention_ms(const global_selection& g, index_t heads_
   const double scale = 1.0 / std::sqrt(double(dim));
   const device_selection selection(g);
   const device_step_index index = build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {});
-  auto forward = [&] { device::sparse_forward<T>(index, qv, kv, vv, scale, out_view, lse_view, device::running_state::overwrite, nullptr); };
+  auto forward = [&] {
+    device::sparse_forward<T>(index, {.q = qv, .k = kv, .v = vv, .out = out_view, .lse = lse_view}, scale, nullptr,
+                              {.state = device::running_state::overwrite});
+  };
   auto backward = [&] {
     device::sparse_backward<T>(
         index, {.q = qv, .k = kv, .v = vv, .d_out = dov, .lse = lse_view, .delta = delta_view, .dq = dq_view, .dk = dk_view, .dv = dv_view}, scale,

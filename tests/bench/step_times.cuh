@@ -42,8 +42,13 @@ std::vector<double> rank_step_ms(const device_selection& selection, const Shardi
     const device_step_index index =
         build_local_index_device(selection, sharding, world, rank, topology.kv_source_rank(rank, step), {0, 0, 0, step, 0});
     const double fwd = median_ms(repeats, [&] {
-      device::sparse_forward(index, qv, kv, vv, scale, tensor_view<float, 3>(out.data(), {local, h.hq, h.dim}),
-                             tensor_view<float, 2>(lse.data(), {h.hq, local}), device::running_state::overwrite, nullptr);
+      device::sparse_forward<T>(index,
+                                {.q = qv,
+                                 .k = kv,
+                                 .v = vv,
+                                 .out = tensor_view<float, 3>(out.data(), {local, h.hq, h.dim}),
+                                 .lse = tensor_view<float, 2>(lse.data(), {h.hq, local})},
+                                scale, nullptr, {.state = device::running_state::overwrite});
     });
     const double bwd = median_ms(repeats, [&] {
       device::sparse_backward<T>(index,

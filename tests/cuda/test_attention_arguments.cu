@@ -45,7 +45,9 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   const tensor_view<float, 3> out(out_host.data(), {sq, hq, dim});
   const tensor_view<float, 2> lse(lse_host.data(), {hq, sq});
   auto forward = [&](tensor_view<const T, 3> qv, tensor_view<const T, 3> kv, double scale, tensor_view<float, 3> o) {
-    return message([&] { device::sparse_forward<T>(index, qv, kv, kv, scale, o, lse, device::running_state::overwrite, nullptr); });
+    return message([&] {
+      device::sparse_forward<T>(index, {.q = qv, .k = kv, .v = kv, .out = o, .lse = lse}, scale, nullptr, {.state = device::running_state::overwrite});
+    });
   };
 
   CHECK(contains(forward(tensor_view<const T, 3>(q_host.data(), {sq, hq, 96}), tensor_view<const T, 3>(kv_host.data(), {sq, hkv, 96}), 0.1, out),
@@ -60,6 +62,10 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   CHECK(contains(forward(q, k, 0.1, tensor_view<float, 3>(out_host.data() + 1, {sq, hq, dim})), "out.data()"));
   const tensor_view<const T, 3> short_kv(kv_host.data(), {sq / 2, hkv, dim});
   CHECK(contains(forward(q, short_kv, 0.1, out), "index.shape.num_kv_blocks = 2: the index was built for another configuration"));
+  // forward_options' state has no default: left out, it is named instead of overwriting a ring's
+  // earlier steps.
+  CHECK(contains(message([&] { device::sparse_forward<T>(index, {.q = q, .k = k, .v = k, .out = out, .lse = lse}, 0.1, nullptr, {}); }),
+                 "options.state = 0: must be running_state::overwrite (a layer's first step) or running_state::merge"));
 
   // Backward: the gradient tensors are checked the same way.
   std::vector<float> grad_q(out_host.size()), grad_kv(static_cast<std::size_t>(sq) * hkv * dim + 8);
@@ -87,7 +93,10 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   CHECK_MESSAGE((!contains(with_dq_out, "dq.") && !contains(with_dq_out, "dq =")), with_dq_out);
   CHECK(contains(backward_without_dq(nullptr), "dq.data() = nullptr: must point to memory"));
   // Launchers instantiated for one Tile (the front template's) take that head dim only.
-  CHECK(contains(message([&] { device::sparse_forward<T, 128>(index, q, k, k, 0.1, out, lse, device::running_state::overwrite, nullptr); }),
+  CHECK(contains(message([&] {
+                   device::sparse_forward<T, 128>(index, {.q = q, .k = k, .v = k, .out = out, .lse = lse}, 0.1, nullptr,
+                                                  {.state = device::running_state::overwrite});
+                 }),
                  "q.extent(2) (head_dim) = 64: must be 128: this launcher is instantiated for head_dim 128 alone"));
   CHECK(contains(message([&] {
                    device::sparse_backward<T, 128>(index,

@@ -76,8 +76,9 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
     device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
     out.fill_bytes(0xff);  // NaN: every element must be written
     lse.fill_bytes(0xff);
-    device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, dq_view(out), tensor_view<float, 2>(lse.data(), {hq, sq}),
-                              device::running_state::overwrite, nullptr, which);
+    device::sparse_forward<T>(on_device,
+                              {.q = q_view, .k = k_view, .v = v_view, .out = dq_view(out), .lse = tensor_view<float, 2>(lse.data(), {hq, sq})},
+                              scale, nullptr, {.state = device::running_state::overwrite, .which = which});
     const double out_error = max_relative_error(out.download(), out_ref);
     const double lse_error = max_relative_error(lse.download(), lse_ref);
     MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, ": max relative error O ", out_error, ", LSE ",
@@ -289,13 +290,22 @@ TEST_CASE("sparse forward merges ring steps into the fp32 running state") {
       STRIA_CUDA_CHECK(cudaMemcpy(out_before.data(), out.data(), out_ref.size() * sizeof(float), cudaMemcpyDeviceToDevice));
       STRIA_CUDA_CHECK(cudaMemcpy(lse_before.data(), lse.data(), lse_ref.size() * sizeof(float), cudaMemcpyDeviceToDevice));
       running_before = out_before.download();
-      device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, tensor_view<float, 3>(out_before.data(), {sq, hq, dim}),
-                                tensor_view<float, 2>(lse_before.data(), {hq, sq}), device::running_state::merge, nullptr,
-                                device::forward_kernel::automatic, tensor_view<T, 3>(direct_out.data(), {sq, hq, dim}));
+      device::sparse_forward<T>(on_device,
+                                {.q = q_view,
+                                 .k = k_view,
+                                 .v = v_view,
+                                 .out = tensor_view<float, 3>(out_before.data(), {sq, hq, dim}),
+                                 .lse = tensor_view<float, 2>(lse_before.data(), {hq, sq}),
+                                 .final_out = tensor_view<T, 3>(direct_out.data(), {sq, hq, dim})},
+                                scale, nullptr, {.state = device::running_state::merge});
     }
-    device::sparse_forward<T>(on_device, q_view, k_view, v_view, scale, tensor_view<float, 3>(out.data(), {sq, hq, dim}),
-                              tensor_view<float, 2>(lse.data(), {hq, sq}),
-                              step == 0 ? device::running_state::overwrite : device::running_state::merge, nullptr);
+    device::sparse_forward<T>(on_device,
+                              {.q = q_view,
+                               .k = k_view,
+                               .v = v_view,
+                               .out = tensor_view<float, 3>(out.data(), {sq, hq, dim}),
+                               .lse = tensor_view<float, 2>(lse.data(), {hq, sq})},
+                              scale, nullptr, {.state = step == 0 ? device::running_state::overwrite : device::running_state::merge});
   }
   const double out_error = max_relative_error(out.download(), out_ref), lse_error = max_relative_error(lse.download(), lse_ref);
   MESSAGE("3 merged steps, bf16: max relative error O ", out_error, ", LSE ", lse_error);
@@ -338,11 +348,22 @@ TEST_CASE("a single step writes its output in T with no fp32 running output") {
     device_buffer<T> cast(running.size()), direct(running.size());
     lse_direct.fill_bytes(0xff);
     direct.fill_bytes(0xff);
-    device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>(running.data(), {seq_len, hq, dim}),
-                              tensor_view<float, 2>(lse.data(), {hq, seq_len}), device::running_state::overwrite, nullptr, which);
+    device::sparse_forward<T>(index,
+                              {.q = q_view,
+                               .k = k_view,
+                               .v = v_view,
+                               .out = tensor_view<float, 3>(running.data(), {seq_len, hq, dim}),
+                               .lse = tensor_view<float, 2>(lse.data(), {hq, seq_len})},
+                              scale, nullptr, {.state = device::running_state::overwrite, .which = which});
     device::write_output<T>(tensor_view<const float, 3>(running.data(), {seq_len, hq, dim}), tensor_view<T, 3>(cast.data(), {seq_len, hq, dim}), nullptr);
-    device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>{}, tensor_view<float, 2>(lse_direct.data(), {hq, seq_len}),
-                              device::running_state::overwrite, nullptr, which, tensor_view<T, 3>(direct.data(), {seq_len, hq, dim}));
+    device::sparse_forward<T>(index,
+                              {.q = q_view,
+                               .k = k_view,
+                               .v = v_view,
+                               .out = tensor_view<float, 3>{},
+                               .lse = tensor_view<float, 2>(lse_direct.data(), {hq, seq_len}),
+                               .final_out = tensor_view<T, 3>(direct.data(), {seq_len, hq, dim})},
+                              scale, nullptr, {.state = device::running_state::overwrite, .which = which});
     const std::vector<T> a = cast.download(), b = direct.download();
     CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
     const std::vector<float> la = lse.download(), lb = lse_direct.download();
@@ -351,9 +372,14 @@ TEST_CASE("a single step writes its output in T with no fp32 running output") {
   // A merging step needs the running output it merges into.
   device_buffer<float> lse(std::size_t(hq) * seq_len);
   device_buffer<T> direct(std::size_t(seq_len) * hq * dim);
-  CHECK_THROWS_WITH_AS(device::sparse_forward<T>(index, q_view, k_view, v_view, scale, tensor_view<float, 3>{},
-                                                 tensor_view<float, 2>(lse.data(), {hq, seq_len}), device::running_state::merge, nullptr,
-                                                 device::forward_kernel::automatic, tensor_view<T, 3>(direct.data(), {seq_len, hq, dim})),
+  CHECK_THROWS_WITH_AS(device::sparse_forward<T>(index,
+                                                 {.q = q_view,
+                                                  .k = k_view,
+                                                  .v = v_view,
+                                                  .out = tensor_view<float, 3>{},
+                                                  .lse = tensor_view<float, 2>(lse.data(), {hq, seq_len}),
+                                                  .final_out = tensor_view<T, 3>(direct.data(), {seq_len, hq, dim})},
+                                                 scale, nullptr, {.state = device::running_state::merge}),
                        doctest::Contains("out"), invalid_argument);
 }
 
@@ -372,7 +398,8 @@ TEST_CASE("sparse attention calls reject bad input with the argument named") {
   const tensor_view<float, 3> out_view(out.data(), {sq, hq, dim});
   const tensor_view<float, 2> lse_view(lse.data(), {hq, sq});
   auto forward = [&](tensor_view<const T, 3> a, tensor_view<const T, 3> b, double scale) {
-    device::sparse_forward<T>(on_device, a, b, b, scale, out_view, lse_view, device::running_state::overwrite, nullptr);
+    device::sparse_forward<T>(on_device, {.q = a, .k = b, .v = b, .out = out_view, .lse = lse_view}, scale, nullptr,
+                              {.state = device::running_state::overwrite});
   };
   auto message = [&](auto&& call) -> std::string {
     try {

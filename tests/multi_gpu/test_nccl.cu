@@ -154,8 +154,12 @@ TEST_CASE("a tensor on another GPU is refused with the devices named") {
   seeded_rng rng;
   const global_selection g = random_selection(rng, 64, 2, true, 1.0, 0.0);
   const device_step_index index = upload_step_index(build_local_index(g, sharding::sequential{}, 1, 0, 0, {}), nullptr);
-  CHECK_THROWS_WITH_AS(device::sparse_forward(index, tensor_view<const T, 3>(q_other.data(), {64, 2, 64}), tensor_view<const T, 3>(k.data(), {64, 1, 64}),
-                                              tensor_view<const T, 3>(v.data(), {64, 1, 64}), 0.125, tensor_view<float, 3>(out.data(), {64, 2, 64}),
-                                              tensor_view<float, 2>(lse.data(), {2, 64}), device::running_state::overwrite, nullptr),
+  CHECK_THROWS_WITH_AS(device::sparse_forward<T>(index,
+                                                 {.q = tensor_view<const T, 3>(q_other.data(), {64, 2, 64}),
+                                                  .k = tensor_view<const T, 3>(k.data(), {64, 1, 64}),
+                                                  .v = tensor_view<const T, 3>(v.data(), {64, 1, 64}),
+                                                  .out = tensor_view<float, 3>(out.data(), {64, 2, 64}),
+                                                  .lse = tensor_view<float, 2>(lse.data(), {2, 64})},
+                                                 0.125, nullptr, {.state = device::running_state::overwrite}),
                        doctest::Contains("is memory of device 1, but the kernels run on the current device 0"), stria::invalid_argument);
 }

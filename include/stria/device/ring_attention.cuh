@@ -215,10 +215,14 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
   engine::ring_forward(
       backend, topology, check,
       [&](index_t step, int slot) {  // the last step writes `out` itself (rounded to T): the running output needs no final pass
-        sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(step)], q, backend.k(slot), backend.v(slot), softmax_scale,
-                                   tensor_view<float, 3>(running.data(), {s.query_tokens, s.heads_q, s.head_dim}), lse,
-                                   step == 0 ? running_state::overwrite : running_state::merge, stream, which,
-                                   step + 1 == steps ? out : tensor_view<T, 3>{});
+        const step_forward_tensors<T> operands{.q = q,
+                                               .k = backend.k(slot),
+                                               .v = backend.v(slot),
+                                               .out = tensor_view<float, 3>(running.data(), {s.query_tokens, s.heads_q, s.head_dim}),
+                                               .lse = lse,
+                                               .final_out = step + 1 == steps ? out : tensor_view<T, 3>{}};
+        sparse_forward<T, HeadDim>(indices[static_cast<std::size_t>(step)], operands, softmax_scale, stream,
+                                   {.state = step == 0 ? running_state::overwrite : running_state::merge, .which = which});
       },
       [&](index_t step, const std::string& phase) {
         checks->begin();

@@ -224,7 +224,8 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
   void compute(const solver::task& t, index_t stage, std::size_t i) {
     const auto [kc, vc] = this->kv_chunk(t.kv_chunk);
     const auto [qc, o, l] = query(t.query_chunk);
-    sparse_forward<T, HeadDim>(this->index(stage, i), qc, kc, vc, this->scale, o, l, running_state::merge, stream);
+    sparse_forward<T, HeadDim>(this->index(stage, i), {.q = qc, .k = kc, .v = vc, .out = o, .lse = l}, this->scale, stream,
+                               {.state = running_state::merge});
   }
   void check(index_t stage, const std::string& phase, bool moved) {
     checks->begin();

@@ -34,7 +34,9 @@
 namespace stria::device {
 
 /// What the forward does with the running state: overwrite it (the first ring step) or merge into it.
-enum class running_state { overwrite, merge };
+/// Neither is zero: forward_options' `state` has no default, and one left out (value-initialized) is an
+/// error, not an overwrite of a ring's earlier steps.
+enum class running_state { overwrite = 1, merge };
 
 /// Backward accumulation order. atomic: dQ is formed inside the dK/dV passes and added by fp32
 /// atomics, as are the vertical tokens' dK/dV (fastest; the summation order varies between runs).
@@ -164,20 +166,41 @@ void check_head_dim(index_t head_dim) {
 
 }  // namespace detail
 
-/// Forward of local queries against the KV chunk of one ring step, on the entries `index` selects:
-///   q [Sq, Hq, D]  k, v [Sk, Hkv, D]  (bf16 or fp16, device)
-///   out [Sq, Hq, D] fp32 and lse [Hq, Sq] fp32 (natural log): the running state, overwritten on the
-///   first step and merged into afterwards. A row no step reaches keeps out = 0, lse = -inf.
-///   final_out [Sq, Hq, D] (T), on the last step only: the merged output goes there, rounded to T,
-///   and `out` is left as it was (what write_output would do after the step, without the pass).
-///   A single step (overwrite with final_out) neither reads nor writes `out`: it may then be empty,
-///   which spares a caller with one KV chunk the fp32 running output.
+/// One ring step's forward operands (device tensors): the step's queries and KV chunk in; the fp32
+/// running state, which the step overwrites or merges into, and on the layer's last step the output.
+template <class T>
+struct step_forward_tensors {
+  tensor_view<const T, 3> q;         // [Sq, Hq, D]
+  tensor_view<const T, 3> k, v;      // [Sk, Hkv, D]
+  tensor_view<float, 3> out;         // [Sq, Hq, D] fp32, the running output
+  tensor_view<float, 2> lse;         // [Hq, Sq] fp32 (natural log), the running LSE
+  tensor_view<T, 3> final_out = {};  // [Sq, Hq, D] T, the layer's last step only (sparse_forward)
+};
+
+/// How a forward step runs. `state` has no default: a ring's later steps merge, and a call that left
+/// it out must not silently overwrite what the earlier steps summed (running_state has no zero value,
+/// so a value-initialized one throws).
+struct forward_options {
+  running_state state;  // overwrite on a layer's first step, merge on every later one
+  forward_kernel which = forward_kernel::automatic;
+};
+
+/// Forward of local queries against the KV chunk of one ring step, on the entries `index` selects.
+/// `out` and `lse` are the running state, overwritten on the first step and merged into afterwards;
+/// a row no step reaches keeps out = 0, lse = -inf. With `final_out` (the last step) the merged output
+/// goes there, rounded to T, and `out` is left as it was (what write_output would do after the step,
+/// without the pass). A single step (overwrite with final_out) neither reads nor writes `out`: it may
+/// then be empty, which spares a caller with one KV chunk the fp32 running output.
 template <class T, index_t HeadDim = any_head_dim>
-void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
-                    double softmax_scale, tensor_view<float, 3> out, tensor_view<float, 2> lse, running_state state,
-                    cudaStream_t stream, forward_kernel which = forward_kernel::automatic, tensor_view<T, 3> final_out = {}) {
+void sparse_forward(const device_step_index& index, const step_forward_tensors<T>& tensors, double softmax_scale, cudaStream_t stream,
+                    const forward_options& options) {
+  const auto& [q, k, v, out, lse, final_out] = tensors;
+  const auto& [state, which] = options;
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   detail::check_head_dim<HeadDim>(shape.head_dim);
+  if (state != running_state::overwrite && state != running_state::merge)
+    throw invalid_argument("options.state", static_cast<int>(state),
+                           "must be running_state::overwrite (a layer's first step) or running_state::merge (every later one): it has no default");
   const bool without_running = out.data() == nullptr && final_out.data() && state == running_state::overwrite;
   if (!without_running) {
     check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
@@ -191,7 +214,7 @@ void sparse_forward(const device_step_index& index, tensor_view<const T, 3> q, t
   }
   const bool hopper = which == forward_kernel::wgmma || (which == forward_kernel::automatic && hopper_kernels_available());
   if (which == forward_kernel::wgmma && !hopper_kernels_available())
-    throw invalid_argument("which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
+    throw invalid_argument("options.which", "forward_kernel::wgmma", "needs an sm_90 device and code built for sm_90a");
   detail::check_on_device({{q.data(), "q"}, {k.data(), "k"}, {v.data(), "v"}, {lse.data(), "lse"}});
   if (!without_running) detail::check_on_device({{out.data(), "out"}});
   if (final_out.data()) detail::check_on_device({{final_out.data(), "final_out"}});
