@@ -16,6 +16,7 @@ void instantiate() {
   static_cast<void>(&k::sparse_backward_dkdv_wgmma<T, D>);
   static_cast<void>(&k::sparse_backward_dq_wgmma<T, D>);
   static_cast<void>(&k::sparse_backward_dq_stored_wgmma<T, D>);
+  if constexpr (D == 128) static_cast<void>(&k::sparse_forward_wgmma<T, D, true>);  // the paired forward
 }
 
 template void instantiate<__nv_bfloat16, 64>();

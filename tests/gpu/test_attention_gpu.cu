@@ -70,8 +70,12 @@ void check_step(test::seeded_rng& rng, const step_index& index, const problem& s
       v_view(v.device.data(), {sk, hkv, dim}), d_out_view(d_out.device.data(), {sq, hq, dim});
   std::vector<device::forward_kernel> kernels{device::forward_kernel::mma_sync};
   if (device::hopper_kernels_available()) kernels.push_back(device::forward_kernel::wgmma);
+  // A complete index (every tile the causal rule allows) at D 128 also runs two query blocks per CTA.
+  if (device::hopper_kernels_available() && on_device.complete && dim == 128) kernels.push_back(device::forward_kernel::wgmma_paired);
   for (const device::forward_kernel which : kernels) {
-    const std::string kernel_name = which == device::forward_kernel::wgmma ? "wgmma" : "mma.sync";
+    const std::string kernel_name = which == device::forward_kernel::wgmma          ? "wgmma"
+                                    : which == device::forward_kernel::wgmma_paired ? "wgmma paired"
+                                                                                    : "mma.sync";
     CAPTURE(kernel_name);
     device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
     out.fill_bytes(0xff);  // NaN: every element must be written
@@ -249,6 +253,44 @@ TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-st
       check_step<T>(rng, build_local_index(dense, striped, world, 1, source, {}), shape);
       check_step<T>(rng, build_local_index(vs, striped, world, 1, source, {}), shape);
     }
+  }
+}
+
+// The paired Hopper forward (two query blocks per CTA over the later block's tiles) on complete
+// indices: an odd count of query blocks (the last CTA's second consumer has no block), full
+// attention, striped ring steps whose KV blocks lie before, around and after the queries, and GQA.
+TEST_CASE("the paired Hopper forward on complete indices") {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  for (const problem& shape : {problem{4, 2, 128, "Hq4 Hkv2 D128"}, problem{8, 1, 128, "Hq8 Hkv1 D128"}, problem{2, 2, 128, "Hq2 Hkv2 D128"}})
+    for (const index_t blocks : {index_t{1}, index_t{2}, index_t{7}, index_t{10}})
+      for (const bool causal : {true, false}) {
+        const index_t nb = blocks;
+        const global_selection all = test::band_selection(nb * block_tokens, shape.heads_q, causal ? 0 : -(nb - 1), nb - 1, causal);
+        const step_index index = build_local_index(all, sharding::sequential{}, 1, 0, 0, {});
+        CHECK(upload_step_index(index, nullptr).complete);
+        check_step<__nv_bfloat16>(rng, index, shape);
+      }
+  const problem shape{4, 2, 128, "Hq4 Hkv2 D128 striped W3"};
+  const global_selection all = test::band_selection(64 * 3 * 5, shape.heads_q, 0, 3 * 5 - 1, true);
+  for (const index_t source : {index_t{0}, index_t{1}, index_t{2}}) {
+    CAPTURE(source);
+    check_step<__half>(rng, build_local_index(all, sharding::striped<64>{}, 3, 1, source, {}), shape);
+  }
+  // An index that lacks an allowed tile runs the one-block kernels; asking for the paired one fails.
+  const global_selection sparse = test::random_selection(rng, 64 * 8, 4, true, 0.3, 0.0);
+  const device_step_index incomplete = upload_step_index(build_local_index(sparse, sharding::sequential{}, 1, 0, 0, {}), nullptr);
+  CHECK_FALSE(incomplete.complete);
+  if (device::hopper_kernels_available()) {
+    device_buffer<__nv_bfloat16> x(std::size_t(64 * 8) * 4 * 128);
+    device_buffer<float> out(x.size()), lse(std::size_t(4) * 64 * 8);
+    const tensor_view<const __nv_bfloat16, 3> q_view(x.data(), {64 * 8, 4, 128}), kv_view(x.data(), {64 * 8, 2, 128});
+    CHECK_THROWS_WITH_AS(device::sparse_forward<__nv_bfloat16>(
+                             incomplete,
+                             {.q = q_view, .k = kv_view, .v = kv_view, .out = tensor_view<float, 3>(out.data(), {64 * 8, 4, 128}),
+                              .lse = tensor_view<float, 2>(lse.data(), {4, 64 * 8})},
+                             1.0 / std::sqrt(128.0), nullptr, {.state = device::running_state::overwrite, .which = device::forward_kernel::wgmma_paired}),
+                         doctest::Contains("options.which"), invalid_argument);
   }
 }
 

@@ -102,3 +102,43 @@ TEST_CASE("with striped<64>, block diagonal delta appears at step delta mod W on
     }
   }
 }
+
+// The paired Hopper forward's condition (device_step_index::complete): every row holds every tile
+// the causal rule allows, the query blocks ascending. Dense selections give it on every ring step of
+// every sharding; a selection that lacks one allowed tile, or has a vertical token, does not.
+TEST_CASE("complete indices: every allowed tile in every row") {
+  auto complete = [](const step_index& x) {
+    return holds_every_allowed_tile(allowed_tiles(x.query_global_block, x.kv_global_block, x.shape.causal, x.shape.num_heads),
+                                    static_cast<std::int64_t>(x.block_col.size()), static_cast<std::int64_t>(x.col_token.size()));
+  };
+  for (const bool causal : {true, false})
+    for (const index_t world : {1, 2, 3}) {
+      CAPTURE(causal);
+      CAPTURE(world);
+      const index_t nb = 6 * world;
+      const global_selection all = test::band_selection(nb * block_tokens, 2, causal ? 0 : -(nb - 1), nb - 1, causal);
+      for (index_t source = 0; source < world; ++source) {
+        CHECK(complete(build_local_index(all, sharding::striped<64>{}, world, world - 1, source)));
+        CHECK(complete(build_local_index(all, sharding::zigzag{}, world, world - 1, source)));
+        CHECK(complete(build_local_index(all, sharding::sequential{}, world, world - 1, source)));
+      }
+      // A causal step whose KV blocks all follow the queries allows nothing: not complete (no tiles).
+      if (causal && world > 1) CHECK_FALSE(complete(build_local_index(all, sharding::sequential{}, world, 0, 1)));
+      // One diagonal fewer: rows lack an allowed tile.
+      const global_selection band = test::band_selection(nb * block_tokens, 2, 0, nb - 2, causal);
+      CHECK_FALSE(complete(build_local_index(band, sharding::sequential{}, 1, 0, 0)));
+    }
+  // A vertical token beside every block: not complete (the paired forward streams block tiles only).
+  global_selection with_token = test::band_selection(8 * block_tokens, 2, 0, 7, true);
+  with_token.heads[0].vertical_tokens.push_back(3);
+  const step_index x = build_local_index(with_token, sharding::sequential{}, 1, 0, 0);
+  CHECK(x.col_token.empty());  // inside an active tile of every row that could use it: not listed
+  CHECK(complete(x));
+  // Query blocks that do not ascend are never complete.
+  const std::vector<index_t> down{3, 1}, kv{0, 1, 2, 3};
+  CHECK(allowed_tiles(down, kv, true, 1) == -1);
+  CHECK(allowed_tiles(kv, kv, true, 2) == 2 * (1 + 2 + 3 + 4));
+  CHECK(allowed_tiles(kv, kv, false, 1) == 16);
+  CHECK_FALSE(holds_every_allowed_tile(20, 20, 1));
+  CHECK(holds_every_allowed_tile(20, 20, 0));
+}

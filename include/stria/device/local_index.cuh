@@ -60,6 +60,7 @@ struct index_in_build {
   device_step_index out;
   kernel::index_build_params p{};
   device_buffer<index_t> owned_token, owned_block_ptr, position, query_offset;
+  std::int64_t allowed_tiles = -1;  // of a complete index (stria::allowed_tiles)
 };
 
 /// Where each of an index's five count arrays starts in the back-to-back count buffer
@@ -128,6 +129,7 @@ inline index_in_build count_local_index(const device_selection& sel, const shard
   out.origin.kv_source_rank = request.kv_rank;
   out.query_global_block = device_buffer<index_t>(query_global, stream);
   out.kv_global_block = device_buffer<index_t>(kv_global, stream);
+  b.allowed_tiles = stria::allowed_tiles(query_global, kv_global, sel.causal(), heads);
 
   kernel::index_build_params& p = b.p;
   p.heads = heads;
@@ -195,6 +197,7 @@ inline device_step_index fill_local_index(index_in_build&& b, const device_selec
   const index_t tiles = totals[0], tokens = totals[1], column_entries = totals[2], used_tokens = totals[3], used_queries = totals[4];
   const index_t heads = sel.num_heads(), rows = heads * b.p.local_blocks, total = sel.num_vertical();
   device_step_index& out = b.out;
+  out.complete = stria::holds_every_allowed_tile(b.allowed_tiles, tiles, tokens);
   out.block_col = device_buffer<index_t>(static_cast<std::size_t>(tiles), stream);
   out.col_token = device_buffer<index_t>(static_cast<std::size_t>(tokens), stream);
   out.kv_query = device_buffer<index_t>(static_cast<std::size_t>(column_entries), stream);

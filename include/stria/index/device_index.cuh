@@ -24,6 +24,9 @@ struct device_step_index {
   step_index_origin origin;
   device_buffer<index_t> query_global_block, kv_global_block, block_ptr, block_col, col_ptr, col_token, kv_query_ptr, kv_query,
       vtoken_head_ptr, vtoken, vtoken_query_ptr, vtoken_query;
+  // Every row holds every tile the causal rule allows, query blocks ascending (holds_every_allowed_tile):
+  // set by the builders, it lets the forward run two query blocks per CTA over one tile stream.
+  bool complete = false;
 
   [[nodiscard]] step_index_view view() const {
     return {shape,           query_global_block.data(), kv_global_block.data(), block_ptr.data(),    block_col.data(),
@@ -66,7 +69,9 @@ inline device_step_index upload_step_index(const step_index& host, cudaStream_t 
           copy(host.vtoken_head_ptr),
           copy(host.vtoken),
           copy(host.vtoken_query_ptr),
-          copy(host.vtoken_query)};
+          copy(host.vtoken_query),
+          holds_every_allowed_tile(allowed_tiles(host.query_global_block, host.kv_global_block, host.shape.causal, host.shape.num_heads),
+                                   static_cast<std::int64_t>(host.block_col.size()), static_cast<std::int64_t>(host.col_token.size()))};
 }
 
 /// A global selection flattened into per-head CSR lists on the device: uploaded from a host

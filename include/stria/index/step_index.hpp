@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <limits>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -341,6 +342,30 @@ inline void step_index::validate() const {
                                      ", query block " + std::to_string(q) + ") that the forward form does not have");
       }
     }
+}
+
+/// The block entries of an index of `heads` heads over these local query and KV blocks (their
+/// global blocks) that holds every tile causal attention (`causal`; else full attention) allows in
+/// every row; -1 where the query blocks do not ascend.
+inline std::int64_t allowed_tiles(std::span<const index_t> query_global, std::span<const index_t> kv_global, bool causal, index_t heads) {
+  if (!std::is_sorted(query_global.begin(), query_global.end())) return -1;
+  std::int64_t allowed = 0;
+  if (causal) {
+    std::vector<index_t> kv(kv_global.begin(), kv_global.end());
+    std::sort(kv.begin(), kv.end());
+    for (index_t q : query_global) allowed += std::upper_bound(kv.begin(), kv.end(), q) - kv.begin();
+  } else {
+    allowed = static_cast<std::int64_t>(query_global.size()) * static_cast<std::int64_t>(kv_global.size());
+  }
+  return allowed * heads;
+}
+
+/// Whether an index with `tiles` block entries and `tokens` vertical ones holds all `allowed` tiles
+/// (allowed_tiles) and nothing else: then, its query blocks ascending, the row of query block q + 1
+/// holds every tile of q's (the paired Hopper forward's condition). A valid index holds each
+/// allowed tile at most once per row, so the count decides.
+inline bool holds_every_allowed_tile(std::int64_t allowed, std::int64_t tiles, std::int64_t tokens) {
+  return allowed > 0 && tokens == 0 && tiles == allowed;
 }
 
 /// Throws stria::invalid_argument unless `index` was built for `expected` (an index built for

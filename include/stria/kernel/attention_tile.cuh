@@ -264,14 +264,14 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
 /// ([pair][slab][stage of the pair][64 rows][128 bytes]): the two K tiles of an even and the next
 /// stage are then one 128-row K-major operand, so that a step's two tiles of scores are one
 /// m64n128 product per k-step rather than two m64n64 ones.
-template <int KStages, int VStages>
+template <int KStages, int VStages, int Consumers = 1>
 struct row_tile_rings {
   static_assert(KStages % 2 == 0, "the K stages lie in pairs");
   static constexpr int copier_threads = 64;
   template <int D>
   static constexpr int k_slab_stride = 2 * swizzled_tile<D>::slab_bytes;
-  stage_ring<KStages, copier_threads> k;
-  stage_ring<VStages, copier_threads> v;
+  stage_ring<KStages, copier_threads, 4 * Consumers> k;
+  stage_ring<VStages, copier_threads, 4 * Consumers> v;
   index_t kv_global_block[KStages];
 
   /// The slots start at -1: lane 0 reads its stage's slot for every tile, gathered tiles too, whose
@@ -324,8 +324,13 @@ struct row_tile_rings {
   /// hands it to its warp: stage_ring::release is lane 0's arrival, which orders only lane 0's own
   /// reads before the copier's next write into the stage.
   __device__ bool diagonal(const row_tiles& row, index_t t, index_t query_global) const {
-    const index_t global = __shfl_sync(0xffffffffu, threadIdx.x % 32 == 0 ? kv_global_block[k.stage(t)] : 0, 0);
+    const index_t global = global_block(t);  // every lane shuffles: not behind the && (a branch)
     return row.is_block(t) && global == query_global;
+  }
+  /// The global block of block tile t (a gathered tile's slot holds no meaning), read by lane 0 as
+  /// diagonal() reads it.
+  __device__ index_t global_block(index_t t) const {
+    return __shfl_sync(0xffffffffu, threadIdx.x % 32 == 0 ? kv_global_block[k.stage(t)] : 0, 0);
   }
 };
 

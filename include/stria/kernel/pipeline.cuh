@@ -74,14 +74,15 @@ __device__ inline void cp_async_wait_all() {
 }
 
 /// The barriers of a ring of `Stages` stages: full (the `Copiers` producer threads arrive as their
-/// copies land) and empty (the consumer warpgroup's 4 warps arrive once they are done with the stage).
-template <int Stages, int Copiers>
+/// copies land) and empty (the `ConsumerWarps` warps of the consumer warpgroups arrive once they are
+/// done with the stage).
+template <int Stages, int Copiers, int ConsumerWarps = 4>
 struct stage_ring {
   std::uint64_t full[Stages];
   std::uint64_t empty[Stages];
 
   static constexpr int producer_arrivals = Copiers;
-  static constexpr int consumer_arrivals = 4;
+  static constexpr int consumer_arrivals = ConsumerWarps;
 
   /// By one thread, before a __syncthreads that publishes the barriers to the CTA.
   __device__ void init() {

@@ -236,6 +236,16 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// three stages of each: 2-3% faster on H200 (RESULTS, 2026-12-02). At D 64 two-tile steps need more
 /// registers than three CTAs per SM leave the consumer, and at two CTAs per SM they measured 7% slower
 /// than one-tile steps at three (RESULTS, 2026-12-03, third).
+///
+/// Paired (D 128, complete indices only: every row holds every tile the causal rule allows): a CTA
+/// is one producer and two consumer warpgroups, query blocks 2p and 2p + 1 of a head, and one CTA per
+/// SM. Block 2p + 1's row holds every tile of block 2p's (local query blocks ascend in their global
+/// blocks), so the producer streams that row once for both consumers and the first masks what lies
+/// past its diagonal: each K and V tile leaves L2 once per 128 query rows instead of 64. Dense causal
+/// 128K on an H200: 139.3 -> 135.0 ms; a probe kernel of the same design (branch paired-forward) ran
+/// 121.6 ms in the same process, with main loops alike in SASS: the gap is not understood yet
+/// (RESULTS, 2026-12-04, sixth). Over the union of two sparse rows the probe measured 8-17% slower
+/// than two CTAs of one row each, so sparse rows keep those.
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
@@ -243,38 +253,46 @@ struct forward_wgmma_tuning {
   int ctas_per_sm;
   int producer_registers;
   int consumer_registers;
+  int consumers = 1;  // consumer warpgroups per CTA (2: the paired forward)
 
-  STRIA_HOST_DEVICE constexpr int launch_registers(int threads) const { return 65536 / (threads * ctas_per_sm) / 8 * 8; }
+  STRIA_HOST_DEVICE constexpr int threads() const { return (consumers + 1) * attention_threads; }
+  STRIA_HOST_DEVICE constexpr int launch_registers() const { return 65536 / (threads() * ctas_per_sm) / 8 * 8; }
 };
-template <int D>
+template <int D, bool Paired = false>
 inline constexpr forward_wgmma_tuning forward_wgmma_config =
-    D == 128 ? forward_wgmma_tuning{.k_stages = 4, .v_stages = 3, .tiles_per_step = 2, .ctas_per_sm = 2, .producer_registers = 32,
-                                    .consumer_registers = 224}  // 112 KiB
-             : forward_wgmma_tuning{.k_stages = 4, .v_stages = 4, .tiles_per_step = 1, .ctas_per_sm = 3, .producer_registers = 32,
-                                    .consumer_registers = 128};  // 64 KiB
+    Paired     ? forward_wgmma_tuning{.k_stages = 6, .v_stages = 6, .tiles_per_step = 2, .ctas_per_sm = 1, .producer_registers = 40,
+                                      .consumer_registers = 232, .consumers = 2}  // 192 KiB
+    : D == 128 ? forward_wgmma_tuning{.k_stages = 4, .v_stages = 3, .tiles_per_step = 2, .ctas_per_sm = 2, .producer_registers = 32,
+                                      .consumer_registers = 224}  // 112 KiB
+               : forward_wgmma_tuning{.k_stages = 4, .v_stages = 4, .tiles_per_step = 1, .ctas_per_sm = 3, .producer_registers = 32,
+                                      .consumer_registers = 128};  // 64 KiB
 
-inline constexpr int forward_wgmma_threads = 2 * attention_threads;
+template <int D, bool Paired = false>
+inline constexpr int forward_wgmma_threads = forward_wgmma_config<D, Paired>.threads();
 /// The kernel names its step size through this variable template: a local constexpr copy used as an
 /// array bound inside the kernel's lambdas crashes nvcc 13.0's front end (cudafe++).
 template <int D>
 inline constexpr int forward_step_tiles = forward_wgmma_config<D>.tiles_per_step;
 
 /// The forward's rings of stages: their barriers live in dynamic shared memory after the tiles.
-template <int D>
-using forward_rings = detail::row_tile_rings<forward_wgmma_config<D>.k_stages, forward_wgmma_config<D>.v_stages>;
+template <int D, bool Paired = false>
+using forward_rings = detail::row_tile_rings<forward_wgmma_config<D, Paired>.k_stages, forward_wgmma_config<D, Paired>.v_stages,
+                                             forward_wgmma_config<D, Paired>.consumers>;
 
 /// Dynamic shared memory of the Hopper forward: the K and V rings in the swizzled layout, then their
 /// barriers. The kernel declares no static shared memory, so the dynamic block starts on a 1024-byte
 /// boundary (the swizzle's period; the kernel checks) and no alignment slack is asked for: at D 128,
 /// 4 + 3 stages of 16 KiB and two CTAs per SM fill the SM's 228 KiB to within 1.75 KiB.
-template <int D>
+template <int D, bool Paired = false>
 constexpr std::size_t forward_wgmma_shared_bytes() {
-  return (forward_wgmma_config<D>.k_stages + forward_wgmma_config<D>.v_stages) * swizzled_tile<D>::bytes + sizeof(forward_rings<D>);
+  constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D, Paired>;
+  return (tuning.k_stages + tuning.v_stages) * swizzled_tile<D>::bytes + sizeof(forward_rings<D, Paired>);
 }
 // The SM's 228 KiB hold ctas_per_sm blocks and the 1 KiB each reserves: a stage more would silently
 // leave one CTA per SM.
 static_assert(forward_wgmma_config<128>.ctas_per_sm * (forward_wgmma_shared_bytes<128>() + 1024) <= 228 * 1024 &&
-                  forward_wgmma_config<64>.ctas_per_sm * (forward_wgmma_shared_bytes<64>() + 1024) <= 228 * 1024,
+                  forward_wgmma_config<64>.ctas_per_sm * (forward_wgmma_shared_bytes<64>() + 1024) <= 228 * 1024 &&
+                  forward_wgmma_shared_bytes<128, true>() + 1024 <= 228 * 1024,
               "the forward's rings no longer fit ctas_per_sm CTAs on an SM");
 
 namespace detail {
@@ -296,14 +314,20 @@ __device__ void load_query_fragments(unsigned (&qf)[D / 16][4], const T* block, 
 }
 
 /// The consumer waits for K tiles t .. t + N - 1 and reads what their softmax needs (the first N
-/// entries of `diagonal` and `valid`).
-template <int N, class Rings, int Size>
+/// entries of `diagonal` and `valid`). Beyond (the paired forward's consumers, which walk the later
+/// block's row): a block tile past `query_global` has no valid column; -1 is no causal mask, and -2
+/// (a consumer without a query block) masks every block tile.
+template <int N, bool Beyond = false, class Rings, int Size>
 __device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t query_global, bool (&diagonal)[Size], int (&valid)[Size]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     rings.k.wait(t + i);
     diagonal[i] = rings.diagonal(row, t + i, query_global);
     valid[i] = row.valid_columns(t + i);
+    if constexpr (Beyond) {
+      const index_t global = rings.global_block(t + i);  // every lane shuffles: not behind the && (a branch)
+      if (query_global != -1 && row.is_block(t + i) && global > query_global) valid[i] = 0;
+    }
   }
 }
 
@@ -320,11 +344,17 @@ __device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t
 /// that product is in flight. Steps start at the row's first tile, so that a step's two K tiles lie in
 /// a pair of stages (one m64n128 product for both tiles' scores); where the count is odd, the last step
 /// takes the odd tile alone.
-template <class T, int D>
-__global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>.ctas_per_sm) sparse_forward_wgmma(forward_params<T> p) {
-  constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D>;
-  static_assert(tuning.producer_registers + tuning.consumer_registers <= 2 * tuning.launch_registers(forward_wgmma_threads),
-                "the consumer asks setmaxnreg for more registers than the producer gives back");
+///
+/// Paired (forward_wgmma_tuning): the CTA of pair p = blockIdx.x walks the row of query block
+/// 2p + 1 (2p where that is the last block) and consumer c computes query block 2p + c; the
+/// launch has (query blocks + 1) / 2 CTAs per head.
+template <class T, int D, bool Paired = false>
+__global__ void __launch_bounds__(forward_wgmma_threads<D, Paired>, forward_wgmma_config<D, Paired>.ctas_per_sm)
+    sparse_forward_wgmma(forward_params<T> p) {
+  constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D, Paired>;
+  static_assert(!Paired || D == 128, "the paired forward is tuned for head dim 128");
+  static_assert(tuning.producer_registers + tuning.consumers * tuning.consumer_registers <= (tuning.consumers + 1) * tuning.launch_registers(),
+                "the consumers ask setmaxnreg for more registers than the producer gives back");
   constexpr int tile = swizzled_tile<D>::bytes;
   static_assert(forward_step_tiles<D> == 1 || forward_step_tiles<D> == 2,
                 "one or two tiles per step: the last step takes the one odd tile alone, nothing more");
@@ -334,37 +364,43 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
   extern __shared__ __align__(1024) unsigned char forward_shared[];
   unsigned char* ks = forward_shared;                               // K(t) in ks + k.stage(t) * tile
   unsigned char* vs = ks + tuning.k_stages * tile;                  // V(t) in vs + v.stage(t) * tile
-  auto& rings = *reinterpret_cast<forward_rings<D>*>(vs + tuning.v_stages * tile);
+  auto& rings = *reinterpret_cast<forward_rings<D, Paired>*>(vs + tuning.v_stages * tile);
   // The swizzled tiles need a 1024-byte aligned base, which a dynamic block without static shared
   // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
   if (detail::shared_address(forward_shared) % 1024 != 0) __trap();
 
-  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const index_t launched = detail::launched_query_block(), h = blockIdx.y;
   const index_t hk = h / (p.heads_q / p.heads_kv);
-  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
+  const index_t last_block = p.index.shape.num_query_blocks - 1;
+  const index_t walked = Paired ? (2 * launched + 1 < last_block ? 2 * launched + 1 : last_block) : launched;  // the row streamed
+  const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, walked));
   const index_t tiles = row.count();
   if (threadIdx.x == 0) rings.init();
   __syncthreads();
 
-  if (threadIdx.x >= attention_threads) {  // the producer warpgroup
+  if (threadIdx.x >= tuning.consumers * attention_threads) {  // the producer warpgroup
     detail::set_registers_decrease<tuning.producer_registers>();
     rings.template produce<T, D>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
     return;
   }
   detail::set_registers_increase<tuning.consumer_registers>();
 
+  const index_t q_block = Paired ? 2 * launched + static_cast<index_t>(threadIdx.x / attention_threads) : launched;
+  const bool active = !Paired || q_block <= last_block;  // the last pair of an odd count has one block
+  // A consumer without a query block reads the last one's (no branch here: ptxas then serialized
+  // the products, C7511), masks every tile and writes nothing.
   unsigned qf[D / 16][4];
-  detail::load_query_fragments<T, D>(qf, detail::block_start(p.q, q_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
+  detail::load_query_fragments<T, D>(qf, detail::block_start(p.q, active ? q_block : last_block, p.heads_q, h, D), std::int64_t{p.heads_q} * D);
   float o[D / 8][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};
   unsigned pf[forward_step_tiles<D>][4][4];  // P of the step's tiles as the A operand of P V
   float correction[2];          // of the next step's softmax, applied to O before its P V
-  const index_t q_global = p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
+  const index_t q_global = !active ? -2 : p.index.shape.causal ? p.index.query_global_block[q_block] : -1;
   using none = std::integral_constant<int, 0>;
   using one = std::integral_constant<int, 1>;
   using whole = std::integral_constant<int, forward_step_tiles<D>>;
-  using rings_type = forward_rings<D>;
+  using rings_type = forward_rings<D, Paired>;
 
   // Issue S of tiles t .. t + N - 1, uncommitted. Two tiles (t even, so their K stages are a pair)
   // are one m64n128 product per k-step.
@@ -392,7 +428,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
     float s[forward_step_tiles<D>][8][4];
     bool diagonal[forward_step_tiles<D>];
     int valid[forward_step_tiles<D>];
-    detail::wait_keys<N>(rings, row, 0, q_global, diagonal, valid);
+    detail::wait_keys<N, Paired>(rings, row, 0, q_global, diagonal, valid);
     detail::fence_async_shared();
     detail::wgmma_fence();
     scores(0, s, count);
@@ -417,7 +453,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
     bool diagonal[forward_step_tiles<D>];
     int valid[forward_step_tiles<D>];
     if constexpr (Next > 0) {
-      detail::wait_keys<Next>(rings, row, t + Cur, q_global, diagonal, valid);
+      detail::wait_keys<Next, Paired>(rings, row, t + Cur, q_global, diagonal, valid);
       detail::fence_async_shared();
       detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(o));
       detail::wgmma_fence();
@@ -475,7 +511,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads, forward_wgmma_config<D>
     first_step(one{});
     step(0, one{}, none{});
   }
-  detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
+  if (active) detail::write_forward_rows<T, D>(p, q_block, h, o, row_max, row_sum);
 }
 
 /// out[i] = running[i] rounded to T: the last step's cast of the fp32 running output.
