@@ -128,12 +128,24 @@ TEST_CASE("complete indices: every allowed tile in every row") {
       const global_selection band = test::band_selection(nb * block_tokens, 2, 0, nb - 2, causal);
       CHECK_FALSE(complete(build_local_index(band, sharding::sequential{}, 1, 0, 0)));
     }
+  // The row-by-row check (what upload_step_index uses) agrees on valid indices, and rejects an
+  // invalid one whose count matches: a row with a tile twice and one left out.
+  {
+    const global_selection all = test::band_selection(6 * block_tokens, 2, 0, 5, true);
+    step_index x = build_local_index(all, sharding::sequential{}, 1, 0, 0);
+    CHECK(holds_every_allowed_tile(x));
+    CHECK(complete(x));
+    x.block_col[static_cast<std::size_t>(x.block_ptr[3])] = x.block_col[static_cast<std::size_t>(x.block_ptr[3]) + 1];  // row 3: 1, 1, 2, 3
+    CHECK(complete(x));  // the count cannot tell
+    CHECK_FALSE(holds_every_allowed_tile(x));
+  }
   // A vertical token beside every block: not complete (the paired forward streams block tiles only).
   global_selection with_token = test::band_selection(8 * block_tokens, 2, 0, 7, true);
   with_token.heads[0].vertical_tokens.push_back(3);
   const step_index x = build_local_index(with_token, sharding::sequential{}, 1, 0, 0);
   CHECK(x.col_token.empty());  // inside an active tile of every row that could use it: not listed
   CHECK(complete(x));
+  CHECK(holds_every_allowed_tile(x));
   // Query blocks that do not ascend are never complete.
   const std::vector<index_t> down{3, 1}, kv{0, 1, 2, 3};
   CHECK(allowed_tiles(down, kv, true, 1) == -1);

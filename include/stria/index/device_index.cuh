@@ -70,8 +70,7 @@ inline device_step_index upload_step_index(const step_index& host, cudaStream_t 
           copy(host.vtoken),
           copy(host.vtoken_query_ptr),
           copy(host.vtoken_query),
-          holds_every_allowed_tile(allowed_tiles(host.query_global_block, host.kv_global_block, host.shape.causal, host.shape.num_heads),
-                                   static_cast<std::int64_t>(host.block_col.size()), static_cast<std::int64_t>(host.col_token.size()))};
+          holds_every_allowed_tile(host)};
 }
 
 /// A global selection flattened into per-head CSR lists on the device: uploaded from a host

@@ -368,6 +368,28 @@ inline bool holds_every_allowed_tile(std::int64_t allowed, std::int64_t tiles, s
   return allowed > 0 && tokens == 0 && tiles == allowed;
 }
 
+/// holds_every_allowed_tile for a host index, checked row by row rather than by count: every row's
+/// blocks ascend strictly and are exactly the allowed ones, and there is no vertical token. For an
+/// index that may not be valid (upload_step_index): a count alone would take duplicates for tiles.
+inline bool holds_every_allowed_tile(const step_index& x) {
+  if (!x.col_token.empty() || allowed_tiles(x.query_global_block, x.kv_global_block, x.shape.causal, x.shape.num_heads) <= 0) return false;
+  for (index_t h = 0; h < x.shape.num_heads; ++h)
+    for (index_t q = 0; q < x.shape.num_query_blocks; ++q) {
+      const auto r = static_cast<std::size_t>(h * x.shape.num_query_blocks + q);
+      index_t expected = 0;  // the next allowed local KV block, in order
+      for (index_t e = x.block_ptr[r]; e < x.block_ptr[r + 1]; ++e, ++expected) {
+        while (expected < x.shape.num_kv_blocks && x.shape.causal &&
+               x.kv_global_block[static_cast<std::size_t>(expected)] > x.query_global_block[static_cast<std::size_t>(q)])
+          ++expected;
+        if (expected >= x.shape.num_kv_blocks || x.block_col[static_cast<std::size_t>(e)] != expected) return false;
+      }
+      for (; expected < x.shape.num_kv_blocks; ++expected)  // none left out
+        if (!x.shape.causal || x.kv_global_block[static_cast<std::size_t>(expected)] <= x.query_global_block[static_cast<std::size_t>(q)])
+          return false;
+    }
+  return true;
+}
+
 /// Throws stria::invalid_argument unless `index` was built for `expected` (an index built for
 /// another configuration must never be consumed silently).
 inline void check_index_shape(const step_index_shape& index, const step_index_shape& expected) {
