@@ -104,6 +104,22 @@ using solver_attention = sparse_attention<estimator::vertical_slash_top_p, shard
 [[maybe_unused]] constexpr auto front_solver_forward = &solver_attention::forward<third_party::recording_comm, T>;
 [[maybe_unused]] constexpr auto front_solver_backward = &solver_attention::backward<third_party::recording_comm, T>;
 
+// The paired forward is chosen per step (automatic); named for a whole ring, a step whose index is not
+// complete would refuse it mid-ring, on one rank, with transfers posted: refused before any of them.
+TEST_CASE("a device ring refuses forward_kernel::wgmma_paired before any CUDA call") {
+  third_party::recording_comm comm;
+  std::vector<device_step_index> indices(1);
+  indices[0].shape = {2, 1, 1, true};
+  std::vector<T> host(64 * 2 * 128);  // never read: the call throws before its first CUDA call
+  std::vector<float> host_lse(2 * 64);
+  const tensor_view<const T, 3> q(host.data(), {64, 2, 128}), kv(host.data(), {64, 1, 128});
+  const tensor_view<T, 3> out(host.data(), {64, 2, 128});
+  CHECK_THROWS_WITH_AS(device::ring_forward(comm, topology::flat_ring(1), indices, forward_tensors<T>{q, kv, kv, out, tensor_view<float, 2>(host_lse.data(), {2, 64})},
+                                            0.125, {}, device::forward_kernel::wgmma_paired),
+                       doctest::Contains("which = forward_kernel::wgmma_paired"), invalid_argument);
+  CHECK(comm.log.empty());
+}
+
 TEST_CASE("a third-party device communicator drives the device ring: refused for another world size before any CUDA call") {
   third_party::recording_comm comm;
   comm.ranks = 2;

@@ -24,6 +24,7 @@
 #include "stria/index/local_index.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
+#include "stria/sharding/zigzag.hpp"
 #include "support/device_tensors.cuh"
 #include "support/oracle.hpp"
 #include "support/selection.hpp"
@@ -275,7 +276,38 @@ TEST_CASE("the paired Hopper forward on complete indices") {
   const global_selection all = test::band_selection(64 * 3 * 5, shape.heads_q, 0, 3 * 5 - 1, true);
   for (const index_t source : {index_t{0}, index_t{1}, index_t{2}}) {
     CAPTURE(source);
-    check_step<__half>(rng, build_local_index(all, sharding::striped<64>{}, 3, 1, source, {}), shape);
+    const step_index index = build_local_index(all, sharding::striped<64>{}, 3, 1, source, {});
+    REQUIRE(upload_step_index(index, nullptr).complete);  // else check_step would not run the paired kernel
+    check_step<__half>(rng, index, shape);
+  }
+  // Zigzag at W 2: a rank's two chunks, so that a pair of query blocks can straddle them and the
+  // first consumer masks many of the later block's tiles.
+  const global_selection zig = test::band_selection(64 * 4 * 3, shape.heads_q, 0, 4 * 3 - 1, true);
+  for (const index_t rank : {index_t{0}, index_t{1}})
+    for (const index_t source : {index_t{0}, index_t{1}}) {
+      CAPTURE(rank);
+      CAPTURE(source);
+      const step_index index = build_local_index(zig, sharding::zigzag{}, 2, rank, source, {});
+      REQUIRE(upload_step_index(index, nullptr).complete);
+      check_step<__nv_bfloat16>(rng, index, shape);
+    }
+  // The device builder decides completeness by count: it must agree with the row-by-row rule on
+  // dense and sparse selections, every sharding, rank and source.
+  for (const global_selection& g : {zig, test::random_selection(rng, 64 * 4 * 3, 4, true, 0.5, 0.0), test::random_selection(rng, 64 * 4 * 3, 4, true, 0.3, 0.02)}) {
+    const device_selection on_device(g);
+    for (const index_t world : {1, 2, 3})
+      for (index_t rank = 0; rank < world; ++rank)
+        for (index_t source = 0; source < world; ++source) {
+          CAPTURE(world);
+          CAPTURE(rank);
+          CAPTURE(source);
+          const device_step_index seq = build_local_index_device(on_device, sharding::sequential{}, world, rank, source);
+          CHECK(seq.complete == holds_every_allowed_tile(seq.to_host()));
+          const device_step_index str = build_local_index_device(on_device, sharding::striped<64>{}, world, rank, source);
+          CHECK(str.complete == holds_every_allowed_tile(str.to_host()));
+          const device_step_index zz = build_local_index_device(on_device, sharding::zigzag{}, world, rank, source);
+          CHECK(zz.complete == holds_every_allowed_tile(zz.to_host()));
+        }
   }
   // An index that lacks an allowed tile runs the one-block kernels; asking for the paired one fails.
   const global_selection sparse = test::random_selection(rng, 64 * 8, 4, true, 0.3, 0.0);

@@ -138,6 +138,8 @@ TEST_CASE("complete indices: every allowed tile in every row") {
     x.block_col[static_cast<std::size_t>(x.block_ptr[3])] = x.block_col[static_cast<std::size_t>(x.block_ptr[3]) + 1];  // row 3: 1, 1, 2, 3
     CHECK(complete(x));  // the count cannot tell
     CHECK_FALSE(holds_every_allowed_tile(x));
+    x.block_ptr.pop_back();  // malformed: false, without reading past the arrays
+    CHECK_FALSE(holds_every_allowed_tile(x));
   }
   // A vertical token beside every block: not complete (the paired forward streams block tiles only).
   global_selection with_token = test::band_selection(8 * block_tokens, 2, 0, 7, true);

@@ -206,6 +206,10 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const device_s
   detail::check_head_dim<HeadDim>(s.head_dim);  // before any transfer or launch
   detail::check_kv_layout(k, v);
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
+  // A step whose index is not complete would reject it mid-ring, on one rank, with transfers posted.
+  if (which == forward_kernel::wgmma_paired)
+    throw invalid_argument("which", "forward_kernel::wgmma_paired",
+                           "names one step's kernel; a ring takes automatic (which pairs the steps whose index is complete), mma_sync or wgmma");
   const index_t steps = topology.num_steps();
   // [Sq, Hq, D] fp32; a single step writes `out` directly and needs none.
   device_buffer<float> running(steps > 1 ? static_cast<std::size_t>(q.size()) : 0, stream);

@@ -48,7 +48,8 @@ enum class determinism { atomic, deterministic };
 /// else the mma.sync one (sm80+); or one of them by name (tests compare them). On Hopper at head dim
 /// 128 an index that holds every tile the causal rule allows (device_step_index::complete: dense
 /// attention) runs two query blocks per CTA over one stream of K/V tiles (`wgmma_paired`; dense 128K
-/// 3% faster, RESULTS 2026-12-04, sixth); `wgmma` names the one-block kernel.
+/// 2-4% faster, RESULTS 2026-12-04, sixth); `wgmma` names the one-block kernel. Ring and solver calls
+/// take `automatic`, `mma_sync` or `wgmma`: their steps' indices differ in completeness.
 enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
@@ -180,11 +181,11 @@ struct step_forward_tensors {
   tensor_view<T, 3> final_out = {};  // [Sq, Hq, D] T, the layer's last step only (sparse_forward)
 };
 
-/// How a forward step runs. `state` has no default: a ring's later steps merge, and a call that left
-/// it out must not silently overwrite what the earlier steps summed (running_state has no zero value,
-/// so a value-initialized one throws).
+/// How a forward step runs. `state` has no valid default: a ring's later steps merge, and a call that
+/// left it out must not silently overwrite what the earlier steps summed. It starts at running_state's
+/// value 0, which names neither state, so a call that does not set it throws.
 struct forward_options {
-  running_state state;  // overwrite on a layer's first step, merge on every later one
+  running_state state = {};  // overwrite on a layer's first step, merge on every later one; {} (0) throws
   forward_kernel which = forward_kernel::automatic;
 };
 

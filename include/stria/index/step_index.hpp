@@ -372,10 +372,16 @@ inline bool holds_every_allowed_tile(std::int64_t allowed, std::int64_t tiles, s
 /// blocks ascend strictly and are exactly the allowed ones, and there is no vertical token. For an
 /// index that may not be valid (upload_step_index): a count alone would take duplicates for tiles.
 inline bool holds_every_allowed_tile(const step_index& x) {
+  const auto rows = static_cast<std::size_t>(x.shape.num_heads) * static_cast<std::size_t>(x.shape.num_query_blocks);
+  if (x.shape.num_heads < 0 || x.shape.num_query_blocks < 0 || x.block_ptr.size() != rows + 1 ||
+      x.query_global_block.size() != static_cast<std::size_t>(x.shape.num_query_blocks) ||
+      x.kv_global_block.size() != static_cast<std::size_t>(x.shape.num_kv_blocks))
+    return false;  // malformed: validate() says how
   if (!x.col_token.empty() || allowed_tiles(x.query_global_block, x.kv_global_block, x.shape.causal, x.shape.num_heads) <= 0) return false;
   for (index_t h = 0; h < x.shape.num_heads; ++h)
     for (index_t q = 0; q < x.shape.num_query_blocks; ++q) {
       const auto r = static_cast<std::size_t>(h * x.shape.num_query_blocks + q);
+      if (x.block_ptr[r] < 0 || x.block_ptr[r + 1] < x.block_ptr[r] || static_cast<std::size_t>(x.block_ptr[r + 1]) > x.block_col.size()) return false;
       index_t expected = 0;  // the next allowed local KV block, in order
       for (index_t e = x.block_ptr[r]; e < x.block_ptr[r + 1]; ++e, ++expected) {
         while (expected < x.shape.num_kv_blocks && x.shape.causal &&

@@ -242,10 +242,10 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// SM. Block 2p + 1's row holds every tile of block 2p's (local query blocks ascend in their global
 /// blocks), so the producer streams that row once for both consumers and the first masks what lies
 /// past its diagonal: each K and V tile leaves L2 once per 128 query rows instead of 64. Dense causal
-/// 128K on an H200: 139.3 -> 135.0 ms; a probe kernel of the same design (branch paired-forward) ran
-/// 121.6 ms in the same process, with main loops alike in SASS: the gap is not understood yet
-/// (RESULTS, 2026-12-04, sixth). Over the union of two sparse rows the probe measured 8-17% slower
-/// than two CTAs of one row each, so sparse rows keep those.
+/// 128K on an H200: 138.9-139.8 -> 134.9-135.2 ms; a probe kernel of the same design (branch
+/// paired-forward) ran 119.6-121.6 ms in the same process, with main loops alike in SASS: the gap is
+/// not understood yet (RESULTS, 2026-12-04, sixth). Over the union of two sparse rows the probe
+/// measured 8-25% slower than two CTAs of one row each, so sparse rows keep those.
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
