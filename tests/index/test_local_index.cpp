@@ -153,6 +153,9 @@ TEST_CASE("complete indices: every allowed tile in every row") {
   CHECK(allowed_tiles(down, kv, true, 1) == -1);
   CHECK(allowed_tiles(kv, kv, true, 2) == 2 * (1 + 2 + 3 + 4));
   CHECK(allowed_tiles(kv, kv, false, 1) == 16);
+  const std::vector<index_t> kv_unsorted{3, 0, 2, 1}, q_sparse{1, 5};
+  CHECK(allowed_tiles(q_sparse, kv_unsorted, true, 3) == 3 * (2 + 4));  // KV blocks in any order
+  CHECK(allowed_tiles(q_sparse, kv, true, 3) == 3 * (2 + 4));
   CHECK_FALSE(holds_every_allowed_tile(20, 20, 1));
   CHECK(holds_every_allowed_tile(20, 20, 0));
 }

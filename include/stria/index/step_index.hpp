@@ -347,15 +347,22 @@ inline void step_index::validate() const {
 /// The block entries of an index of `heads` heads over these local query and KV blocks (their
 /// global blocks) that holds every tile causal attention (`causal`; else full attention) allows in
 /// every row; -1 where the query blocks do not ascend.
+/// Called by the device index builder for every index of every ring step: one merge walk, no copy,
+/// where the KV blocks ascend too (every built-in sharding's do).
 inline std::int64_t allowed_tiles(std::span<const index_t> query_global, std::span<const index_t> kv_global, bool causal, index_t heads) {
   if (!std::is_sorted(query_global.begin(), query_global.end())) return -1;
+  if (!causal) return static_cast<std::int64_t>(query_global.size()) * static_cast<std::int64_t>(kv_global.size()) * heads;
+  std::vector<index_t> sorted;
+  if (!std::is_sorted(kv_global.begin(), kv_global.end())) {
+    sorted.assign(kv_global.begin(), kv_global.end());
+    std::sort(sorted.begin(), sorted.end());
+    kv_global = sorted;
+  }
   std::int64_t allowed = 0;
-  if (causal) {
-    std::vector<index_t> kv(kv_global.begin(), kv_global.end());
-    std::sort(kv.begin(), kv.end());
-    for (index_t q : query_global) allowed += std::upper_bound(kv.begin(), kv.end(), q) - kv.begin();
-  } else {
-    allowed = static_cast<std::int64_t>(query_global.size()) * static_cast<std::int64_t>(kv_global.size());
+  std::size_t below = 0;  // KV blocks at or before the current query block (both ascend)
+  for (const index_t q : query_global) {
+    while (below < kv_global.size() && kv_global[below] <= q) ++below;
+    allowed += static_cast<std::int64_t>(below);
   }
   return allowed * heads;
 }
