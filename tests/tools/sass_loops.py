@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+# SASS of a cubin's kernels on a machine without a GPU driver, and a summary of their main loops.
+#
+# The CUDA 13 toolkit here has no cuobjdump or nvdisasm, and Debian's nvidia-cuda-toolkit 11.8
+# (non-free) cannot read CUDA 13's ELF header. Its nvdisasm does decode sm_90a instructions once the
+# header carries the older flags (EF_CUDA_SM90, virtual SM 90, OSABI 0x33). To get it:
+#   echo 'Types: deb
+#   URIs: http://deb.debian.org/debian
+#   Suites: bookworm
+#   Components: non-free
+#   Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' > /etc/apt/sources.list.d/non-free.sources
+#   apt-get update && cd /tmp && apt-get download nvidia-cuda-toolkit && dpkg -x nvidia-cuda-toolkit_*.deb nvtk
+# then NVDISASM=/tmp/nvtk/usr/bin/nvdisasm (the default). Checked against cuobjdump 13.0 on the device:
+# the same instructions at the same addresses.
+#
+#   usage: sass_loops.py FILE.cubin [KERNEL_REGEX] [--raw]
+#   cubin: nvcc ... -gencode=arch=compute_90a,code=sm_90a -cubin tests/cuda/wgmma_kernels.cu -o k.cubin
+# For every kernel whose mangled name matches, each loop (a backward branch) that holds wgmma products
+# (HGMMA), with counts of what costs in a main loop: convergence regions (BSSY/BSYNC: ptxas puts one
+# around a branch it cannot prove warp-uniform, and one around the P V issue cost the paired forward
+# 11%, RESULTS 2026-12-04 seventh), warp votes, branches, MUFU, shuffles and wgmma waits.
+import os, re, struct, subprocess, sys, tempfile
+
+args = [a for a in sys.argv[1:] if not a.startswith('--')]
+if not args:
+    sys.exit(__doc__ or 'usage: sass_loops.py FILE.cubin [KERNEL_REGEX] [--raw]')
+data = bytearray(open(args[0], 'rb').read())
+data[7] = 0x33                                  # ELF OSABI: CUDA
+data[8] = 7                                     # ABI version
+struct.pack_into('<I', data, 48, 0x005A055A)    # e_flags: SM 90, virtual SM 90, 64-bit addresses, unified textures
+with tempfile.NamedTemporaryFile(suffix='.cubin', delete=False) as f:
+    f.write(data)
+text = subprocess.run([os.environ.get('NVDISASM', '/tmp/nvtk/usr/bin/nvdisasm'), '-c', f.name], capture_output=True, text=True, check=True).stdout
+os.unlink(f.name)
+if '--raw' in sys.argv:
+    print(text)
+    sys.exit()
+
+for function in re.split(r"\n//-+ \.text\.", text)[1:]:
+    name = function.split(' ', 1)[0]
+    if len(args) > 1 and not re.search(args[1], name):
+        continue
+    instructions, labels, pending = [], {}, []
+    for line in function.split('\n'):
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            for l in pending:
+                labels[l] = address
+            pending = []
+            instructions.append((address, m.group(2).strip()))
+    instructions = [(a, re.sub(r"`?\(?(\.L_x_\d+)\)?", lambda m: hex(labels.get(m.group(1), 1 << 40)), t)) for a, t in instructions]
+    print(f'== {name} ({len(instructions)} instructions)')
+    # The barrier waits' retry blocks sit after the last EXIT and branch back into the body: not loops.
+    last_exit = max((a for a, t in instructions if re.search(r"\bEXIT\b", t)), default=0)
+    for address, text_ in instructions:
+        target = re.search(r"BRA\s.*?(0x[0-9a-f]+)", text_)
+        if not target or int(target.group(1), 16) >= address or address > last_exit:
+            continue
+        body = [t for a, t in instructions if int(target.group(1), 16) <= a <= address]
+        count = lambda key: sum(key in t for t in body)
+        if count('HGMMA'):
+            print(f"  loop {target.group(1)}-{address:#x}: {len(body)} instructions, HGMMA {count('HGMMA')}, BSSY {count('BSSY')}, "
+                  f"BSYNC {count('BSYNC')}, VOTE {count('VOTE')}, BRA {count('BRA')}, MUFU {count('MUFU')}, SHFL {count('SHFL')}, "
+                  f"wgmma waits {count('WARPGROUP.DEPBAR')}")
