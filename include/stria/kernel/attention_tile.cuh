@@ -207,11 +207,15 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
   }
 }
 
-/// The token a copier thread (`thread` 0 .. 63) reads for gathered tile t of a row: lane L of warp w
-/// reads row 4 w + L % 4 + 8 (L / 4), exactly the rows its warp copies, so that every pass of
-/// load_row_tile_swizzled_async finds its token one shuffle away. 0 for a block tile or past the end.
-__device__ inline index_t gathered_token(const row_tiles& row, index_t t, int thread) {
-  if (t >= row.count() || row.is_block(t)) return 0;
+/// What a copier thread (`thread` 0 .. 63) reads of the index for tile t of a row, ahead of its
+/// copies: for a gathered tile a token (lane L of warp w reads row 4 w + L % 4 + 8 (L / 4), exactly
+/// the rows its warp copies, so that every pass of load_row_tile_swizzled_async finds its token one
+/// shuffle away), for a block tile its local KV block (0 unless BlocksAhead: the copies read it
+/// then). 0 past the end.
+template <bool BlocksAhead = true>
+__device__ index_t gathered_token(const row_tiles& row, index_t t, int thread) {
+  if (t >= row.count()) return 0;
+  if (row.is_block(t)) return BlocksAhead ? row.blocks[t] : 0;
   const index_t first = (t - row.num_blocks) * block_tokens;
   const int lane = thread % 32, warp = thread / 32;
   const int read_row = 4 * warp + lane % 4 + 8 * (lane / 4);
@@ -222,9 +226,9 @@ __device__ inline index_t gathered_token(const row_tiles& row, index_t t, int th
 /// 64 threads (`thread` 0 .. 63): thread (r, c) = (thread / 8, thread % 8) copies chunk c of every
 /// slab of rows r, r + 8, ..., so its rows keep one swizzle phase and its shared address advances by
 /// a constant. A warpgroup's K and V copies thus run as two independent streams of two warps each.
-/// `read_token`: gathered_token(row, t, thread), which the caller reads ahead (one global round trip
-/// that would otherwise sit before every gathered tile's copies).
-template <class T, int D, int SlabStride = swizzled_tile<D>::slab_bytes>
+/// `read_token`: gathered_token<BlocksAhead>(row, t, thread), which the caller reads ahead (one global
+/// round trip that would otherwise sit before every tile's copies).
+template <class T, int D, int SlabStride = swizzled_tile<D>::slab_bytes, bool BlocksAhead = true>
 __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk,
                                              int thread, index_t read_token) {
   static_assert(sizeof(T) == 2, "a 128-byte slab holds 64 elements of 2 bytes");
@@ -235,7 +239,7 @@ __device__ void load_row_tile_swizzled_async(unsigned char* tile, const T* base,
   const T* head = base + std::int64_t{hk} * D + c * 8;
   unsigned char* to = tile + layout::offset(r, c);
   if (row.is_block(t)) {
-    const T* from = head + (std::int64_t{row.blocks[t]} * block_tokens + r) * stride;
+    const T* from = head + (std::int64_t{BlocksAhead ? read_token : row.blocks[t]} * block_tokens + r) * stride;
 #pragma unroll
     for (int pass = 0; pass < passes; ++pass)
 #pragma unroll
@@ -290,28 +294,30 @@ struct row_tile_rings {
   /// The producer warpgroup: its first two warps copy K(t) of every tile of the row into the K ring,
   /// its last two V(t) into the V ring (`ks`, `vs`: the stages' swizzled tiles), each tile once its
   /// stage is free. Apart, the K stream is not held back by a full V ring, nor the other way round.
-  template <class T, int D>
+  /// Each copier reads a tile's index entries (its tokens; with BlocksAhead a block tile's block too)
+  /// while it waits for the tile before it to have a stage.
+  template <class T, int D, bool BlocksAhead = true>
   __device__ void produce(const row_tiles& row, const step_index_view& index, const T* keys, const T* values, unsigned char* ks,
                           unsigned char* vs, index_t heads_kv, index_t hk) {
     constexpr int bytes = swizzled_tile<D>::bytes;
     const int thread = static_cast<int>(threadIdx.x % attention_threads);
     const index_t tiles = row.count();
     if (thread < copier_threads) {
-      index_t token = gathered_token(row, 0, thread);
+      index_t token = gathered_token<BlocksAhead>(row, 0, thread);
       for (index_t t = 0; t < tiles; ++t) {
-        const index_t next_token = gathered_token(row, t + 1, thread);  // in flight while the stage frees
+        const index_t next_token = gathered_token<BlocksAhead>(row, t + 1, thread);  // in flight while the stage frees
         k.acquire(t);
-        load_row_tile_swizzled_async<T, D, k_slab_stride<D>>(k_tile<D>(ks, k.stage(t)), keys, row, t, heads_kv, hk, thread, token);
+        load_row_tile_swizzled_async<T, D, k_slab_stride<D>, BlocksAhead>(k_tile<D>(ks, k.stage(t)), keys, row, t, heads_kv, hk, thread, token);
+        if (thread == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + (BlocksAhead ? token : row.blocks[t]));
         token = next_token;
-        if (thread == 0 && row.is_block(t)) cp_async_4(&kv_global_block[k.stage(t)], index.kv_global_block + row.blocks[t]);
         k.commit(t);
       }
     } else {
-      index_t token = gathered_token(row, 0, thread - copier_threads);
+      index_t token = gathered_token<BlocksAhead>(row, 0, thread - copier_threads);
       for (index_t t = 0; t < tiles; ++t) {
-        const index_t next_token = gathered_token(row, t + 1, thread - copier_threads);
+        const index_t next_token = gathered_token<BlocksAhead>(row, t + 1, thread - copier_threads);
         v.acquire(t);
-        load_row_tile_swizzled_async<T, D>(vs + v.stage(t) * bytes, values, row, t, heads_kv, hk, thread - copier_threads, token);
+        load_row_tile_swizzled_async<T, D, swizzled_tile<D>::slab_bytes, BlocksAhead>(vs + v.stage(t) * bytes, values, row, t, heads_kv, hk, thread - copier_threads, token);
         token = next_token;
         v.commit(t);
       }

@@ -470,8 +470,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   }
 
   using tile_layout = swizzled_tile<D>;
-  // Warps 0-1 copy K, warps 2-3 V; each copier thread reads its token of a gathered tile a load
-  // before the tile's copies are queued, and a tile's causal-mask test is read when they are, so that
+  // Warps 0-1 copy K, warps 2-3 V; each copier thread reads its token of a gathered tile (a block
+  // tile's block) a load before the tile's copies are queued, and a tile's causal-mask test is read when they are, so that
   // no index read waits before a tile's copies or between the barrier and its softmax.
   const int copier = static_cast<int>(threadIdx.x % 64);
   // One code path for both halves (the operands chosen, not the call): copies queued on a branch

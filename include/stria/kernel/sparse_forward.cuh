@@ -385,7 +385,9 @@ __global__ void __launch_bounds__(forward_wgmma_threads<D, Paired>, forward_wgmm
 
   if (threadIdx.x >= tuning.consumers * attention_threads) {  // the producer warpgroup
     detail::set_registers_decrease<tuning.producer_registers>();
-    rings.template produce<T, D>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
+    // The paired kernel's producer reads a block tile's block as it copies it: reading it ahead made
+    // ptxas serialize the paired consumers' products (C7511).
+    rings.template produce<T, D, !Paired>(row, p.index, p.k, p.v, ks, vs, p.heads_kv, hk);
     return;
   }
   detail::set_registers_increase<tuning.consumer_registers>();
