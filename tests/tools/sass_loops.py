@@ -16,9 +16,10 @@
 #   usage: sass_loops.py FILE.cubin [KERNEL_REGEX] [--raw]
 #   cubin: nvcc ... -gencode=arch=compute_90a,code=sm_90a -cubin tests/cuda/wgmma_kernels.cu -o k.cubin
 # For every kernel whose mangled name matches, each loop (a backward branch) that holds wgmma products
-# (HGMMA), with counts of what costs in a main loop: convergence regions (BSSY/BSYNC: ptxas puts one
-# around a branch it cannot prove warp-uniform, and one around the P V issue cost the paired forward
-# 11%, RESULTS 2026-12-04 seventh), warp votes, branches, MUFU, shuffles and wgmma waits.
+# (HGMMA), with counts of what a main loop spends on besides its products: convergence regions
+# (BSSY/BSYNC: ptxas puts one around a branch it cannot prove warp-uniform), warp votes, branches,
+# MUFU, shuffles and wgmma waits. Check a kernel edit with it and `-Xptxas -v` (C7511: serialized
+# products) before spending device time on it.
 import os, re, struct, subprocess, sys, tempfile
 
 args = [a for a in sys.argv[1:] if not a.startswith('--')]

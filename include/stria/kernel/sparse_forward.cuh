@@ -54,9 +54,9 @@ __device__ void softmax_tiles(float (&s)[N][8][4], float (&row_max)[2], float (&
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     // Most tiles skip the mask arithmetic. The test is a warp vote although its value is the same
-    // in every lane: ptxas cannot see that, and in the paired forward it put a plain branch's
-    // convergence region (BSSY/BSYNC) around the P V product's issue, which cost 11% (SASS,
-    // tests/tools/sass_loops.py; RESULTS, 2026-12-04, seventh). A vote's branch needs none.
+    // in every lane: ptxas cannot see that, and as a plain branch it put a convergence region
+    // (BSSY/BSYNC) around the paired forward's P V issue; a vote's branch needs none (SASS,
+    // tests/tools/sass_loops.py). Its time did not change (RESULTS, 2026-12-04, seventh).
     if (__any_sync(0xffffffffu, diagonal[i] || valid[i] < block_tokens)) {
       const int warp_row0 = 16 * static_cast<int>((threadIdx.x / 32) % 4);
 #pragma unroll
@@ -246,11 +246,11 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// SM. Block 2p + 1's row holds every tile of block 2p's (local query blocks ascend in their global
 /// blocks), so the producer streams that row once for both consumers and the first masks what lies
 /// past its diagonal: each K and V tile leaves L2 once per 128 query rows instead of 64. Dense causal
-/// 128K on an H200: 138.9-139.8 -> 134.9-135.2 ms while the softmax's mask test was a plain branch,
-/// against 119.6-121.6 for a probe kernel of the same design (branch paired-forward) whose test was
-/// a warp vote: the plain branch left a convergence region around the P V issue in the main loop
-/// (RESULTS, 2026-12-04, sixth and seventh). Over the union of two sparse rows the probe measured
-/// 8-25% slower than two CTAs of one row each, so sparse rows keep those.
+/// 128K on an H200: 138.9-139.8 -> 134.9-135.2 ms; a probe kernel of the same design (branch
+/// paired-forward) ran 119.3-121.6 ms in the same process, with main loops alike in SASS since the
+/// mask test became a warp vote: the gap is not understood yet (RESULTS, 2026-12-04, sixth and
+/// seventh). Over the union of two sparse rows the probe measured 8-25% slower than two CTAs of one
+/// row each, so sparse rows keep those.
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
