@@ -200,7 +200,7 @@ int run_cluster(const options& o) {
   const auto start = std::chrono::steady_clock::now();
   stria::cost::kernel_throughput kernel =
       o.throughput_file.empty() ? stria::cost::h200_kernel_throughput(o.head_dim) : plan_input::read_throughput(o.throughput_file, o.head_dim);
-  std::string kernel_source = o.throughput_file.empty() ? "built in: tests/bench/results/attention_h200.json, 62a47be" : o.throughput_file;
+  std::string kernel_source = o.throughput_file.empty() ? "built in: tests/bench/results/attention_h200.json, f0cca9d" : o.throughput_file;
   if (o.kernel_scale != 1.0) {  // another GPU, as a multiple of the table's
     for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
     std::ostringstream note;

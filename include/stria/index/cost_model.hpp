@@ -103,13 +103,13 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 }
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
-/// tests/bench/results/attention_h200.json (commit 62a47be, 2026-12-04, kernels of 48b8406; bf16, Hq 16, Hkv 2, 95%
+/// tests/bench/results/attention_h200.json (commit f0cca9d, 2026-12-04; bf16, Hq 16, Hkv 2, 95%
 /// sparse VS pattern, atomic backward, dS stored at D 128). D 128 has runs at 32K, 128K and 512K; D 64
 /// has one (128K), so its row cost is not known and counts as 0.
 /// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
-  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 441.9250, .row_ns = 16.0765}, .backward = {.tflops = 380.1848, .row_ns = 19.7582}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 321.0872, .row_ns = 0.0}, .backward = {.tflops = 272.1517, .row_ns = 0.0}};
+  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 446.9268, .row_ns = 16.4628}, .backward = {.tflops = 387.1277, .row_ns = 25.8717}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 325.5442, .row_ns = 0.0}, .backward = {.tflops = 274.0027, .row_ns = 0.0}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
