@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 # SASS of a cubin's kernels on a machine without a GPU driver, and a summary of their main loops.
 #
-# The CUDA 13 toolkit here has no cuobjdump or nvdisasm, and Debian's nvidia-cuda-toolkit 11.8
-# (non-free) cannot read CUDA 13's ELF header. Its nvdisasm does decode sm_90a instructions once the
-# header carries the older flags (EF_CUDA_SM90, virtual SM 90, OSABI 0x33). To get it:
+# The CUDA 13 toolkit on the development machine has no cuobjdump or nvdisasm, and Debian's
+# nvidia-cuda-toolkit 11.8 (non-free) cannot read CUDA 13's ELF header. Its nvdisasm does decode
+# sm_90a instructions once the header carries the older flags (EF_CUDA_SM90, virtual SM 90, OSABI
+# 0x33). To get it:
 #   echo 'Types: deb
 #   URIs: http://deb.debian.org/debian
 #   Suites: bookworm
@@ -24,15 +25,26 @@ import os, re, struct, subprocess, sys, tempfile
 
 args = [a for a in sys.argv[1:] if not a.startswith('--')]
 if not args:
-    sys.exit(__doc__ or 'usage: sass_loops.py FILE.cubin [KERNEL_REGEX] [--raw]')
+    sys.exit('usage: sass_loops.py FILE.cubin [KERNEL_REGEX] [--raw]')
 data = bytearray(open(args[0], 'rb').read())
+# The SM the cubin is for: CUDA 13 (OSABI 0x41) keeps it in e_flags' second byte, older toolkits in
+# the first. Only sm_90(a) is rewritten: another SM's code would be decoded as sm_90's.
+flags = struct.unpack_from('<I', data, 48)[0]
+sm = (flags >> 8) & 0xFF if data[7] == 0x41 else flags & 0xFF
+if sm != 90:
+    sys.exit(f'sass_loops.py: {args[0]} is for SM {sm}, not 90: this header rewrite reads sm_90(a) only')
 data[7] = 0x33                                  # ELF OSABI: CUDA
 data[8] = 7                                     # ABI version
 struct.pack_into('<I', data, 48, 0x005A055A)    # e_flags: SM 90, virtual SM 90, 64-bit addresses, unified textures
 with tempfile.NamedTemporaryFile(suffix='.cubin', delete=False) as f:
     f.write(data)
-text = subprocess.run([os.environ.get('NVDISASM', '/tmp/nvtk/usr/bin/nvdisasm'), '-c', f.name], capture_output=True, text=True, check=True).stdout
-os.unlink(f.name)
+try:
+    run = subprocess.run([os.environ.get('NVDISASM', '/tmp/nvtk/usr/bin/nvdisasm'), '-c', f.name], capture_output=True, text=True)
+finally:
+    os.unlink(f.name)
+if run.returncode != 0:
+    sys.exit(f'sass_loops.py: nvdisasm failed: {run.stderr.strip()}')
+text = run.stdout
 if '--raw' in sys.argv:
     print(text)
     sys.exit()
