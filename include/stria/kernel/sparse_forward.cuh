@@ -330,6 +330,8 @@ __device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t
     diagonal[i] = rings.diagonal(row, t + i, query_global);
     valid[i] = row.valid_columns(t + i);
     if constexpr (Beyond) {
+      // The slot again, though diagonal() has shuffled it: one shuffle for both tests (the value
+      // shared) made ptxas serialize the paired consumers' products (C7511, 2026-12-04).
       const index_t global = rings.global_block(t + i);  // every lane shuffles: not behind the && (a branch)
       if (query_global != -1 && row.is_block(t + i) && global > query_global) valid[i] = 0;
     }
