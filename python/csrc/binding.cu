@@ -6,14 +6,23 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
+#include <utility>
 
 #include <stria/sharding/sequential.hpp>
 #include <stria/sharding/striped.hpp>
 #include <stria/sharding/zigzag.hpp>
 
 #include "binding.hpp"
+
+#if STRIA_TORCH_WITH_NCCL
+#include <stria/comm/nccl.cuh>
+#endif
 
 namespace stria::python {
 
@@ -26,7 +35,48 @@ template <class T>
 void backward_typed(const problem&, const T*, const T*, const T*, const T*, const T*, const float*, const padded_selection&, bool,
                     const backward_scratch&, T*, T*, T*);
 
+template <class T>
+void ring_estimate_typed(const problem&, const ring_ranks&, const T*, const T*, const estimator_options&, std::pair<std::int64_t, std::int64_t>,
+                         std::int32_t*, std::int32_t*);
+template <class T>
+void ring_forward_typed(const problem&, const ring_ranks&, const T*, const T*, const T*, const padded_selection&, T*, float*);
+template <class T>
+void ring_backward_typed(const problem&, const ring_ranks&, const T*, const T*, const T*, const T*, const T*, const float*, const padded_selection&,
+                         bool, T*, T*, T*);
+
+#if STRIA_TORCH_WITH_NCCL
+static_assert(sizeof(ncclUniqueId) == nccl_id_bytes, "ring_ranks::nccl_id holds an ncclUniqueId");
+
+comm::nccl& ring_communicator(const ring_ranks& r) {
+  if (r.world < 1 || r.world > max_world_size) throw invalid_argument("world", r.world, "must lie in [1, " + std::to_string(max_world_size) + "]");
+  if (r.rank < 0 || r.rank >= r.world) throw invalid_argument("rank", r.rank, "must lie in [0, world = " + std::to_string(r.world) + ")");
+  int device = 0;
+  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex guard;
+  static std::map<std::pair<std::string, int>, std::unique_ptr<comm::nccl>> communicators;  // by (id, device)
+  const std::lock_guard lock(guard);
+  std::unique_ptr<comm::nccl>& c = communicators[{std::string(r.nccl_id.begin(), r.nccl_id.end()), device}];
+  if (!c) {
+    ncclUniqueId id;
+    std::memcpy(&id, r.nccl_id.data(), sizeof id);
+    c = std::make_unique<comm::nccl>(comm::nccl::create(id, static_cast<index_t>(r.world), static_cast<index_t>(r.rank)));
+  } else if (c->rank() != r.rank || c->world_size() != r.world) {
+    throw invalid_argument("nccl_id", "(a communicator of rank " + std::to_string(c->rank()) + " of " + std::to_string(c->world_size()) + ")",
+                           "is rank " + std::to_string(r.rank) + " of " + std::to_string(r.world) + " in this call: one id names one group");
+  }
+  return *c;
+}
+#endif
+
 namespace {
+
+#if !STRIA_TORCH_WITH_NCCL
+/// What a context-parallel call raises where the extension was built without NCCL.
+[[noreturn]] void no_nccl() {
+  throw std::runtime_error("stria: this build of the PyTorch extension found no NCCL (nccl.h and libnccl) at build time; "
+                           "context-parallel attention needs it: install NCCL (or point NCCL_ROOT at it) and reinstall");
+}
+#endif
 
 template <class Body>
 void with_type(element type, Body&& body) {
@@ -113,6 +163,64 @@ outcome backward(const problem& p, const void* q, const void* k, const void* v, 
                         static_cast<const T*>(d_out), lse, selection, deterministic, scratch, static_cast<T*>(dq), static_cast<T*>(dk),
                         static_cast<T*>(dv));
     });
+  });
+}
+
+outcome nccl_unique_id(std::array<unsigned char, nccl_id_bytes>& id) noexcept {
+  return caught([&] {
+#if STRIA_TORCH_WITH_NCCL
+    ncclUniqueId made;
+    STRIA_NCCL_CHECK(ncclGetUniqueId(&made));
+    std::memcpy(id.data(), &made, sizeof made);
+#else
+    (void)id;
+    no_nccl();
+#endif
+  });
+}
+
+outcome ring_estimate(const problem& p, const ring_ranks& r, const void* q, const void* k, const estimator_options& options, std::int32_t* vertical,
+                      std::int32_t* slash) noexcept {
+  return caught([&] {
+#if STRIA_TORCH_WITH_NCCL
+    const auto widths = widths_of(options, p.seq_len, p.heads_q, p.causal);
+    with_type(p.type, [&]<class T>(const T*) {
+      ring_estimate_typed<T>(p, r, static_cast<const T*>(q), static_cast<const T*>(k), options, widths, vertical, slash);
+    });
+#else
+    (void)p, (void)r, (void)q, (void)k, (void)options, (void)vertical, (void)slash;
+    no_nccl();
+#endif
+  });
+}
+
+outcome ring_forward(const problem& p, const ring_ranks& r, const void* q, const void* k, const void* v, const padded_selection& selection,
+                     void* out, float* lse) noexcept {
+  return caught([&] {
+#if STRIA_TORCH_WITH_NCCL
+    with_type(p.type, [&]<class T>(const T*) {
+      ring_forward_typed<T>(p, r, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), selection, static_cast<T*>(out), lse);
+    });
+#else
+    (void)p, (void)r, (void)q, (void)k, (void)v, (void)selection, (void)out, (void)lse;
+    no_nccl();
+#endif
+  });
+}
+
+outcome ring_backward(const problem& p, const ring_ranks& r, const void* q, const void* k, const void* v, const void* out, const void* d_out,
+                      const float* lse, const padded_selection& selection, bool deterministic, void* dq, void* dk, void* dv) noexcept {
+  return caught([&] {
+#if STRIA_TORCH_WITH_NCCL
+    with_type(p.type, [&]<class T>(const T*) {
+      ring_backward_typed<T>(p, r, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(out),
+                             static_cast<const T*>(d_out), lse, selection, deterministic, static_cast<T*>(dq), static_cast<T*>(dk),
+                             static_cast<T*>(dv));
+    });
+#else
+    (void)p, (void)r, (void)q, (void)k, (void)v, (void)out, (void)d_out, (void)lse, (void)selection, (void)deterministic, (void)dq, (void)dk, (void)dv;
+    no_nccl();
+#endif
   });
 }
 

@@ -65,12 +65,15 @@ inline device_step_index index_of(const problem& p, const padded_selection& s, s
   return build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {}, p.stream);
 }
 
+/// A batch element's tensors in the call's [batch, tokens, heads, dim] and [batch, heads, tokens]
+/// arrays: tokens is the sequence length, or a rank's share of it in a context-parallel call.
 template <class T>
 struct batch_views {
   const problem& p;
-  [[nodiscard]] std::int64_t q_elements() const { return p.seq_len * p.heads_q * p.head_dim; }
-  [[nodiscard]] std::int64_t kv_elements() const { return p.seq_len * p.heads_kv * p.head_dim; }
-  [[nodiscard]] index_t s() const { return static_cast<index_t>(p.seq_len); }
+  std::int64_t tokens = p.seq_len;
+  [[nodiscard]] std::int64_t q_elements() const { return tokens * p.heads_q * p.head_dim; }
+  [[nodiscard]] std::int64_t kv_elements() const { return tokens * p.heads_kv * p.head_dim; }
+  [[nodiscard]] index_t s() const { return static_cast<index_t>(tokens); }
   template <class U>
   tensor_view<U, 3> q_like(U* base, std::int64_t b) const {
     return tensor_view<U, 3>(base + b * q_elements(), {s(), static_cast<index_t>(p.heads_q), static_cast<index_t>(p.head_dim)});
@@ -81,14 +84,30 @@ struct batch_views {
   }
   template <class U>
   tensor_view<U, 2> rows(U* base, std::int64_t b) const {
-    return tensor_view<U, 2>(base + b * p.heads_q * p.seq_len, {static_cast<index_t>(p.heads_q), s()});
+    return tensor_view<U, 2>(base + b * p.heads_q * tokens, {static_cast<index_t>(p.heads_q), s()});
   }
 };
+
+/// Batch element b's rows of the padded selection arrays (of `widths`) filled from g.
+inline void write_padded(const problem& p, const global_selection& g, std::int64_t b, std::pair<std::int64_t, std::int64_t> widths,
+                         std::int32_t* vertical, std::int32_t* slash) {
+  const auto [vertical_width, slash_width] = widths;
+  for (std::int64_t h = 0; h < p.heads_q; ++h) {
+    const head_selection& head = g.heads[static_cast<std::size_t>(h)];
+    if (std::ssize(head.vertical_tokens) > vertical_width || std::ssize(head.slash_deltas) > slash_width)
+      throw invalid_argument("estimate_widths", std::to_string(vertical_width) + " x " + std::to_string(slash_width),
+                             "is narrower than head " + std::to_string(h) + "'s selection (" + std::to_string(head.vertical_tokens.size()) +
+                                 " verticals, " + std::to_string(head.slash_deltas.size()) + " slashes): a bug in stria");
+    std::int32_t* v_row = vertical + (b * p.heads_q + h) * vertical_width;
+    std::int32_t* s_row = slash + (b * p.heads_q + h) * slash_width;
+    std::fill(std::copy(head.vertical_tokens.begin(), head.vertical_tokens.end(), v_row), v_row + vertical_width, selection_padding);
+    std::fill(std::copy(head.slash_deltas.begin(), head.slash_deltas.end(), s_row), s_row + slash_width, selection_padding);
+  }
+}
 
 template <class T>
 void estimate_typed(const problem& p, const T* q, const T* k, const estimator_options& options, std::pair<std::int64_t, std::int64_t> widths,
                     std::int32_t* vertical, std::int32_t* slash) {
-  const auto [vertical_width, slash_width] = widths;
   const estimator::vertical_slash_top_p e = estimator_of(options);
   const batch_views<T> views{p};
   one_rank alone;
@@ -97,18 +116,7 @@ void estimate_typed(const problem& p, const T* q, const T* k, const estimator_op
         estimator::estimate_device(e, alone, sharding::sequential{}, static_cast<index_t>(p.seq_len), p.causal, q + b * views.q_elements(),
                                    k + b * views.kv_elements(), static_cast<index_t>(p.heads_q), static_cast<index_t>(p.heads_kv),
                                    static_cast<index_t>(p.head_dim), p.softmax_scale, p.stream);
-    const global_selection g = selection.to_host(p.stream);
-    for (std::int64_t h = 0; h < p.heads_q; ++h) {
-      const head_selection& head = g.heads[static_cast<std::size_t>(h)];
-      if (std::ssize(head.vertical_tokens) > vertical_width || std::ssize(head.slash_deltas) > slash_width)
-        throw invalid_argument("estimate_widths", std::to_string(vertical_width) + " x " + std::to_string(slash_width),
-                               "is narrower than head " + std::to_string(h) + "'s selection (" + std::to_string(head.vertical_tokens.size()) +
-                                   " verticals, " + std::to_string(head.slash_deltas.size()) + " slashes): a bug in stria");
-      std::int32_t* v_row = vertical + (b * p.heads_q + h) * vertical_width;
-      std::int32_t* s_row = slash + (b * p.heads_q + h) * slash_width;
-      std::fill(std::copy(head.vertical_tokens.begin(), head.vertical_tokens.end(), v_row), v_row + vertical_width, selection_padding);
-      std::fill(std::copy(head.slash_deltas.begin(), head.slash_deltas.end(), s_row), s_row + slash_width, selection_padding);
-    }
+    write_padded(p, selection.to_host(p.stream), b, widths, vertical, slash);
   }
 }
 

@@ -8,6 +8,8 @@
 
 #include <stria/estimator/vertical_slash_top_p.hpp>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -95,5 +97,41 @@ struct backward_scratch {
 /// dq, dk, dv (the input type, shaped as q, k, v) from d_out and the forward's out and lse.
 outcome backward(const problem& p, const void* q, const void* k, const void* v, const void* out, const void* d_out, const float* lse,
                  const padded_selection& selection, bool deterministic, const backward_scratch& scratch, void* dq, void* dk, void* dv) noexcept;
+
+// --- Context parallelism: one rank of a ring over the processes of a torch.distributed group ------
+
+/// The bytes of an NCCL unique id (ncclUniqueId).
+inline constexpr std::size_t nccl_id_bytes = 128;
+
+/// This rank's place in a context-parallel call: rank `rank` of `world`, joined to the others through
+/// the NCCL communicator that `nccl_id` (made by rank 0 with nccl_unique_id, then broadcast over the
+/// group) names, the sequence laid out over the ranks as `layout` says ("striped", "zigzag",
+/// "sequential"). In such a call problem::seq_len is the whole sequence and the tensors are this
+/// rank's shards: q [batch, seq_len / world, heads_q, dim], k and v likewise.
+struct ring_ranks {
+  std::array<unsigned char, nccl_id_bytes> nccl_id{};
+  std::int64_t rank = 0, world = 1;
+  std::string layout = "striped";
+};
+
+/// A new NCCL unique id (rank 0 of a group makes it; a failure outcome where the extension was built
+/// without NCCL).
+outcome nccl_unique_id(std::array<unsigned char, nccl_id_bytes>& id) noexcept;
+
+/// The selection of every batch element, estimated online from every rank's shards of q and k (the
+/// estimator's collectives run over the ring's communicator), into host arrays of estimate_widths'
+/// widths at the whole sequence's length; identical on every rank.
+outcome ring_estimate(const problem& p, const ring_ranks& r, const void* q, const void* k, const estimator_options& options, std::int32_t* vertical,
+                      std::int32_t* slash) noexcept;
+
+/// This rank's out [batch, seq_len / world, heads_q, dim] and lse [batch, heads_q, seq_len / world] of
+/// ring attention over the whole sequence, on a selection of the whole sequence (the same on every rank).
+outcome ring_forward(const problem& p, const ring_ranks& r, const void* q, const void* k, const void* v, const padded_selection& selection,
+                     void* out, float* lse) noexcept;
+
+/// This rank's dq, and the complete dk, dv of its own keys and values (summed over every rank whose
+/// queries used them), from its shards of d_out and of the forward's out and lse.
+outcome ring_backward(const problem& p, const ring_ranks& r, const void* q, const void* k, const void* v, const void* out, const void* d_out,
+                      const float* lse, const padded_selection& selection, bool deterministic, void* dq, void* dk, void* dv) noexcept;
 
 }  // namespace stria::python

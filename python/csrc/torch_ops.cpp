@@ -6,12 +6,17 @@
 //   estimate_selection    the Vertical-Slash selection of every (batch element, query head), online
 //   forward / backward    sparse attention on a selection; autograd, fake implementations and the
 //                         user's entry point are in the Python package (stria/_ops.py)
+//   nccl_unique_id        a new NCCL unique id, a uint8 CPU tensor (rank 0 of a group makes it)
+//   ring_estimate_selection, ring_forward, ring_backward
+//                         the same on one rank's shards of a sequence laid out over the processes of
+//                         a group (context parallelism: stria's ring over NCCL, joined by that id)
 // Bad input raises ValueError (TypeError for a dtype) naming the argument, the value and the rule.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -169,6 +174,88 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& d_out, const Tensor& q
   return {dq, dk, dv};
 }
 
+// --- context parallelism ------------------------------------------------------------------------
+
+Tensor nccl_unique_id() {
+  std::array<unsigned char, sp::nccl_id_bytes> id{};
+  raise_if_failed(sp::nccl_unique_id(id));
+  Tensor bytes = at::empty({static_cast<std::int64_t>(id.size())}, at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  std::memcpy(bytes.data_ptr(), id.data(), id.size());
+  return bytes;
+}
+
+/// The call's place in the group's ring, checked.
+sp::ring_ranks ring_of(const Tensor& nccl_id, std::int64_t rank, std::int64_t world, const std::string& layout) {
+  TORCH_CHECK_VALUE(nccl_id.scalar_type() == at::kByte && nccl_id.dim() == 1 && nccl_id.numel() == static_cast<std::int64_t>(sp::nccl_id_bytes) &&
+                        nccl_id.device().is_cpu(),
+                    "stria: nccl_id must be the uint8 CPU tensor of ", sp::nccl_id_bytes, " bytes that nccl_unique_id made; got ",
+                    nccl_id.scalar_type(), " ", shape_text(nccl_id), " on ", nccl_id.device());
+  TORCH_CHECK_VALUE(world >= 1, "stria: world = ", world, ": must be at least 1");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world, "stria: rank = ", rank, ": must lie in [0, world = ", world, ")");
+  sp::ring_ranks r;
+  std::memcpy(r.nccl_id.data(), nccl_id.contiguous().data_ptr(), sp::nccl_id_bytes);
+  r.rank = rank;
+  r.world = world;
+  r.layout = layout;
+  return r;
+}
+
+/// problem_of for a rank's shards: the whole sequence is world times the shard.
+sp::problem ring_problem_of(const Tensor& q, const Tensor& k, const Tensor* v, double softmax_scale, bool causal, const sp::ring_ranks& r) {
+  sp::problem p = problem_of(q, k, v, softmax_scale, causal);
+  p.seq_len *= r.world;
+  return p;
+}
+
+std::tuple<Tensor, Tensor> ring_estimate_selection(const Tensor& q, const Tensor& k, const Tensor& nccl_id, std::int64_t rank, std::int64_t world,
+                                                   std::string layout, double softmax_scale, bool causal, double p_vertical, double p_slash,
+                                                   std::int64_t vertical_max, std::int64_t slash_max, std::int64_t sink_tokens,
+                                                   std::int64_t local_diagonals, std::int64_t last_q) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const sp::ring_ranks r = ring_of(nccl_id, rank, world, layout);
+  const sp::problem p = ring_problem_of(q, k, nullptr, softmax_scale, causal, r);
+  const sp::estimator_options o = options_of(p_vertical, p_slash, vertical_max, slash_max, sink_tokens, local_diagonals, last_q);
+  const auto [vertical_width, slash_width] = widths_of(o, p.seq_len, p.heads_q, causal);
+  const auto host_int = at::TensorOptions().dtype(at::kInt).device(at::kCPU);
+  Tensor vertical = at::empty({p.batch, p.heads_q, vertical_width}, host_int), slash = at::empty({p.batch, p.heads_q, slash_width}, host_int);
+  raise_if_failed(sp::ring_estimate(p, r, q.data_ptr(), k.data_ptr(), o, vertical.data_ptr<std::int32_t>(), slash.data_ptr<std::int32_t>()));
+  return {vertical.to(q.device()), slash.to(q.device())};
+}
+
+std::tuple<Tensor, Tensor> ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& vertical, const Tensor& slash,
+                                        const Tensor& nccl_id, std::int64_t rank, std::int64_t world, std::string layout, double softmax_scale,
+                                        bool causal, bool deterministic) {
+  (void)deterministic;  // the backward's mode, kept by autograd for it
+  const c10::cuda::CUDAGuard guard(q.device());
+  const sp::ring_ranks r = ring_of(nccl_id, rank, world, layout);
+  const sp::problem p = ring_problem_of(q, k, &v, softmax_scale, causal, r);
+  const host_selection s = selection_of(p, vertical, slash);
+  Tensor out = at::empty_like(q);
+  Tensor lse = at::empty({p.batch, p.heads_q, q.size(1)}, q.options().dtype(at::kFloat));
+  raise_if_failed(sp::ring_forward(p, r, q.data_ptr(), k.data_ptr(), v.data_ptr(), s.view, out.data_ptr(), lse.data_ptr<float>()));
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> ring_backward(const Tensor& d_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                                 const Tensor& lse, const Tensor& vertical, const Tensor& slash, const Tensor& nccl_id,
+                                                 std::int64_t rank, std::int64_t world, std::string layout, double softmax_scale, bool causal,
+                                                 bool deterministic) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const sp::ring_ranks r = ring_of(nccl_id, rank, world, layout);
+  const sp::problem p = ring_problem_of(q, k, &v, softmax_scale, causal, r);
+  check_same_as(out, q, "out", "q");
+  check_same_as(d_out, q, "d_out", "q");
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == p.batch && lse.size(1) == p.heads_q &&
+                        lse.size(2) == q.size(1) && lse.is_contiguous() && lse.device() == q.device(),
+                    "stria: lse must be the forward's: float32 (batch, heads_q, local seq) = (", p.batch, ", ", p.heads_q, ", ", q.size(1),
+                    "), contiguous, on q's device; got ", lse.scalar_type(), " ", shape_text(lse));
+  const host_selection s = selection_of(p, vertical, slash);
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  raise_if_failed(sp::ring_backward(p, r, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), d_out.data_ptr(), lse.data_ptr<float>(), s.view,
+                                    deterministic, dq.data_ptr(), dk.data_ptr(), dv.data_ptr()));
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(stria, m) {
@@ -182,10 +269,21 @@ TORCH_LIBRARY(stria, m) {
         "-> (Tensor out, Tensor lse)");
   m.def("backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor vertical, Tensor slash, float softmax_scale, "
         "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("nccl_unique_id() -> Tensor", &nccl_unique_id);
+  m.def("ring_estimate_selection(Tensor q, Tensor k, Tensor nccl_id, int rank, int world, str layout, float softmax_scale, bool causal, "
+        "float p_vertical, float p_slash, int vertical_max, int slash_max, int sink_tokens, int local_diagonals, int last_q) "
+        "-> (Tensor vertical, Tensor slash)");
+  m.def("ring_forward(Tensor q, Tensor k, Tensor v, Tensor vertical, Tensor slash, Tensor nccl_id, int rank, int world, str layout, "
+        "float softmax_scale, bool causal, bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def("ring_backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor vertical, Tensor slash, Tensor nccl_id, "
+        "int rank, int world, str layout, float softmax_scale, bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(stria, CUDA, m) {
   m.impl("estimate_selection", &estimate_selection);
   m.impl("forward", &forward);
   m.impl("backward", &backward);
+  m.impl("ring_estimate_selection", &ring_estimate_selection);
+  m.impl("ring_forward", &ring_forward);
+  m.impl("ring_backward", &ring_backward);
 }

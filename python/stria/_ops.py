@@ -31,14 +31,17 @@ class Selection(NamedTuple):
 
 # --- fake implementations (shapes only), for torch.compile and opcheck -----------------------------
 
-@torch.library.register_fake("stria::estimate_selection")
-def _estimate_selection_fake(q, k, softmax_scale, causal, p_vertical, p_slash, vertical_max, slash_max, sink_tokens,
-                             local_diagonals, last_q):
-    batch, seq_len, heads_q, _ = q.shape
-    vertical_width, slash_width = torch.ops.stria.estimate_widths(int(seq_len), int(heads_q), causal, p_vertical, p_slash,
-                                                                  vertical_max, slash_max, sink_tokens, local_diagonals, last_q)
+def _selection_like(q, seq_len, causal, *options):
+    """Empty (vertical, slash) selection tensors of the estimator's widths at `seq_len`, on q's device."""
+    batch, _, heads_q, _ = q.shape
+    vertical_width, slash_width = torch.ops.stria.estimate_widths(int(seq_len), int(heads_q), causal, *options)
     return (q.new_empty((batch, heads_q, vertical_width), dtype=torch.int32),
             q.new_empty((batch, heads_q, slash_width), dtype=torch.int32))
+
+
+@torch.library.register_fake("stria::estimate_selection")
+def _estimate_selection_fake(q, k, softmax_scale, causal, *options):
+    return _selection_like(q, q.shape[1], causal, *options)
 
 
 @torch.library.register_fake("stria::forward")
@@ -49,6 +52,21 @@ def _forward_fake(q, k, v, vertical, slash, softmax_scale, causal, deterministic
 
 @torch.library.register_fake("stria::backward")
 def _backward_fake(d_out, q, k, v, out, lse, vertical, slash, softmax_scale, causal, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("stria::ring_estimate_selection")
+def _ring_estimate_selection_fake(q, k, nccl_id, rank, world, layout, softmax_scale, causal, *options):
+    return _selection_like(q, q.shape[1] * world, causal, *options)  # the whole sequence's selection
+
+
+@torch.library.register_fake("stria::ring_forward")
+def _ring_forward_fake(q, k, v, vertical, slash, nccl_id, rank, world, layout, softmax_scale, causal, deterministic):
+    return _forward_fake(q, k, v, vertical, slash, softmax_scale, causal, deterministic)
+
+
+@torch.library.register_fake("stria::ring_backward")
+def _ring_backward_fake(d_out, q, k, v, out, lse, vertical, slash, nccl_id, rank, world, layout, softmax_scale, causal, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -70,6 +88,25 @@ def _backward(ctx, d_out, _d_lse):
 
 
 torch.library.register_autograd("stria::forward", _backward, setup_context=_setup_context)
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, vertical, slash, nccl_id, rank, world, layout, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, vertical, slash, nccl_id)
+    ctx.ring = (rank, world, layout)
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _ring_backward(ctx, d_out, _d_lse):
+    q, k, v, out, lse, vertical, slash, nccl_id = ctx.saved_tensors
+    dq, dk, dv = torch.ops.stria.ring_backward(d_out.contiguous(), q, k, v, out, lse, vertical, slash, nccl_id, *ctx.ring,
+                                               ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 9
+
+
+torch.library.register_autograd("stria::ring_forward", _ring_backward, setup_context=_ring_setup_context)
 
 
 # --- entry points ---------------------------------------------------------------------------------
@@ -114,17 +151,30 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def estimate_selection(q: torch.Tensor, k: torch.Tensor, softmax_scale: Optional[float] = None, causal: bool = True, *,
-                       p_vertical: float = 0.9, p_slash: float = 0.9, vertical_max: int = 0, slash_max: int = 0,
-                       sink_tokens: int = 64, local_diagonals: int = 3, last_q: int = 64) -> Selection:
+#: The estimator's options and their defaults (binding.hpp's estimator_options, in the operators' order).
+_ESTIMATOR_DEFAULTS = dict(p_vertical=0.9, p_slash=0.9, vertical_max=0, slash_max=0, sink_tokens=64, local_diagonals=3, last_q=64)
+
+
+def _estimator_arguments(options: dict) -> tuple:
+    """The operators' estimator arguments from keyword options (the defaults for those not given)."""
+    unknown = sorted(set(options) - set(_ESTIMATOR_DEFAULTS))
+    if unknown:
+        raise TypeError(f"stria: unknown estimator options {unknown}: the options are {sorted(_ESTIMATOR_DEFAULTS)}")
+    merged = {**_ESTIMATOR_DEFAULTS, **options}
+    return tuple(float(merged[n]) if n.startswith("p_") else int(merged[n]) for n in _ESTIMATOR_DEFAULTS)
+
+
+def estimate_selection(q: torch.Tensor, k: torch.Tensor, softmax_scale: Optional[float] = None, causal: bool = True,
+                       **options) -> Selection:
     """The Vertical-Slash selection of every (batch element, query head), estimated online from q and k
     (estimator::vertical_slash_top_p: the last `last_q` queries' attention, top-p of its vertical and
-    slash mass; a max of 0 picks the default cap at this length)."""
+    slash mass; a max of 0 picks the default cap at this length). Options and defaults: p_vertical 0.9,
+    p_slash 0.9, vertical_max 0, slash_max 0, sink_tokens 64, local_diagonals 3, last_q 64."""
     _check_inputs(q, k, None)
+    arguments = _estimator_arguments(options)
     with torch.no_grad():
         vertical, slash = torch.ops.stria.estimate_selection(q.detach(), k.detach(), _scale(softmax_scale, q.shape[-1]), bool(causal),
-                                                             float(p_vertical), float(p_slash), int(vertical_max), int(slash_max),
-                                                             int(sink_tokens), int(local_diagonals), int(last_q))
+                                                             *arguments)
     return Selection(vertical, slash)
 
 
@@ -190,3 +240,65 @@ def unshard(shards, layout: str = "striped", *, dim: int = 1) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return torch.cat(shards, dim=dim).index_select(dim, inverse).contiguous()
+
+
+# --- context parallelism --------------------------------------------------------------------------
+
+_NCCL_IDS = {}  # process group -> the NCCL unique id its rank 0 made, as every rank received it
+
+
+def _ring_of(group):
+    """(nccl_id, rank, world) of this process in `group` (None: the default group). The first call for a
+    group is collective: rank 0 makes an NCCL unique id and broadcasts it over the group, and every
+    rank keeps it, so that stria's ring joins the same ranks through its own NCCL communicator."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("stria: context_parallel_attention needs torch.distributed initialized "
+                         "(torch.distributed.init_process_group) and a group of the ranks that hold the sequence's shards")
+    group = dist.group.WORLD if group is None else group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("stria: group: this process is not a member of the group it was given")
+    nccl_id = _NCCL_IDS.get(group)
+    if nccl_id is None:
+        box = [torch.ops.stria.nccl_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        nccl_id = _NCCL_IDS[group] = box[0].cpu()
+    return nccl_id, rank, world
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, softmax_scale: Optional[float] = None,
+                               causal: bool = True, *, layout: str = "striped", selection: Optional[Selection] = None,
+                               deterministic: bool = False, return_lse: bool = False, return_selection: bool = False,
+                               **estimator_options):
+    """Sparse attention over a sequence sharded across the processes of a torch.distributed `group`
+    (None: the default group), each process on its own GPU: stria's ring over NCCL (KV chunks travel
+    while each step computes; dK/dV come back to their owners). q (batch, seq / world, heads_q, dim)
+    and k, v (batch, seq / world, heads_kv, dim) are this rank's shards in stria's `layout` ("striped",
+    "zigzag", "sequential"; make them with stria.shard). `selection` covers the whole sequence and is
+    the same on every rank; None estimates it online from every rank's shards (the estimator's
+    collectives run over the ring; `estimator_options` as for estimate_selection). Differentiable in
+    q, k, v. Returns this rank's out (like q), then lse (batch, heads_q, seq / world) and the selection
+    if asked. Every rank of the group must make the same calls in the same order."""
+    _check_inputs(q, k, v)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"stria: layout = {layout!r}: must be one of {', '.join(_LAYOUTS)}")
+    nccl_id, rank, world = _ring_of(group)
+    scale = _scale(softmax_scale, q.shape[-1])
+    if selection is None:
+        arguments = _estimator_arguments(estimator_options)
+        with torch.no_grad():
+            selection = Selection(*torch.ops.stria.ring_estimate_selection(q.detach(), k.detach(), nccl_id, rank, world, layout, scale,
+                                                                           bool(causal), *arguments))
+    elif estimator_options:
+        raise ValueError(f"stria: estimator options {sorted(estimator_options)} apply only when no selection is given")
+    if not isinstance(selection, tuple) or len(selection) != 2:
+        raise TypeError("stria: selection must be a stria.Selection(vertical, slash)")
+    out, lse = torch.ops.stria.ring_forward(q, k, v, selection[0], selection[1], nccl_id, rank, world, layout, scale, bool(causal),
+                                            bool(deterministic))
+    result = (out,)
+    if return_lse:
+        result += (lse,)
+    if return_selection:
+        result += (Selection(*selection),)
+    return result[0] if len(result) == 1 else result

@@ -24,7 +24,7 @@ def _available():
     return True
 
 
-if __name__ != "__main__":
+if "pytest" in sys.modules:  # collected by pytest (not run as a script, nor imported by another test file)
     import pytest
     if not _available():
         pytest.skip("torch with CUDA and the stria package are needed", allow_module_level=True)

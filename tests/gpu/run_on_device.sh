@@ -110,11 +110,13 @@ if [ "$mode" != quick ]; then
   note "sanitizers: $(grep -c 'rc=0 ' "$OUT/sanitizers.log") of $(grep -c 'rc=' "$OUT/sanitizers.log") runs clean in $(( $(date +%s) - start )) s"
 fi
 # The PyTorch package (python/): built against the device's torch with pip (no index, no isolation:
-# nothing can be downloaded there), then its tests against SDPA's math path. TORCH=0 skips it.
+# nothing can be downloaded there), then its tests against SDPA's math path, and context parallelism
+# (a group of one process; with two or more GPUs, two processes). TORCH=0 skips it.
 if [ "${TORCH:-1}" = 1 ] && python3 -c "import torch" 2>/dev/null; then
   CMAKE_BUILD_PARALLEL_LEVEL=16 run torch_install python3 -m pip install --no-build-isolation --no-deps --no-index ./python
   run torch_tests python3 python/tests/test_sparse_attention.py
-  bench_logs+=" torch_tests"
+  run torch_cp_tests python3 python/tests/test_context_parallel.py
+  bench_logs+=" torch_tests torch_cp_tests"
 fi
 for bench in $benches; do
   if [ "$bench" = attention_results ]; then
