@@ -10,7 +10,7 @@ endif()
 find_path(NCCL_INCLUDE_DIR nccl.h
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_INCLUDE_DIRS}
   PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY nccl
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2  # pip's nvidia-nccl wheels ship only the versioned name
   HINTS ${NCCL_ROOT} $ENV{NCCL_ROOT} ${CUDAToolkit_LIBRARY_DIR}
   PATH_SUFFIXES lib lib64)
 

@@ -53,18 +53,26 @@ comm::nccl& ring_communicator(const ring_ranks& r) {
   int device = 0;
   STRIA_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex guard;
-  static std::map<std::pair<std::string, int>, std::unique_ptr<comm::nccl>> communicators;  // by (id, device)
+  // Never destroyed: at the process's exit Python and the peers may be gone, and a communicator's
+  // destruction would wait on them (PyTorch aborts its own there rather than destroying them).
+  static auto& communicators = *new std::map<std::pair<std::string, int>, std::unique_ptr<comm::nccl>>;  // by (id, device)
   const std::lock_guard lock(guard);
-  std::unique_ptr<comm::nccl>& c = communicators[{std::string(r.nccl_id.begin(), r.nccl_id.end()), device}];
-  if (!c) {
-    ncclUniqueId id;
-    std::memcpy(&id, r.nccl_id.data(), sizeof id);
-    c = std::make_unique<comm::nccl>(comm::nccl::create(id, static_cast<index_t>(r.world), static_cast<index_t>(r.rank)));
-  } else if (c->rank() != r.rank || c->world_size() != r.world) {
-    throw invalid_argument("nccl_id", "(a communicator of rank " + std::to_string(c->rank()) + " of " + std::to_string(c->world_size()) + ")",
-                           "is rank " + std::to_string(r.rank) + " of " + std::to_string(r.world) + " in this call: one id names one group");
+  const auto key = std::pair{std::string(r.nccl_id.begin(), r.nccl_id.end()), device};
+  if (const auto found = communicators.find(key); found != communicators.end()) {
+    const comm::nccl& c = *found->second;
+    if (c.aborted())
+      throw comm_error("rank " + std::to_string(r.rank) + ": this group's NCCL communicator was aborted after an error; "
+                       "context parallelism needs a new torch.distributed group (whose first call makes a new communicator)");
+    if (c.rank() != r.rank || c.world_size() != r.world)
+      throw invalid_argument("nccl_id", "(a communicator of rank " + std::to_string(c.rank()) + " of " + std::to_string(c.world_size()) + ")",
+                             "is rank " + std::to_string(r.rank) + " of " + std::to_string(r.world) + " in this call: one id names one group");
+    return *found->second;
   }
-  return *c;
+  ncclUniqueId id;
+  std::memcpy(&id, r.nccl_id.data(), sizeof id);
+  // An id joins its ranks once: a failed initialisation leaves nothing cached, and a new id is needed.
+  return *communicators.emplace(key, std::make_unique<comm::nccl>(comm::nccl::create(id, static_cast<index_t>(r.world), static_cast<index_t>(r.rank))))
+              .first->second;
 }
 #endif
 
@@ -174,6 +182,17 @@ outcome nccl_unique_id(std::array<unsigned char, nccl_id_bytes>& id) noexcept {
     std::memcpy(id.data(), &made, sizeof made);
 #else
     (void)id;
+    no_nccl();
+#endif
+  });
+}
+
+outcome ring_init(const ring_ranks& r) noexcept {
+  return caught([&] {
+#if STRIA_TORCH_WITH_NCCL
+    (void)ring_communicator(r);
+#else
+    (void)r;
     no_nccl();
 #endif
   });

@@ -118,6 +118,12 @@ struct ring_ranks {
 /// without NCCL).
 outcome nccl_unique_id(std::array<unsigned char, nccl_id_bytes>& id) noexcept;
 
+/// Makes this process's communicator of `r` on the current device (NCCL's initialisation: every rank
+/// of the group calls it at once, right after the id's broadcast). Later calls that name the same id
+/// on this device use it; one whose wait gave up and aborted it raises, naming why (a new group, with a
+/// new id, is the way on).
+outcome ring_init(const ring_ranks& r) noexcept;
+
 /// The selection of every batch element, estimated online from every rank's shards of q and k (the
 /// estimator's collectives run over the ring's communicator), into host arrays of estimate_widths'
 /// widths at the whole sequence's length; identical on every rank.

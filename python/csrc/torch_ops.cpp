@@ -7,6 +7,7 @@
 //   forward / backward    sparse attention on a selection; autograd, fake implementations and the
 //                         user's entry point are in the Python package (stria/_ops.py)
 //   nccl_unique_id        a new NCCL unique id, a uint8 CPU tensor (rank 0 of a group makes it)
+//   ring_init             this process's communicator of a group on a device (every rank at once)
 //   ring_estimate_selection, ring_forward, ring_backward
 //                         the same on one rank's shards of a sequence laid out over the processes of
 //                         a group (context parallelism: stria's ring over NCCL, joined by that id)
@@ -200,6 +201,12 @@ sp::ring_ranks ring_of(const Tensor& nccl_id, std::int64_t rank, std::int64_t wo
   return r;
 }
 
+void ring_init(const Tensor& nccl_id, std::int64_t rank, std::int64_t world, std::int64_t device) {
+  TORCH_CHECK_VALUE(device >= 0, "stria: device = ", device, ": must be a CUDA device index");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  raise_if_failed(sp::ring_init(ring_of(nccl_id, rank, world, "striped")));
+}
+
 /// problem_of for a rank's shards: the whole sequence is world times the shard.
 sp::problem ring_problem_of(const Tensor& q, const Tensor& k, const Tensor* v, double softmax_scale, bool causal, const sp::ring_ranks& r) {
   sp::problem p = problem_of(q, k, v, softmax_scale, causal);
@@ -270,6 +277,7 @@ TORCH_LIBRARY(stria, m) {
   m.def("backward(Tensor d_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor vertical, Tensor slash, float softmax_scale, "
         "bool causal, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("nccl_unique_id() -> Tensor", &nccl_unique_id);
+  m.def("ring_init(Tensor nccl_id, int rank, int world, int device) -> ()", &ring_init);
   m.def("ring_estimate_selection(Tensor q, Tensor k, Tensor nccl_id, int rank, int world, str layout, float softmax_scale, bool causal, "
         "float p_vertical, float p_slash, int vertical_max, int slash_max, int sink_tokens, int local_diagonals, int last_q) "
         "-> (Tensor vertical, Tensor slash)");

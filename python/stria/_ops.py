@@ -244,13 +244,14 @@ def unshard(shards, layout: str = "striped", *, dim: int = 1) -> torch.Tensor:
 
 # --- context parallelism --------------------------------------------------------------------------
 
-_NCCL_IDS = {}  # process group -> the NCCL unique id its rank 0 made, as every rank received it
+_NCCL_IDS = {}  # (process group, CUDA device index) -> the NCCL unique id that names its ranks' communicator
 
 
-def _ring_of(group):
-    """(nccl_id, rank, world) of this process in `group` (None: the default group). The first call for a
-    group is collective: rank 0 makes an NCCL unique id and broadcasts it over the group, and every
-    rank keeps it, so that stria's ring joins the same ranks through its own NCCL communicator."""
+def _ring_of(group, device: torch.device):
+    """(nccl_id, rank, world) of this process in `group` (None: the default group) on `device`. The first
+    call for a group and device is collective: rank 0 makes an NCCL unique id, the group broadcasts it
+    (or rank 0's error, so that no rank waits for an id that never comes), and every rank makes its
+    communicator at once (an id joins its ranks once: another device needs another id)."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("stria: context_parallel_attention needs torch.distributed initialized "
@@ -259,11 +260,22 @@ def _ring_of(group):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if rank < 0:
         raise ValueError("stria: group: this process is not a member of the group it was given")
-    nccl_id = _NCCL_IDS.get(group)
+    key = (group, device.index)
+    nccl_id = _NCCL_IDS.get(key)
     if nccl_id is None:
-        box = [torch.ops.stria.nccl_unique_id() if rank == 0 else None]
+        box = [None]
+        if rank == 0:
+            try:
+                box[0] = ("id", torch.ops.stria.nccl_unique_id())
+            except Exception as e:  # every rank raises it, none waits
+                box[0] = ("error", f"{type(e).__name__}: {e}")
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        nccl_id = _NCCL_IDS[group] = box[0].cpu()
+        kind, value = box[0]
+        if kind == "error":
+            raise RuntimeError(f"stria: rank 0 of the group could not make an NCCL unique id: {value}")
+        nccl_id = value.cpu()
+        torch.ops.stria.ring_init(nccl_id, rank, world, device.index)
+        _NCCL_IDS[key] = nccl_id
     return nccl_id, rank, world
 
 
@@ -279,11 +291,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     the same on every rank; None estimates it online from every rank's shards (the estimator's
     collectives run over the ring; `estimator_options` as for estimate_selection). Differentiable in
     q, k, v. Returns this rank's out (like q), then lse (batch, heads_q, seq / world) and the selection
-    if asked. Every rank of the group must make the same calls in the same order."""
+    if asked. Every rank of the group must make the same calls in the same order. The ring has its own
+    NCCL communicator: no other NCCL work of these ranks may run on other streams while a call runs
+    (DDP's and FSDP's gradient reductions overlap the backward: keep them out of the attention's
+    backward, e.g. in another phase or a separate group of ranks), and the host confirms each ring
+    step's transfers (it waits a step behind the device). A communicator that gave up after an error
+    (a peer failed, a timeout) is aborted for good: the group's later calls raise, and a new group
+    gets a new one."""
     _check_inputs(q, k, v)
     if layout not in _LAYOUTS:
         raise ValueError(f"stria: layout = {layout!r}: must be one of {', '.join(_LAYOUTS)}")
-    nccl_id, rank, world = _ring_of(group)
+    nccl_id, rank, world = _ring_of(group, q.device)
     scale = _scale(softmax_scale, q.shape[-1])
     if selection is None:
         arguments = _estimator_arguments(estimator_options)

@@ -74,15 +74,16 @@ def test_world_of_one_matches_the_single_gpu_operator():
         ref = reference(*ref_leaves, dense_mask(selection, seq_len, causal), scale)
         ref.backward(d_out.float())
         tolerance = 2e-2 if dtype == torch.bfloat16 else 5e-3
-        for layout in LAYOUTS:  # with one rank every layout is the sequence itself
+        for layout, deterministic in zip(LAYOUTS, (True, False, True)):  # one rank: every layout is the sequence itself
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
             out, lse = stria.context_parallel_attention(*leaves, None, scale, causal, layout=layout, selection=selection,
-                                                        deterministic=True, return_lse=True)
+                                                        deterministic=deterministic, return_lse=True)
             out.backward(d_out)
-            what = f"{layout} {dtype} D {dim} Hq {heads_q} Hkv {heads_kv} causal {causal}"
+            what = f"{layout} {dtype} D {dim} Hq {heads_q} Hkv {heads_kv} causal {causal} deterministic {deterministic}"
             assert relative_error(out, want) < 1e-3 and relative_error(lse, want_lse) < 1e-5, what
             for name, a, b, r in zip(("dq", "dk", "dv"), leaves, single, ref_leaves):
-                assert relative_error(a.grad, b.grad) < 1e-3, f"{what}: {name} against the single-GPU operator"
+                # the atomic mode adds the vertical tokens' dK/dV by fp32 reductions in any order
+                assert relative_error(a.grad, b.grad) < (1e-3 if deterministic else 1e-2), f"{what}: {name} against the single-GPU operator"
                 assert relative_error(a.grad, r.grad) < tolerance, f"{what}: {name} against SDPA's math path"
             assert relative_error(out, ref) < tolerance, what
 
@@ -147,10 +148,19 @@ def _two_process_rank(rank, world, store, results):
         dist.destroy_process_group()
 
 
+class Skipped(Exception):
+    """A test that cannot run here (the script reports it as SKIP, pytest as skipped)."""
+
+
+def skip(reason):
+    if "pytest" in sys.modules:
+        pytest.skip(reason)
+    raise Skipped(reason)
+
+
 def test_two_processes_match_the_whole_sequence_on_one_gpu():
     if torch.cuda.device_count() < 2:
-        print("  (skipped: fewer than two GPUs)")
-        return
+        skip("fewer than two GPUs")
     import torch.multiprocessing as mp
     world = 2
     results = tempfile.mkdtemp(prefix="stria_cp_results_")
@@ -184,6 +194,8 @@ if __name__ == "__main__":
         try:
             fn()
             print(f"PASS {name}")
+        except Skipped as e:
+            print(f"SKIP {name}: {e}")
         except Exception as e:  # report every test, then fail
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
