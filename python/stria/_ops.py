@@ -189,16 +189,23 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     scale = _scale(softmax_scale, q.shape[-1])
     if selection is None:
         selection = estimate_selection(q, k, scale, causal, **estimator_options)
-    elif estimator_options:
+    else:
+        _check_selection(selection, estimator_options)
+    out, lse = torch.ops.stria.forward(q, k, v, selection[0], selection[1], scale, bool(causal), bool(deterministic))
+    return _results(out, lse, selection, return_lse, return_selection)
+
+
+def _check_selection(selection, estimator_options: dict) -> None:
+    """A given selection: a Selection, and no estimator options beside it."""
+    if estimator_options:
         raise ValueError(f"stria: estimator options {sorted(estimator_options)} apply only when no selection is given")
     if not isinstance(selection, tuple) or len(selection) != 2:
         raise TypeError("stria: selection must be a stria.Selection(vertical, slash)")
-    out, lse = torch.ops.stria.forward(q, k, v, selection[0], selection[1], scale, bool(causal), bool(deterministic))
-    result = (out,)
-    if return_lse:
-        result += (lse,)
-    if return_selection:
-        result += (Selection(*selection),)
+
+
+def _results(out, lse, selection, return_lse: bool, return_selection: bool):
+    """out, then lse and the selection where asked."""
+    result = (out,) + ((lse,) if return_lse else ()) + ((Selection(*selection),) if return_selection else ())
     return result[0] if len(result) == 1 else result
 
 
@@ -308,15 +315,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         with torch.no_grad():
             selection = Selection(*torch.ops.stria.ring_estimate_selection(q.detach(), k.detach(), nccl_id, rank, world, layout, scale,
                                                                            bool(causal), *arguments))
-    elif estimator_options:
-        raise ValueError(f"stria: estimator options {sorted(estimator_options)} apply only when no selection is given")
-    if not isinstance(selection, tuple) or len(selection) != 2:
-        raise TypeError("stria: selection must be a stria.Selection(vertical, slash)")
+    else:
+        _check_selection(selection, estimator_options)
     out, lse = torch.ops.stria.ring_forward(q, k, v, selection[0], selection[1], nccl_id, rank, world, layout, scale, bool(causal),
                                             bool(deterministic))
-    result = (out,)
-    if return_lse:
-        result += (lse,)
-    if return_selection:
-        result += (Selection(*selection),)
-    return result[0] if len(result) == 1 else result
+    return _results(out, lse, selection, return_lse, return_selection)
