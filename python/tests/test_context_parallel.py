@@ -10,24 +10,15 @@ import os
 import sys
 import tempfile
 
-try:
-    import torch
-    import torch.distributed as dist
-except ImportError:  # no torch here: nothing to test
-    torch = None
-
-SKIP = 77
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_sparse_attention as single  # noqa: E402  (torch or None, and what the single-GPU tests share)
+
+torch = single.torch
+SKIP = single.SKIP
 
 
 def _available():
-    if torch is None or not torch.cuda.is_available() or not dist.is_available():
-        return False
-    try:
-        import stria  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return single._available() and torch.distributed.is_available()
 
 
 if "pytest" in sys.modules:  # collected by pytest (not run as a script, nor imported by a spawned rank)
@@ -36,6 +27,7 @@ if "pytest" in sys.modules:  # collected by pytest (not run as a script, nor imp
         pytest.skip("torch with CUDA and torch.distributed, and the stria package are needed", allow_module_level=True)
 
 if _available():
+    import torch.distributed as dist
     import stria
     from test_sparse_attention import dense_mask, expect, inputs, random_selection, reference, relative_error
 
@@ -148,19 +140,9 @@ def _two_process_rank(rank, world, store, results):
         dist.destroy_process_group()
 
 
-class Skipped(Exception):
-    """A test that cannot run here (the script reports it as SKIP, pytest as skipped)."""
-
-
-def skip(reason):
-    if "pytest" in sys.modules:
-        pytest.skip(reason)
-    raise Skipped(reason)
-
-
 def test_two_processes_match_the_whole_sequence_on_one_gpu():
     if torch.cuda.device_count() < 2:
-        skip("fewer than two GPUs")
+        single.skip("fewer than two GPUs")
     import torch.multiprocessing as mp
     world = 2
     results = tempfile.mkdtemp(prefix="stria_cp_results_")
@@ -186,18 +168,4 @@ def test_two_processes_match_the_whole_sequence_on_one_gpu():
 
 
 if __name__ == "__main__":
-    if not _available():
-        print("skipped: torch with CUDA and torch.distributed, and the stria package are needed")
-        sys.exit(SKIP)
-    failed = 0
-    for name, fn in sorted((n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)):
-        try:
-            fn()
-            print(f"PASS {name}")
-        except Skipped as e:
-            print(f"SKIP {name}: {e}")
-        except Exception as e:  # report every test, then fail
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {e}")
-    print(f"{failed} failed")
-    sys.exit(1 if failed else 0)
+    single.run_as_script(globals(), _available(), "torch with CUDA and torch.distributed, and the stria package")

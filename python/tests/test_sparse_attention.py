@@ -264,17 +264,35 @@ def test_bad_input_raises_clear_errors():
     expect(ValueError, "vertical.shape", lambda: run(q, k, v, selection=stria.Selection(sel.vertical[:, :2], sel.slash)))
 
 
-if __name__ == "__main__":
-    if not _available():
-        print("skipped: torch with CUDA and the stria package are needed")
+class Skipped(Exception):
+    """A test that cannot run here (a script reports it as SKIP, pytest as skipped)."""
+
+
+def skip(reason):
+    if "pytest" in sys.modules:
+        pytest.skip(reason)
+    raise Skipped(reason)
+
+
+def run_as_script(tests: dict, available: bool, needs: str) -> None:
+    """Runs every test_* of `tests` (a module's globals), reports each, and exits: 0, 1 if any failed,
+    SKIP where `available` is false (`needs` says what is missing)."""
+    if not available:
+        print(f"skipped: {needs} are needed")
         sys.exit(SKIP)
     failed = 0
-    for name, fn in sorted((n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)):
+    for name, fn in sorted((n, f) for n, f in tests.items() if n.startswith("test_") and callable(f)):
         try:
             fn()
             print(f"PASS {name}")
+        except Skipped as e:
+            print(f"SKIP {name}: {e}")
         except Exception as e:  # report every test, then fail
             failed += 1
             print(f"FAIL {name}: {type(e).__name__}: {e}")
     print(f"{failed} failed")
     sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    run_as_script(globals(), _available(), "torch with CUDA and the stria package")
