@@ -18,7 +18,10 @@
 // on its GPU (all GPUs at once), as ring_bench does on one; "steps ms" sums the slowest rank's
 // kernels over the steps: the layer's time if the ring engine and its transfers added nothing.
 // Outputs are poisoned (NaN) before the first layer and checked finite after the last. For the
-// solver, rank 0 also times its per-layer planning phase by phase.
+// solver, rank 0 also times its per-layer planning phase by phase. Beside each sparse variant's
+// measured times, the cost model's (stria/index/cost_model.hpp: the built-in H200 kernel speeds,
+// NVLink between every pair of GPUs, each rank's transfers on one stream as the engine posts them)
+// predicted forward and backward, and the error (issue 23's check, on whatever GPUs are lent).
 //   multi_gpu_bench [--seq-len N | --tokens-per-gpu N] [--gpus 1,2,4] [--variants dense,zigzag,...]
 //                   [--repeats 3] [--dense-repeats 1] [--solver-chunks 4] [--solver-volume-cap 1] [--json]
 #include <cuda_bf16.h>
@@ -40,6 +43,7 @@
 #include "stria/estimator/dense.hpp"
 #include "stria/estimator/vertical_slash_top_p.hpp"
 #include "stria/host/synthetic_vs.hpp"
+#include "stria/index/cost_model.hpp"
 #include "stria/index/workload.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
@@ -76,7 +80,16 @@ struct row {
   double steps_ms = 0;                            // sum over steps of the slowest rank's kernels alone
   std::int64_t non_finite = 0;                    // entries of out, lse, dq, dk, dv that are not finite
   planning_ms planning;                           // the solver only
+  double predicted_forward_ms = 0, predicted_backward_ms = 0;  // the cost model's (0: not predicted, the dense ring)
 };
+
+/// The cost model's layer on this host: the built-in kernel speeds, NVLink between every pair of GPUs
+/// (the hierarchical ring's "nodes" are halves of one host), each rank's transfers on one stream.
+cost::cluster this_host(index_t nodes, index_t gpus) {
+  return {.nodes = nodes, .gpus_per_node = gpus / nodes, .intra_node = cost::h200_nvlink, .inter_node = cost::h200_nvlink,
+          .streams = cost::transfer_streams::one_per_rank};
+}
+cost::layer_shape layer_of(index_t s) { return {.seq_len = s, .heads_q = shape.hq, .heads_kv = shape.hkv, .head_dim = shape.dim}; }
 
 struct settings {
   int repeats = 3, dense_repeats = 1;
@@ -214,11 +227,17 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   result.forward_ms = median(forward_ms);
   result.backward_ms = median(backward_ms);
   result.non_finite = std::accumulate(non_finite.begin(), non_finite.end(), std::int64_t{0});
+  const cost::kernel_throughput kernels = cost::h200_kernel_throughput(shape.dim);
   if constexpr (dynamic) {
     result.planning = planning;
     result.entries = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(gpus)).total();
     result.planned_worker = plan_balance;
     result.planned_step = 1;  // the solver has no ring steps
+    const solver::problem p = solver::problem_from_selection(g, gpus, topology.chunks_per_rank(), shape.hkv);
+    const cost::layer_prediction l =
+        cost::predict_solver(p, solver::solve(p, topology.options()), cost::solver_task_rows(g, p), layer_of(s), kernels, this_host(1, gpus));
+    result.predicted_forward_ms = l.forward.seconds * 1e3;
+    result.predicted_backward_ms = l.backward.seconds * 1e3;
   } else {
     const ring_workload w = count_ring_workload(g, sharding_type{}, topology);
     const imbalance_degrees planned = measure_imbalance(w);
@@ -230,6 +249,13 @@ row run_variant(const std::string& name, const global_selection& g, const typena
       result.measured_worker = measured.worker_imbalance;
       result.measured_step = measured.step_imbalance;
       result.steps_ms = measured.ring_ms;
+      // The flat ring's counts in the topology's step order (as cost_model_check predicts them).
+      const topology::flat_ring flat(gpus);
+      const ring_workload entries = count_ring_workload(g, sharding_type{}, flat), rows = cost::count_ring_rows(g, sharding_type{}, flat);
+      const cost::layer_prediction l = cost::predict_ring(cost::reschedule(entries, topology), cost::reschedule(rows, topology), topology, layer_of(s),
+                                                          kernels, this_host(nodes, gpus));
+      result.predicted_forward_ms = l.forward.seconds * 1e3;
+      result.predicted_backward_ms = l.backward.seconds * 1e3;
     }
   }
   return result;
@@ -332,8 +358,9 @@ int main(int argc, char** argv) try {
                 devices, prop.name, shape.hq, shape.hkv, shape.dim, o.repeats, o.dense_repeats);
   std::vector<row> rows;
   if (!json)
-    std::printf("%-16s %4s %8s %9s %10s %10s %10s %10s %8s %8s %8s %8s %8s %8s\n", "variant", "gpus", "S", "index ms", "fwd ms", "bwd ms",
-                "layer ms", "steps ms", "fwd TF/G", "bwd TF/G", "plan wkr", "plan stp", "meas wkr", "meas stp");
+    std::printf("%-16s %4s %8s %9s %10s %10s %10s %10s %8s %8s %8s %8s %8s %8s %10s %10s %7s %7s\n", "variant", "gpus", "S", "index ms", "fwd ms",
+                "bwd ms", "layer ms", "steps ms", "fwd TF/G", "bwd TF/G", "plan wkr", "plan stp", "meas wkr", "meas stp", "model fwd", "model bwd",
+                "fwd err", "bwd err");
   cli::progress progress;  // on stderr, when it is a terminal
   long long measured = 0;
   const auto measurements = static_cast<long long>(gpu_counts.size() * variants.size());
@@ -353,6 +380,10 @@ int main(int argc, char** argv) try {
                     backward_flops(r.entries, shape.dim) / (r.backward_ms * per_gpu), r.planned_worker, r.planned_step);
         if (r.measured_worker > 0) std::printf("%8.3f %8.3f", r.measured_worker, r.measured_step);
         else std::printf("%8s %8s", "-", "-");
+        if (r.predicted_forward_ms > 0)
+          std::printf(" %10.2f %10.2f %+6.1f%% %+6.1f%%", r.predicted_forward_ms, r.predicted_backward_ms, 100.0 * (r.predicted_forward_ms / r.forward_ms - 1),
+                      100.0 * (r.predicted_backward_ms / r.backward_ms - 1));
+        else std::printf(" %10s %10s %7s %7s", "-", "-", "-", "-");
         std::printf("%s\n", r.non_finite ? "  NON-FINITE OUTPUT" : "");
         if (r.planning.task_indices > 0)
           std::printf("  %s planning per layer (rank 0): selection to host %.2f ms, task areas %.2f ms, solve %.2f ms, task indices %.2f ms\n",
@@ -367,9 +398,10 @@ int main(int argc, char** argv) try {
       const row& r = rows[i];
       std::printf("%s\n  {\"variant\": \"%s\", \"gpus\": %d, \"seq_len\": %d, \"index_ms\": %.3f, \"forward_ms\": %.3f, \"backward_ms\": %.3f, "
                   "\"entries\": %lld, \"planned_worker\": %.4f, \"planned_step\": %.4f, \"measured_worker\": %.4f, \"measured_step\": %.4f, "
-                  "\"steps_ms\": %.3f, \"non_finite\": %lld}",
+                  "\"steps_ms\": %.3f, \"non_finite\": %lld, \"predicted_forward_ms\": %.3f, \"predicted_backward_ms\": %.3f}",
                   i ? "," : "", r.variant.c_str(), r.gpus, r.seq_len, r.index_ms, r.forward_ms, r.backward_ms, static_cast<long long>(r.entries),
-                  r.planned_worker, r.planned_step, r.measured_worker, r.measured_step, r.steps_ms, static_cast<long long>(r.non_finite));
+                  r.planned_worker, r.planned_step, r.measured_worker, r.measured_step, r.steps_ms, static_cast<long long>(r.non_finite),
+                  r.predicted_forward_ms, r.predicted_backward_ms);
     }
     std::printf("\n]}\n");
   }
