@@ -186,7 +186,7 @@ Tensor nccl_unique_id() {
 }
 
 /// The call's place in the group's ring, checked.
-sp::ring_ranks ring_of(const Tensor& nccl_id, std::int64_t rank, std::int64_t world, const std::string& layout) {
+sp::ring_ranks ring_of(const Tensor& nccl_id, std::int64_t rank, std::int64_t world, const std::string& layout = {}) {
   TORCH_CHECK_VALUE(nccl_id.scalar_type() == at::kByte && nccl_id.dim() == 1 && nccl_id.numel() == static_cast<std::int64_t>(sp::nccl_id_bytes) &&
                         nccl_id.device().is_cpu(),
                     "stria: nccl_id must be the uint8 CPU tensor of ", sp::nccl_id_bytes, " bytes that nccl_unique_id made; got ",
@@ -204,7 +204,7 @@ sp::ring_ranks ring_of(const Tensor& nccl_id, std::int64_t rank, std::int64_t wo
 void ring_init(const Tensor& nccl_id, std::int64_t rank, std::int64_t world, std::int64_t device) {
   TORCH_CHECK_VALUE(device >= 0, "stria: device = ", device, ": must be a CUDA device index");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  raise_if_failed(sp::ring_init(ring_of(nccl_id, rank, world, "striped")));
+  raise_if_failed(sp::ring_init(ring_of(nccl_id, rank, world)));  // the communicator knows no layout
 }
 
 /// problem_of for a rank's shards: the whole sequence is world times the shard.

@@ -249,11 +249,9 @@ row run_variant(const std::string& name, const global_selection& g, const typena
       result.measured_worker = measured.worker_imbalance;
       result.measured_step = measured.step_imbalance;
       result.steps_ms = measured.ring_ms;
-      // The flat ring's counts in the topology's step order (as cost_model_check predicts them).
-      const topology::flat_ring flat(gpus);
-      const ring_workload entries = count_ring_workload(g, sharding_type{}, flat), rows = cost::count_ring_rows(g, sharding_type{}, flat);
-      const cost::layer_prediction l = cost::predict_ring(cost::reschedule(entries, topology), cost::reschedule(rows, topology), topology, layer_of(s),
-                                                          kernels, this_host(nodes, gpus));
+      // The entries counted above, and the rows, both under the variant's topology.
+      const cost::layer_prediction l =
+          cost::predict_ring(w, cost::count_ring_rows(g, sharding_type{}, topology), topology, layer_of(s), kernels, this_host(nodes, gpus));
       result.predicted_forward_ms = l.forward.seconds * 1e3;
       result.predicted_backward_ms = l.backward.seconds * 1e3;
     }
