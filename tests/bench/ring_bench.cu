@@ -12,7 +12,12 @@
 //     times (the work a shared GPU must do anyway), i.e. what the ring engine adds.
 //  3. with --checked: part 2 again in checked mode (finite_check::every_step: every step's O, LSE,
 //     dQ, dK/dV checked on the device, one host synchronisation per step), and its cost over part 2.
-//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked]
+//  4. with --pool-dependencies: part 2 split into forward and backward (a barrier between them),
+//     once as the library runs and once with stria's memory pool forbidden to make one stream's
+//     allocation wait for another stream's free (cudaMemPoolReuseAllowInternalDependencies = 0).
+//     The W ranks' streams share that pool; this tells whether its cross-rank waits are what the
+//     shared-GPU ring loses against the sum of its kernels (RESULTS, 2026-12-02 cost model entry).
+//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -51,6 +56,18 @@ struct balance : bench::step_balance {
   double checked_ms = 0;  // the same ring in checked mode (--checked)
 };
 
+/// One layer of the ring over local_device: wall ms of the whole layer, and (timed apart, with a
+/// barrier between them) of its forward and its backward.
+struct ring_times {
+  double layer_ms = 0, forward_ms = 0, backward_ms = 0;
+};
+
+/// Sets whether stria's pool may make an allocation wait for a free on another stream.
+void allow_pool_internal_dependencies(bool allow) {
+  int value = allow ? 1 : 0;
+  STRIA_CUDA_CHECK(cudaMemPoolSetAttribute(stria::detail::memory_pool(), cudaMemPoolReuseAllowInternalDependencies, &value));
+}
+
 /// Part 1: every (rank, step) alone.
 template <class Sharding>
 balance time_steps(const global_selection& g, const Sharding& sharding, index_t world, int repeats) {
@@ -62,11 +79,11 @@ balance time_steps(const global_selection& g, const Sharding& sharding, index_t 
 
 /// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).
 template <class Sharding>
-double time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check) {
+ring_times time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check, bool split = false) {
   const index_t s = g.seq_len, local = s / world;
   const topology::flat_ring ring(world);
   const double scale = 1.0 / std::sqrt(double(dim));
-  std::vector<double> wall;
+  std::vector<double> wall, forward_wall, backward_wall;
   comm::local_device_world ranks(world, 0, std::chrono::seconds(600));
   ranks.run([&](comm::local_device& c) {
     const cuda_stream compute, transfer;
@@ -97,17 +114,33 @@ double time_ring(const global_selection& g, const Sharding& sharding, index_t wo
       for (int i = 0; i < repeats + 1; ++i) {  // one warm-up
         compute.synchronize();
         c.barrier();
-        const auto t0 = std::chrono::steady_clock::now();
+        using clock = std::chrono::steady_clock;
+        const auto ms_since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+        const clock::time_point t0 = clock::now();
         device::ring_forward(c, ring, std::span<const device_step_index>(indices), forward, scale, run);
+        clock::time_point t1 = t0;
+        if (split) {
+          compute.synchronize();
+          c.barrier();
+          if (c.rank() == 0 && i > 0) forward_wall.push_back(ms_since(t0));
+          t1 = clock::now();
+        }
         device::ring_backward(c, ring, std::span<const device_step_index>(indices), backward, scale, device::determinism::atomic, run);
         compute.synchronize();
         c.barrier();
-        if (c.rank() == 0 && i > 0) wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        if (c.rank() == 0 && i > 0) {
+          wall.push_back(ms_since(t0));
+          if (split) backward_wall.push_back(ms_since(t1));
+        }
       }
     }
   });
-  std::sort(wall.begin(), wall.end());
-  return wall[wall.size() / 2];
+  const auto median = [](std::vector<double>& x) {
+    if (x.empty()) return 0.0;
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  return {median(wall), median(forward_wall), median(backward_wall)};
 }
 
 
@@ -117,11 +150,11 @@ int main(int argc, char** argv) try {
   std::vector<index_t> seq_lens{131072, 524288};
   index_t world = 8;
   int repeats = 5;
-  bool checked = false;
+  bool checked = false, pool_dependencies = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--checked") {
-      checked = true;
+    if (flag == "--checked" || flag == "--pool-dependencies") {
+      (flag == "--checked" ? checked : pool_dependencies) = true;
       continue;
     }
     if (i + 1 >= argc) throw invalid_argument(flag, "(missing)", "needs a value");
@@ -129,7 +162,7 @@ int main(int argc, char** argv) try {
     if (flag == "--seq-len") seq_lens = bench::parse_sizes(flag, value);
     else if (flag == "--world") world = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
-    else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats or --checked");
+    else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked or --pool-dependencies");
   }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -148,6 +181,17 @@ int main(int argc, char** argv) try {
     o.density = 0.05;
     const global_selection g = host::plant_vs_selection(o);
     double busiest_zigzag = 0, busiest_striped = 0, ring_zigzag = 0, ring_striped = 0;
+    std::vector<std::string> pool_rows;  // --pool-dependencies, printed after the table
+    auto compare_pool = [&](const global_selection& sel, const auto& sharding, const char* name) {
+      const ring_times with = time_ring(sel, sharding, world, repeats, finite_check::off, true);
+      allow_pool_internal_dependencies(false);
+      const ring_times without = time_ring(sel, sharding, world, repeats, finite_check::off, true);
+      allow_pool_internal_dependencies(true);
+      char line[256];
+      std::snprintf(line, sizeof line, "%-8d %-11s %10.2f %10.2f %10.2f %12.2f %10.2f %10.2f", s, name, with.forward_ms, with.backward_ms,
+                    with.layer_ms, without.forward_ms, without.backward_ms, without.layer_ms);
+      pool_rows.push_back(line);
+    };
     auto report = [&](const char* name, balance b) {
       const std::string engine = b.ring_engine_ms > 0 ? std::to_string(b.ring_engine_ms).substr(0, std::to_string(b.ring_engine_ms).find('.') + 3) : "-";
       std::printf("%-8d %-11s %9.3f %9.3f %10.2f %12.2f %10.2f %14s", s, name, b.worker_imbalance, b.step_imbalance, b.ring_ms,
@@ -162,21 +206,28 @@ int main(int argc, char** argv) try {
     }
     {
       balance b = time_steps(g, sharding::zigzag{}, world, repeats);
-      b.ring_engine_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::off);
-      if (checked) b.checked_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::every_step);
+      b.ring_engine_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::off).layer_ms;
+      if (checked) b.checked_ms = time_ring(g, sharding::zigzag{}, world, repeats, finite_check::every_step).layer_ms;
+      if (pool_dependencies) compare_pool(g, sharding::zigzag{}, "zigzag");
       busiest_zigzag = b.busiest_rank_ms;
       ring_zigzag = b.ring_ms;
       report("zigzag", b);
     }
     {
       balance b = time_steps(g, sharding::striped<64>{}, world, repeats);
-      b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off);
-      if (checked) b.checked_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::every_step);
+      b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off).layer_ms;
+      if (checked) b.checked_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::every_step).layer_ms;
+      if (pool_dependencies) compare_pool(g, sharding::striped<64>{}, "striped");
       busiest_striped = b.busiest_rank_ms;
       ring_striped = b.ring_ms;
       report("striped", b);
     }
     std::printf("%-8d zigzag / striped: busiest rank %.2fx, synchronous ring %.2fx\n", s, busiest_zigzag / busiest_striped, ring_zigzag / ring_striped);
+    if (!pool_rows.empty()) {
+      std::printf("local_device ring, forward and backward timed apart; the pool's cross-stream waits allowed | forbidden:\n");
+      std::printf("%-8s %-11s %10s %10s %10s %12s %10s %10s\n", "S", "sharding", "fwd ms", "bwd ms", "layer ms", "fwd ms", "bwd ms", "layer ms");
+      for (const std::string& line : pool_rows) std::printf("%s\n", line.c_str());
+    }
   }
   return 0;
 } catch (const std::exception& e) {
