@@ -21,19 +21,26 @@ using namespace stria;
 
 namespace {
 
+/// The counts the model reads equal the built indices': non-empty rows, and the padding of the
+/// gathered vertical tiles (64 x (64 ceil(v / 64) - v) entries for a row with v tokens).
 template <class Sharding, class Topology>
-void check_rows(const global_selection& g, const Sharding& sharding, const Topology& topology) {
+void check_counts(const global_selection& g, const Sharding& sharding, const Topology& topology) {
   const ring_workload rows = cost::count_ring_rows(g, sharding, topology);
+  const ring_workload padding = cost::count_ring_vertical_padding(g, sharding, topology);
   for (index_t r = 0; r < topology.world_size(); ++r) {
     const std::vector<step_index> indices = build_ring_indices(g, sharding, topology, r);
     for (index_t s = 0; s < topology.num_steps(); ++s) {
       const step_index& x = indices[static_cast<std::size_t>(s)];
-      std::int64_t active = 0;
-      for (std::size_t row = 0; row + 1 < x.block_ptr.size(); ++row)
-        active += x.block_ptr[row + 1] > x.block_ptr[row] || x.col_ptr[row + 1] > x.col_ptr[row];
+      std::int64_t active = 0, padded = 0;
+      for (std::size_t row = 0; row + 1 < x.block_ptr.size(); ++row) {
+        const std::int64_t tokens = x.col_ptr[row + 1] - x.col_ptr[row];
+        active += x.block_ptr[row + 1] > x.block_ptr[row] || tokens > 0;
+        padded += (block_tokens - tokens % block_tokens) % block_tokens * block_tokens;
+      }
       CAPTURE(r);
       CAPTURE(s);
       CHECK(rows.at(r, s) == active);
+      CHECK(padding.at(r, s) == padded);
     }
   }
 }
@@ -58,7 +65,7 @@ cost::layer_prediction predict(const global_selection& g, const Topology& topolo
 
 }  // namespace
 
-TEST_CASE("cost model: active rows per (rank, step) equal the built indices' non-empty rows") {
+TEST_CASE("cost model: active rows and vertical padding per (rank, step) equal the built indices'") {
   STRIA_SEEDED_RNG(rng);
   for (const bool causal : {true, false})
     for (const index_t world : {1, 3, 4, 8})
@@ -67,11 +74,14 @@ TEST_CASE("cost model: active rows per (rank, step) equal the built indices' non
         CAPTURE(world);
         CAPTURE(token_density);
         const global_selection g = test::random_selection(rng, 4 * world * 64, 3, causal, 0.2, token_density);
-        check_rows(g, sharding::sequential{}, topology::flat_ring(world));
-        check_rows(g, sharding::zigzag{}, topology::flat_ring(world));
-        check_rows(g, sharding::striped<64>{}, topology::flat_ring(world));
-        if (world % 2 == 0) check_rows(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
+        check_counts(g, sharding::sequential{}, topology::flat_ring(world));
+        check_counts(g, sharding::zigzag{}, topology::flat_ring(world));
+        check_counts(g, sharding::striped<64>{}, topology::flat_ring(world));
+        if (world % 2 == 0) check_counts(g, sharding::striped<64>{}, topology::hierarchical_ring(2, world / 2));
       }
+  // The planted pattern: rows with hundreds of vertical tokens, split over the chunks.
+  check_counts(vs_input(8192), sharding::striped<64>{}, topology::flat_ring(8));
+  check_counts(vs_input(8192), sharding::zigzag{}, topology::flat_ring(4));
 }
 
 TEST_CASE("cost model: a flat ring's counts rescheduled for a hierarchical ring equal its own counts") {

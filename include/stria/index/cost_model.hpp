@@ -269,6 +269,90 @@ ring_workload count_ring_rows(const global_selection& selection, const Sharding&
   return rows;
 }
 
+/// Entries the forward computes but masks, per (rank, step): a row's vertical tokens in a step's KV
+/// chunk are gathered into tiles of 64 key columns, so v tokens cost ceil(v / 64) whole tiles and
+/// (64 ceil(v / 64) - v) x 64 entries are padding. The fewer tokens a rank holds, the fewer of a
+/// row's vertical tokens each chunk has and the emptier those tiles (vs95, striped: 1% of the active
+/// entries at 128K tokens per rank, 8% at 16K, 34% at 4K). Counted exactly as build_ring_indices
+/// lays the tokens out (tokens inside one of the row's active tiles are not gathered), in
+/// O(heads x (vertical token blocks x W + blocks x slash lines) + W^2).
+template <sharding_policy Sharding, ring_topology Topology>
+ring_workload count_ring_vertical_padding(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
+  selection.validate();
+  const index_t nb = selection.num_blocks(), world = topology.world_size(), steps = topology.num_steps();
+  const shard_layout layout{nb, world};
+  sharding.validate(layout);
+  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
+  const auto n = static_cast<std::size_t>(world);
+  // Two layouts, each contiguous where its loop walks: the rows' padding at a change of one KV
+  // rank's tokens, [KV rank, query rank]; one row's corrections over many KV ranks, [query rank, KV rank].
+  const auto by_kv = [n](std::size_t query_rank, std::size_t kv_rank) { return kv_rank * n + query_rank; };
+  const auto by_query = [n](std::size_t query_rank, std::size_t kv_rank) { return query_rank * n + kv_rank; };
+  const auto padding_of = [](std::int64_t tokens) { return (block_tokens - tokens % block_tokens) % block_tokens; };  // key columns
+
+  std::vector<std::int64_t> padding(n * n, 0), corrections(n * n, 0);  // padded key columns summed over rows: by_kv, by_query
+  std::vector<std::int64_t> tokens_in(static_cast<std::size_t>(nb), 0), gathered(n), owned(n);  // owned: query blocks walked per rank
+  std::vector<std::int64_t> excluded(n, 0);  // per KV rank: tokens inside one row's active tiles
+  std::vector<index_t> touched;              // the KV ranks with excluded tokens in this row
+  for (const head_selection& head : selection.heads) {
+    std::fill(tokens_in.begin(), tokens_in.end(), 0);
+    for (const index_t token : head.vertical_tokens) ++tokens_in[static_cast<std::size_t>(token / block_tokens)];
+    std::fill(owned.begin(), owned.end(), 0);
+    std::fill(gathered.begin(), gathered.end(), 0);
+    // gathered[k]: the vertical tokens of KV rank k a row of the current query block sees (causal:
+    // those before the block; else all). While it stays constant its padding accrues on every row
+    // walked; at a change, adding (old - new) padding x the rows walked so far keeps the sum exact
+    // (a telescoping sum: no per-row work for the W chunks).
+    auto change = [&](index_t kv, std::int64_t tokens) {
+      const auto k = static_cast<std::size_t>(kv);
+      const std::int64_t before = padding_of(gathered[k]);
+      gathered[k] += tokens;
+      const std::int64_t delta = before - padding_of(gathered[k]);
+      if (delta != 0)
+        for (std::size_t r = 0; r < n; ++r) padding[by_kv(r, k)] += delta * owned[r];
+    };
+    if (!selection.causal)
+      for (index_t b = 0; b < nb; ++b)
+        if (tokens_in[static_cast<std::size_t>(b)] > 0) change(lookup.owner[static_cast<std::size_t>(b)], tokens_in[static_cast<std::size_t>(b)]);
+    std::size_t next_block = 0;
+    for (index_t q = 0; q < nb; ++q) {
+      if (selection.causal && q > 0 && tokens_in[static_cast<std::size_t>(q - 1)] > 0)
+        change(lookup.owner[static_cast<std::size_t>(q - 1)], tokens_in[static_cast<std::size_t>(q - 1)]);
+      const index_t r = lookup.owner[static_cast<std::size_t>(q)];
+      // Tokens inside the row's active tiles are not gathered: correct this row's padding for them.
+      auto exclude = [&](index_t k_block) {
+        if (k_block < 0 || k_block >= nb || (selection.causal && k_block >= q)) return;
+        const std::int64_t tokens = tokens_in[static_cast<std::size_t>(k_block)];
+        if (tokens == 0) return;
+        const index_t kv = lookup.owner[static_cast<std::size_t>(k_block)];
+        if (excluded[static_cast<std::size_t>(kv)] == 0) touched.push_back(kv);
+        excluded[static_cast<std::size_t>(kv)] += tokens;
+      };
+      for (const index_t delta : head.slash_deltas) exclude(q - delta);
+      for (; next_block < head.blocks.size() && head.blocks[next_block].query_block == q; ++next_block) {
+        const index_t k_block = head.blocks[next_block].key_block;  // a tile both explicit and on a slash counts once
+        if (!std::binary_search(head.slash_deltas.begin(), head.slash_deltas.end(), q - k_block)) exclude(k_block);
+      }
+      for (const index_t kv : touched) {
+        const std::int64_t seen = gathered[static_cast<std::size_t>(kv)];
+        corrections[by_query(static_cast<std::size_t>(r), static_cast<std::size_t>(kv))] += padding_of(seen - excluded[static_cast<std::size_t>(kv)]) - padding_of(seen);
+        excluded[static_cast<std::size_t>(kv)] = 0;
+      }
+      touched.clear();
+      ++owned[static_cast<std::size_t>(r)];
+    }
+    for (std::size_t k = 0; k < n; ++k)
+      for (std::size_t r = 0; r < n; ++r) padding[by_kv(r, k)] += padding_of(gathered[k]) * owned[r];
+  }
+  ring_workload out{world, steps, std::vector<std::int64_t>(n * static_cast<std::size_t>(steps), 0)};
+  for (index_t r = 0; r < world; ++r)
+    for (index_t k = 0; k < world; ++k)
+      out.entries[static_cast<std::size_t>(r) * static_cast<std::size_t>(steps) + static_cast<std::size_t>(lookup.step(r, k))] +=
+          (padding[by_kv(static_cast<std::size_t>(r), static_cast<std::size_t>(k))] + corrections[by_query(static_cast<std::size_t>(r), static_cast<std::size_t>(k))]) *
+          block_tokens;  // each padded key column spans the block's 64 query rows
+  return out;
+}
+
 /// A flat ring's counts (entries or rows per (rank, step)) in the step order of another ring of the
 /// same ranks: what a rank computes with one KV chunk does not depend on when it meets it.
 template <ring_topology Topology>
