@@ -159,15 +159,18 @@ cluster_result predict_cluster(const options& o, stria::index_t nodes, stria::in
     using sharding_type = std::decay_t<decltype(sharding)>;
     const stria::ring_workload entries = stria::count_ring_workload(g, sharding, flat);
     const stria::ring_workload rows = stria::cost::count_ring_rows(g, sharding, flat);
+    const stria::ring_workload padding = stria::cost::count_ring_vertical_padding(g, sharding, flat);
     if (out.ranking.empty()) {
-      out.one_gpu = stria::cost::predict_one_gpu(entries.total(), shape, kernel);
+      const std::int64_t one_rank_padding = stria::cost::count_ring_vertical_padding(g, sharding, stria::topology::flat_ring(1)).total();
+      out.one_gpu = stria::cost::predict_one_gpu(entries.total(), shape, kernel, one_rank_padding);
       out.density = double(entries.total()) / (double(seq_len) * (double(seq_len) + 1.0) / 2.0 * g.num_heads());
     }
-    out.ranking.push_back({std::string(sharding_type::name), "flat_ring", stria::cost::predict_ring(entries, rows, flat, shape, kernel, c)});
+    out.ranking.push_back({std::string(sharding_type::name), "flat_ring", stria::cost::predict_ring(entries, rows, flat, shape, kernel, c, padding)});
     if (nodes > 1) {
       const stria::topology::hierarchical_ring h(nodes, gpus);
       out.ranking.push_back({std::string(sharding_type::name), "hierarchical_ring(" + std::to_string(nodes) + "x" + std::to_string(gpus) + ")",
-                             stria::cost::predict_ring(stria::cost::reschedule(entries, h), stria::cost::reschedule(rows, h), h, shape, kernel, c)});
+                             stria::cost::predict_ring(stria::cost::reschedule(entries, h), stria::cost::reschedule(rows, h), h, shape, kernel, c,
+                                                       stria::cost::reschedule(padding, h))});
     }
   };
   plan_sharding(stria::sharding::sequential{});
@@ -176,7 +179,8 @@ cluster_result predict_cluster(const options& o, stria::index_t nodes, stria::in
   if (o.solver_chunks > 0) {
     const stria::solver::problem p = stria::solver::problem_from_selection(g, world, o.solver_chunks, o.heads_kv);
     const stria::solver::plan x = stria::solver::solve(p, {1.10, o.volume_cap});
-    out.ranking.push_back({"sequential", "solver(m=" + std::to_string(o.solver_chunks) + ")", stria::cost::predict_solver(p, x, stria::cost::solver_task_rows(g, p), shape, kernel, c)});
+    out.ranking.push_back({"sequential", "solver(m=" + std::to_string(o.solver_chunks) + ")", stria::cost::predict_solver(p, x, stria::cost::solver_task_rows(g, p), shape, kernel, c,
+                                                                                       stria::cost::solver_task_vertical_padding(g, p))});
   }
   std::stable_sort(out.ranking.begin(), out.ranking.end(), [](const choice& a, const choice& b) { return a.layer.seconds() < b.layer.seconds(); });
   return out;
@@ -252,8 +256,8 @@ int run_cluster(const options& o) {
 
   std::printf("plan --cluster: predicted time of one attention layer (cost model; heads %d/%d, head_dim %d, synthetic VS pattern at %.0f%% sparsity)\n",
               o.heads_q, o.heads_kv, o.head_dim, 100.0 * o.sparsity);
-  std::printf("kernels: forward %.1f TF + %.1f ns per active row and step, backward %.1f TF + %.1f ns (%s)\n", kernel.forward.tflops,
-              kernel.forward.row_ns, kernel.backward.tflops, kernel.backward.row_ns, kernel_source.c_str());
+  std::printf("kernels: forward %.1f TF on executed entries (active + gathered vertical tiles' padding) + %.1f ns per active row and step, backward %.1f TF + %.1f ns (%s)\n",
+              kernel.forward.tflops, kernel.forward.row_ns, kernel.backward.tflops, kernel.backward.row_ns, kernel_source.c_str());
   std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
               o.inter_gbps, o.inter_latency_us, streams);
   std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");

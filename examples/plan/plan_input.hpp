@@ -4,8 +4,11 @@
 #pragma once
 
 #include <stria/estimator/vertical_slash_top_p.hpp>
+#include <stria/host/synthetic_vs.hpp>
 #include <stria/index/cost_model.hpp>
 #include <stria/index/global_selection.hpp>
+#include <stria/sharding/striped.hpp>
+#include <stria/topology/flat_ring.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -297,7 +300,26 @@ inline stria::global_selection read_selection(const std::string& path) {
 
 /// The kernels' speed for `head_dim` fitted (stria::cost::fit_kernel_speed) to the rows named
 /// "vs95" of an attention_bench results file (tests/bench/results/attention_h200.json): per row
-/// seq_len, head_dim, heads_q, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops.
+/// seq_len, head_dim, heads_q, heads_kv, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops. The executed
+/// entries add the padding of the gathered vertical tiles, counted on the selection attention_bench
+/// ran (the planted pattern at 5% density, host::plant_vs_selection).
+/// The gathered vertical tiles' padding of attention_bench's vs95 selection on one rank.
+inline std::int64_t bench_vertical_padding(double seq_len, double heads_q, double heads_kv, stria::index_t head_dim, const std::string& where) {
+  // The selection is planted here, so the row's shape is bounded to what a benchmark row can be.
+  if (seq_len != std::floor(seq_len) || seq_len > double(1 << 21))
+    throw stria::invalid_argument(where + ".seq_len", seq_len, "must be an integer of at most 2097152 (a benchmark row's length)");
+  for (const auto& [key, heads] : {std::pair{".heads_q", heads_q}, std::pair{".heads_kv", heads_kv}})
+    if (heads != std::floor(heads) || heads > 256) throw stria::invalid_argument(where + key, heads, "must be an integer of at most 256");
+  stria::host::synthetic_vs_options o;
+  o.seq_len = static_cast<stria::index_t>(seq_len);
+  o.heads_q = static_cast<stria::index_t>(heads_q);
+  o.heads_kv = static_cast<stria::index_t>(heads_kv);
+  o.head_dim = head_dim;
+  o.density = 0.05;
+  const stria::global_selection g = stria::host::plant_vs_selection(o);
+  return stria::cost::count_ring_vertical_padding(g, stria::sharding::striped<64>{}, stria::topology::flat_ring(1)).total();
+}
+
 inline stria::cost::kernel_throughput read_throughput(const std::string& path, stria::index_t head_dim) {
   std::ifstream in(path);
   if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
@@ -327,8 +349,12 @@ inline stria::cost::kernel_throughput read_throughput(const std::string& path, s
     if (!row.contains("name") || row["name"] != "vs95" || !row.contains("head_dim") || row["head_dim"] != head_dim) continue;
     const double tokens = number(row, "seq_len", where), heads = number(row, "heads_q", where);
     const double rows_active = tokens / stria::block_tokens * heads;
-    forward.push_back({number(row, "fwd_tflops", where) * 1e12 * number(row, "fwd_ms", where) * 1e-3, rows_active, number(row, "fwd_ms", where) * 1e-3});
-    backward.push_back({number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3, rows_active, number(row, "bwd_ms", where) * 1e-3});
+    const double forward_flops = number(row, "fwd_tflops", where) * 1e12 * number(row, "fwd_ms", where) * 1e-3;
+    const double backward_flops = number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3;
+    const double padding = double(bench_vertical_padding(tokens, heads, number(row, "heads_kv", where), head_dim, where));
+    forward.push_back({forward_flops + stria::cost::entry_flops(head_dim, false) * padding, rows_active, number(row, "fwd_ms", where) * 1e-3});
+    backward.push_back({backward_flops + stria::cost::entry_flops(head_dim, true) * stria::cost::backward_padding_share * padding, rows_active,
+                        number(row, "bwd_ms", where) * 1e-3});
   }
   if (forward.empty()) throw stria::invalid_argument(file, head_dim, "has no \"vs95\" row for this head_dim");
   return {.head_dim = head_dim, .forward = stria::cost::fit_kernel_speed(forward), .backward = stria::cost::fit_kernel_speed(backward)};

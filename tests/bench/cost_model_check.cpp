@@ -46,12 +46,21 @@ const global_selection& vs95(index_t seq_len) {
 cost::layer_shape shape_of(index_t seq_len) { return {.seq_len = seq_len, .heads_q = hq, .heads_kv = hkv, .head_dim = dim}; }
 
 struct counts {
-  ring_workload entries, rows;
+  ring_workload entries, rows, padding;
 };
 template <class Sharding>
 counts flat_counts(index_t seq_len, index_t world) {
   const topology::flat_ring flat(world);
-  return {count_ring_workload(vs95(seq_len), Sharding{}, flat), cost::count_ring_rows(vs95(seq_len), Sharding{}, flat)};
+  return {count_ring_workload(vs95(seq_len), Sharding{}, flat), cost::count_ring_rows(vs95(seq_len), Sharding{}, flat),
+          cost::count_ring_vertical_padding(vs95(seq_len), Sharding{}, flat)};
+}
+
+/// One run of one step over the whole sequence, as fit_kernel_speed takes it: FLOPs of the executed
+/// entries (active + the gathered tiles' padding), every row active.
+cost::kernel_sample one_step_sample(index_t seq_len, bool backward, double ms) {
+  const counts c = flat_counts<sharding::striped<64>>(seq_len, 1);
+  return {cost::entry_flops(dim, backward) * cost::executed_entries(c.entries.total(), c.padding.total(), backward), double(seq_len / 64 * hq),
+          ms * 1e-3};
 }
 
 int misses = 0, rows_printed = 0;
@@ -77,16 +86,22 @@ double ms_from_tf(std::int64_t entries, bool backward, index_t gpus, double tf_p
 }  // namespace
 
 int main() {
-  std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
 
-  // 1. The kernels these runs used (93cd528, the forward of fbf6377): the fit of attention_h200.json
-  // as committed at fbf6377. The built-in default follows the file, which later kernels rewrite.
-  const cost::kernel_throughput today{
-      .head_dim = dim, .forward = {.tflops = 392.9533, .row_ns = 15.4128}, .backward = {.tflops = 329.2505, .row_ns = 80.1769}};
+  // 1. The kernels these runs used (93cd528, the forward of fbf6377): fitted as plan --throughput
+  // fits to the vs95 rows of attention_h200.json as committed at fbf6377 (7ef4cc4; their ms below).
+  // The built-in default follows the file, which later kernels rewrite.
+  const cost::kernel_sample today_f[] = {one_step_sample(32768, false, 0.7107), one_step_sample(131072, false, 9.3224),
+                                         one_step_sample(524288, false, 145.2433)};
+  const cost::kernel_sample today_b[] = {one_step_sample(32768, true, 2.4097), one_step_sample(131072, true, 28.596),
+                                         one_step_sample(524288, true, 441.8105)};
+  const cost::kernel_throughput today{.head_dim = dim, .forward = cost::fit_kernel_speed(today_f), .backward = cost::fit_kernel_speed(today_b)};
+  std::printf("fbf6377's kernels fitted: forward %.1f TF + %.1f ns per row and step, backward %.1f TF + %.1f ns (executed entries)\n\n",
+              today.forward.tflops, today.forward.row_ns, today.backward.tflops, today.backward.row_ns);
+  std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
   const char* today_run = "RESULTS 2026-12-02, cost model entry (93cd528)";
   for (const auto& [s, fwd, bwd] : {std::tuple{index_t{131072}, 8.85, 28.35}, std::tuple{index_t{524288}, 138.86, 437.83}}) {
     const counts c = flat_counts<sharding::striped<64>>(s, 1);
-    const cost::layer_prediction p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(1), shape_of(s), today, nvlink_host(1, 1));
+    const cost::layer_prediction p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(1), shape_of(s), today, nvlink_host(1, 1), c.padding);
     const std::string what = "1 GPU, " + std::to_string(s / 1024) + "K, through the ring engine";
     row(what, "fwd", p.forward.seconds * 1e3, fwd, today_run);
     row(what, "bwd", p.backward.seconds * 1e3, bwd, today_run);
@@ -102,13 +117,15 @@ int main() {
   for (const ring_bench_row& m : {ring_bench_row{131072, false, 9.83, 69.48, 201.91}, ring_bench_row{131072, true, 9.20, 72.83, 208.85},
                                   ring_bench_row{524288, false, 85.64, 631.40, 1182.48}, ring_bench_row{524288, true, 81.85, 637.55, 1145.26}}) {
     const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
-    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), today);
+    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), today, c.padding);
     double ring = 0;
     for (index_t st = 0; st < 8; ++st) {
       double slowest = 0;
       for (index_t r = 0; r < 8; ++r)
-        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * double(c.entries.at(r, st)), double(c.rows.at(r, st))) +
-                                        today.backward.seconds(cost::entry_flops(dim, true) * double(c.entries.at(r, st)), double(c.rows.at(r, st))));
+        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st), false),
+                                                          double(c.rows.at(r, st))) +
+                                        today.backward.seconds(cost::entry_flops(dim, true) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st), true),
+                                                               double(c.rows.at(r, st))));
       ring += slowest;
     }
     const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K";
@@ -121,11 +138,8 @@ int main() {
   // TF, 512K: 195 / 178 TF per GPU), then the runs on 2 and 4 GPUs predicted.
   const std::int64_t e128 = flat_counts<sharding::striped<64>>(131072, 1).entries.total();
   const std::int64_t e512 = flat_counts<sharding::striped<64>>(524288, 1).entries.total();
-  const double rows128 = 131072.0 / 64 * hq, rows512 = 524288.0 / 64 * hq;
-  const cost::kernel_sample f[] = {{cost::entry_flops(dim, false) * double(e128), rows128, ms_from_tf(e128, false, 1, 183) * 1e-3},
-                                   {cost::entry_flops(dim, false) * double(e512), rows512, ms_from_tf(e512, false, 1, 195) * 1e-3}};
-  const cost::kernel_sample b[] = {{cost::entry_flops(dim, true) * double(e128), rows128, ms_from_tf(e128, true, 1, 151) * 1e-3},
-                                   {cost::entry_flops(dim, true) * double(e512), rows512, ms_from_tf(e512, true, 1, 178) * 1e-3}};
+  const cost::kernel_sample f[] = {one_step_sample(131072, false, ms_from_tf(e128, false, 1, 183)), one_step_sample(524288, false, ms_from_tf(e512, false, 1, 195))};
+  const cost::kernel_sample b[] = {one_step_sample(131072, true, ms_from_tf(e128, true, 1, 151)), one_step_sample(524288, true, ms_from_tf(e512, true, 1, 178))};
   const cost::kernel_throughput old{.head_dim = dim, .forward = cost::fit_kernel_speed(f), .backward = cost::fit_kernel_speed(b)};
   std::printf("\n2026-11-29 kernels fitted: forward %.1f TF + %.1f ns per row and step, backward %.1f TF + %.1f ns\n\n", old.forward.tflops,
               old.forward.row_ns, old.backward.tflops, old.backward.row_ns);
@@ -148,9 +162,10 @@ int main() {
     cost::layer_prediction p;
     if (m.kind == 2) {
       const topology::hierarchical_ring h(2, m.gpus / 2);
-      p = cost::predict_ring(cost::reschedule(c.entries, h), cost::reschedule(c.rows, h), h, shape_of(m.seq_len), old, nvlink_host(2, m.gpus / 2));
+      p = cost::predict_ring(cost::reschedule(c.entries, h), cost::reschedule(c.rows, h), h, shape_of(m.seq_len), old, nvlink_host(2, m.gpus / 2),
+                             cost::reschedule(c.padding, h));
     } else {
-      p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(m.gpus), shape_of(m.seq_len), old, nvlink_host(1, m.gpus));
+      p = cost::predict_ring(c.entries, c.rows, topology::flat_ring(m.gpus), shape_of(m.seq_len), old, nvlink_host(1, m.gpus), c.padding);
     }
     const double fwd = m.from_tf ? ms_from_tf(c.entries.total(), false, m.gpus, m.fwd_ms) : m.fwd_ms;
     const double bwd = m.from_tf ? ms_from_tf(c.entries.total(), true, m.gpus, m.bwd_ms) : m.bwd_ms;
@@ -160,7 +175,8 @@ int main() {
   for (const auto& [chunks, cap, fwd, bwd] : {std::tuple{index_t{4}, 1.0, 111.60, 337.04}, std::tuple{index_t{8}, 2.0, 112.06, 372.46}}) {
     const solver::problem p = solver::problem_from_selection(vs95(524288), 4, chunks, hkv);
     const solver::plan x = solver::solve(p, {1.10, cap});
-    const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(524288), p), shape_of(524288), old, nvlink_host(1, 4));
+    const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(524288), p), shape_of(524288), old, nvlink_host(1, 4),
+                                                          cost::solver_task_vertical_padding(vs95(524288), p));
     const std::string what = "solver m" + std::to_string(chunks) + " cap " + std::to_string(int(cap)) + ", 4 GPUs, 512K (plan " +
                              std::to_string(x.max_load_over_mean()).substr(0, 5) + ")";
     row(what, "fwd", l.forward.seconds * 1e3, fwd, four);

@@ -235,7 +235,8 @@ row run_variant(const std::string& name, const global_selection& g, const typena
     result.planned_step = 1;  // the solver has no ring steps
     const solver::problem p = solver::problem_from_selection(g, gpus, topology.chunks_per_rank(), shape.hkv);
     const cost::layer_prediction l =
-        cost::predict_solver(p, solver::solve(p, topology.options()), cost::solver_task_rows(g, p), layer_of(s), kernels, this_host(1, gpus));
+        cost::predict_solver(p, solver::solve(p, topology.options()), cost::solver_task_rows(g, p), layer_of(s), kernels, this_host(1, gpus),
+                             cost::solver_task_vertical_padding(g, p));
     result.predicted_forward_ms = l.forward.seconds * 1e3;
     result.predicted_backward_ms = l.backward.seconds * 1e3;
   } else {
@@ -249,9 +250,9 @@ row run_variant(const std::string& name, const global_selection& g, const typena
       result.measured_worker = measured.worker_imbalance;
       result.measured_step = measured.step_imbalance;
       result.steps_ms = measured.ring_ms;
-      // The entries counted above, and the rows, both under the variant's topology.
-      const cost::layer_prediction l =
-          cost::predict_ring(w, cost::count_ring_rows(g, sharding_type{}, topology), topology, layer_of(s), kernels, this_host(nodes, gpus));
+      // The entries counted above, the rows and the gathered tiles' padding, all under the variant's topology.
+      const cost::layer_prediction l = cost::predict_ring(w, cost::count_ring_rows(g, sharding_type{}, topology), topology, layer_of(s), kernels,
+                                                          this_host(nodes, gpus), cost::count_ring_vertical_padding(g, sharding_type{}, topology));
       result.predicted_forward_ms = l.forward.seconds * 1e3;
       result.predicted_backward_ms = l.backward.seconds * 1e3;
     }

@@ -241,3 +241,33 @@ TEST_CASE("cost model: the solver's two stages") {
     before = l.seconds();
   }
 }
+
+TEST_CASE("cost model: the gathered tiles' padding costs the forward all of it and the backward a fifth") {
+  const global_selection g = vs_input(8192);
+  const topology::flat_ring flat(4);
+  const ring_workload entries = count_ring_workload(g, sharding::striped<64>{}, flat), rows = cost::count_ring_rows(g, sharding::striped<64>{}, flat),
+                      padding = cost::count_ring_vertical_padding(g, sharding::striped<64>{}, flat);
+  REQUIRE(padding.total() > 0);
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  const cost::link instant{.gbytes_per_s = 1e9, .latency_us = 0};
+  const cost::cluster c{.nodes = 1, .gpus_per_node = 4, .intra_node = instant, .inter_node = instant};
+  const cost::layer_prediction without = cost::predict_ring(entries, rows, flat, shape_of(8192), k, c);
+  const cost::layer_prediction with = cost::predict_ring(entries, rows, flat, shape_of(8192), k, c, padding);
+  for (index_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const double flops = double(padding.rank_total(r));
+    CHECK(with.forward.rank_compute_seconds[static_cast<std::size_t>(r)] - without.forward.rank_compute_seconds[static_cast<std::size_t>(r)] ==
+          doctest::Approx(cost::entry_flops(128, false) * flops / (k.forward.tflops * 1e12)).epsilon(1e-9));
+    CHECK(with.backward.rank_compute_seconds[static_cast<std::size_t>(r)] - without.backward.rank_compute_seconds[static_cast<std::size_t>(r)] ==
+          doctest::Approx(cost::entry_flops(128, true) * 0.2 * flops / (k.backward.tflops * 1e12)).epsilon(1e-9));
+  }
+  CHECK(with.seconds() > without.seconds());
+  // One GPU: the same sum.
+  const std::int64_t one = cost::count_ring_vertical_padding(g, sharding::striped<64>{}, topology::flat_ring(1)).total();
+  CHECK(cost::predict_one_gpu(entries.total(), shape_of(8192), k, one).forward.seconds - cost::predict_one_gpu(entries.total(), shape_of(8192), k).forward.seconds ==
+        doctest::Approx(cost::entry_flops(128, false) * double(one) / (k.forward.tflops * 1e12)).epsilon(1e-9));
+  // Padding counted for another ring is refused.
+  const ring_workload other = cost::count_ring_vertical_padding(g, sharding::striped<64>{}, topology::flat_ring(2));
+  CHECK_THROWS_WITH_AS(cost::predict_ring(entries, rows, flat, shape_of(8192), k, c, other),
+                       "stria: vertical_padding world_size = 2: must be counted for this topology, as the entries are", invalid_argument);
+}

@@ -4,8 +4,10 @@
 // throughput table and the links' bandwidth and latency. Host only; nothing here runs a kernel.
 //
 // What it models, and why in this form:
-//  - a step's kernel time = active entries x FLOPs per entry / effective throughput + active rows x
-//    a row's fixed cost. The second term is why a step of 1/W of a row's tiles is not 1/W of the
+//  - a step's kernel time = executed entries x FLOPs per entry / effective throughput + active rows x
+//    a row's fixed cost. Executed entries are the active ones plus the padding of the tiles that
+//    gather a row's vertical tokens (count_ring_vertical_padding): few tokens per rank leave those
+//    tiles nearly empty, which the active entries alone do not show. The second term is why a step of 1/W of a row's tiles is not 1/W of the
 //    time (RESULTS.md, 2026-11-29, four GPUs: the backward loses 178 -> 151 TF per GPU on 4 GPUs);
 //    both are fitted from single-GPU runs of several lengths (fit_kernel_speed);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
@@ -48,7 +50,7 @@ namespace stria::cost {
 /// One direction (forward or backward) of the sparse kernels: a step's time is
 /// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9.
 struct kernel_speed {
-  double tflops = 0;  // effective: counts only the active entries' FLOPs (4 D forward, 10 D backward)
+  double tflops = 0;  // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
   double row_ns = 0;  // per active (query block, head) row and step: loading Q (and dO), merging the running state
 
   [[nodiscard]] double seconds(double flops, double active_rows) const { return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9; }
@@ -104,12 +106,14 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
 /// tests/bench/results/attention_h200.json (commit f0cca9d, 2026-12-04; bf16, Hq 16, Hkv 2, 95%
-/// sparse VS pattern, atomic backward, dS stored at D 128). D 128 has runs at 32K, 128K and 512K; D 64
-/// has one (128K), so its row cost is not known and counts as 0.
+/// sparse VS pattern, atomic backward, dS stored at D 128), each row's executed entries counted on
+/// the selection it ran (its padding: 3.7% of the active entries at 32K, 1.0% at 128K, 0.2% at
+/// 512K). D 128 has runs at 32K, 128K and 512K; D 64 has one (128K), so its row cost is not known
+/// and counts as 0.
 /// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
-  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 446.9268, .row_ns = 16.4628}, .backward = {.tflops = 387.1277, .row_ns = 25.8717}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 325.5442, .row_ns = 0.0}, .backward = {.tflops = 274.0027, .row_ns = 0.0}};
+  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 446.9240, .row_ns = 14.1586}, .backward = {.tflops = 387.1272, .row_ns = 24.5416}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960, .row_ns = 0.0}, .backward = {.tflops = 274.5333, .row_ns = 0.0}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
@@ -204,12 +208,9 @@ struct layer_shape {
 /// `entries` count rows. O(heads x (blocks x slash lines + W^2)).
 template <sharding_policy Sharding, ring_topology Topology>
 ring_workload count_ring_rows(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
-  selection.validate();
+  const detail::ring_lookup lookup = detail::ring_lookup::checked(selection, sharding, topology);
   const index_t nb = selection.num_blocks(), world = topology.world_size(), steps = topology.num_steps();
-  const shard_layout layout{nb, world};
-  sharding.validate(layout);
   const auto at = [](index_t i, index_t j, index_t n) { return static_cast<std::size_t>(i) * static_cast<std::size_t>(n) + static_cast<std::size_t>(j); };
-  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
   const std::vector<index_t>& owner = lookup.owner;
 
   ring_workload rows{world, steps, std::vector<std::int64_t>(static_cast<std::size_t>(world) * static_cast<std::size_t>(steps), 0)};
@@ -278,11 +279,8 @@ ring_workload count_ring_rows(const global_selection& selection, const Sharding&
 /// O(heads x (vertical token blocks x W + blocks x slash lines) + W^2).
 template <sharding_policy Sharding, ring_topology Topology>
 ring_workload count_ring_vertical_padding(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
-  selection.validate();
+  const detail::ring_lookup lookup = detail::ring_lookup::checked(selection, sharding, topology);
   const index_t nb = selection.num_blocks(), world = topology.world_size(), steps = topology.num_steps();
-  const shard_layout layout{nb, world};
-  sharding.validate(layout);
-  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
   const auto n = static_cast<std::size_t>(world);
   // Two layouts, each contiguous where its loop walks: the rows' padding at a change of one KV
   // rank's tokens, [KV rank, query rank]; one row's corrections over many KV ranks, [query rank, KV rank].
@@ -402,6 +400,17 @@ struct layer_prediction {
 /// FLOPs per active entry: 4 D forward (QK^T, PV), 2.5x that backward (workload.hpp's convention).
 inline double entry_flops(index_t head_dim, bool backward) { return (backward ? backward_flops(1, head_dim) : forward_flops(1, head_dim)); }
 
+/// How much of the gathered vertical tiles' padding a direction computes. The forward computes all
+/// of it. The backward walks those tiles only in its dQ pass, dQ += dS K from the stored dS: one of
+/// the five products it makes per tile; its dK/dV passes pack a head's distinct vertical tokens
+/// densely, 64 to a tile (kernel/sparse_backward_wgmma.cuh).
+inline constexpr double backward_padding_share = 0.2;
+
+/// Entries a step's kernels compute: the active ones and the direction's share of the padding.
+inline double executed_entries(std::int64_t active, std::int64_t vertical_padding, bool backward) {
+  return double(active) + (backward ? backward_padding_share : 1.0) * double(vertical_padding);
+}
+
 namespace detail {
 
 /// What arrives for which step, per rank: the latest message due there, its transit (from its
@@ -466,11 +475,12 @@ inline void record_due(const arrivals& due, index_t step, std::span<const double
 
 }  // namespace detail
 
-/// Predicts one layer of a ring: `entries` and `rows` per (rank, step) (count_ring_workload,
-/// count_ring_rows) under `topology`, on `c` (c.world_size() == topology.world_size()).
+/// Predicts one layer of a ring: `entries`, `rows` and `vertical_padding` per (rank, step)
+/// (count_ring_workload, count_ring_rows, count_ring_vertical_padding; an empty padding counts as
+/// none) under `topology`, on `c` (c.world_size() == topology.world_size()).
 template <ring_topology Topology>
 layer_prediction predict_ring(const ring_workload& entries, const ring_workload& rows, const Topology& topology, const layer_shape& shape,
-                              const kernel_throughput& kernel, const cluster& c) {
+                              const kernel_throughput& kernel, const cluster& c, const ring_workload& vertical_padding = {}) {
   shape.validate();
   kernel.validate();
   c.validate();
@@ -479,6 +489,9 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
     throw invalid_argument("cluster nodes x gpus_per_node", c.world_size(), "must equal the topology's world size " + std::to_string(w));
   if (entries.world_size != w || entries.num_steps != steps || rows.world_size != w || rows.num_steps != steps)
     throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
+  const bool padded = !vertical_padding.entries.empty();
+  if (padded && (vertical_padding.world_size != w || vertical_padding.num_steps != steps))
+    throw invalid_argument("vertical_padding world_size", vertical_padding.world_size, "must be counted for this topology, as the entries are");
   if (kernel.head_dim != shape.head_dim)
     throw invalid_argument("kernel_throughput.head_dim", kernel.head_dim, "must equal the layer's head_dim " + std::to_string(shape.head_dim));
   if (shape.seq_len % w != 0) throw invalid_argument("layer_shape.seq_len", shape.seq_len, "must be divisible by the world size " + std::to_string(w));
@@ -503,7 +516,8 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
       for (index_t r = 0; r < w; ++r) {
         const auto i = static_cast<std::size_t>(r);
         const double start = std::max(step_end[i], kv_due.at[kv_due.slot(r, s)]);
-        const double t = speed.seconds(flops_per_entry * double(entries.at(r, s)), double(rows.at(r, s)));
+        const double t = speed.seconds(flops_per_entry * executed_entries(entries.at(r, s), padded ? vertical_padding.at(r, s) : 0, backward),
+                                       double(rows.at(r, s)));
         out.wait_seconds = std::max(out.wait_seconds, start - step_end[i]);
         out.compute_seconds = std::max(out.compute_seconds, t);
         p.rank_compute_seconds[i] += t;
@@ -531,14 +545,17 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
 }
 
 /// The same layer as one step on one GPU (every row active): what scaling efficiency compares with.
-inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_shape& shape, const kernel_throughput& kernel) {
+/// `vertical_padding`: the padding of a one-rank ring (count_ring_vertical_padding over flat_ring(1)).
+inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_shape& shape, const kernel_throughput& kernel,
+                                        std::int64_t vertical_padding = 0) {
   shape.validate();
   kernel.validate();
   const double rows = double(shape.seq_len / block_tokens) * shape.heads_q;
   layer_prediction p;
   for (const bool backward : {false, true}) {
     phase_prediction& phase = backward ? p.backward : p.forward;
-    const double t = (backward ? kernel.backward : kernel.forward).seconds(entry_flops(shape.head_dim, backward) * double(total_entries), rows);
+    const double t = (backward ? kernel.backward : kernel.forward)
+                         .seconds(entry_flops(shape.head_dim, backward) * executed_entries(total_entries, vertical_padding, backward), rows);
     phase.seconds = t;
     phase.steps = {{t, 0.0, 0.0, false}};
     phase.rank_compute_seconds = {t};
@@ -550,9 +567,12 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
 /// phase is every rank's kernels summed; the device copies overlap them and are not counted (1.95 /
 /// 3.73 ms per layer at 128K over 8 ranks: RESULTS.md, 2026-11-29, two GPUs).
 inline layer_prediction predict_shared_gpu(const ring_workload& entries, const ring_workload& rows, const layer_shape& shape,
-                                           const kernel_throughput& kernel) {
+                                           const kernel_throughput& kernel, const ring_workload& vertical_padding = {}) {
   shape.validate();
   kernel.validate();
+  const bool padded = !vertical_padding.entries.empty();
+  if (padded && (vertical_padding.world_size != entries.world_size || vertical_padding.num_steps != entries.num_steps))
+    throw invalid_argument("vertical_padding world_size", vertical_padding.world_size, "must be counted for the entries' ring");
   layer_prediction p;
   for (const bool backward : {false, true}) {
     phase_prediction& phase = backward ? p.backward : p.forward;
@@ -560,8 +580,9 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
     phase.rank_compute_seconds.assign(static_cast<std::size_t>(entries.world_size), 0.0);
     for (index_t r = 0; r < entries.world_size; ++r)
       for (index_t s = 0; s < entries.num_steps; ++s) {
-        const double t = (backward ? kernel.backward : kernel.forward).seconds(entry_flops(shape.head_dim, backward) * double(entries.at(r, s)),
-                                                                                double(rows.at(r, s)));
+        const double t = (backward ? kernel.backward : kernel.forward)
+                             .seconds(entry_flops(shape.head_dim, backward) * executed_entries(entries.at(r, s), padded ? vertical_padding.at(r, s) : 0, backward),
+                                      double(rows.at(r, s)));
         phase.rank_compute_seconds[static_cast<std::size_t>(r)] += t;
         phase.steps[static_cast<std::size_t>(s)].compute_seconds += t;
         phase.seconds += t;
@@ -570,17 +591,31 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
   return p;
 }
 
+namespace detail {
+
+/// A sequential ring's counts over the C chunks of `p`, laid out [C, C] per task (query chunk i,
+/// KV chunk j) like p.area.
+inline std::vector<std::int64_t> per_task(const ring_workload& counts, const solver::problem& p) {
+  const index_t chunks = p.num_chunks();
+  std::vector<std::int64_t> out(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
+  for (index_t i = 0; i < chunks; ++i)
+    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
+      out[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = counts.at(i, s);
+  return out;
+}
+
+}  // namespace detail
+
 /// Active rows of every solver task (query chunk i, KV chunk j) of `p`, laid out [C, C] like
 /// p.area: the rows of a sequential ring over the C chunks (as solver::problem_from_selection counts
 /// the areas).
 inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, const solver::problem& p) {
-  const index_t chunks = p.num_chunks();
-  const ring_workload rows = count_ring_rows(g, sharding::sequential{}, topology::flat_ring(chunks));
-  std::vector<std::int64_t> out(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
-  for (index_t i = 0; i < chunks; ++i)
-    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
-      out[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = rows.at(i, s);
-  return out;
+  return detail::per_task(count_ring_rows(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
+}
+
+/// The gathered vertical tiles' padding of every solver task, laid out like solver_task_rows.
+inline std::vector<std::int64_t> solver_task_vertical_padding(const global_selection& g, const solver::problem& p) {
+  return detail::per_task(count_ring_vertical_padding(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
 }
 
 /// Predicts one layer of the dynamic solver's plan `x` of problem `p` (topology::solver, sequential
@@ -588,9 +623,11 @@ inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, con
 /// (remote tasks, then the partials' return to their owners). Forward moves: K and V of a KV chunk;
 /// Q of a query chunk, whose fp32 partial O and LSE return. Backward: K and V; Q, dO, LSE and delta;
 /// returning fp32 dK/dV and dQ (device/solver_attention.cuh). A rank's sends go one after another on
-/// its link, and so do its receives. `task_rows` (solver_task_rows) gives each task's active rows.
+/// its link, and so do its receives. `task_rows` (solver_task_rows) gives each task's active rows,
+/// `task_padding` (solver_task_vertical_padding; empty: none) its gathered tiles' padding.
 inline layer_prediction predict_solver(const solver::problem& p, const solver::plan& x, std::span<const std::int64_t> task_rows,
-                                       const layer_shape& shape, const kernel_throughput& kernel, const cluster& c) {
+                                       const layer_shape& shape, const kernel_throughput& kernel, const cluster& c,
+                                       std::span<const std::int64_t> task_padding = {}) {
   p.validate();
   shape.validate();
   kernel.validate();
@@ -602,17 +639,21 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
   const auto n = static_cast<std::size_t>(w);
   if (task_rows.size() != p.area.size())
     throw invalid_argument("task_rows.size()", task_rows.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
+  if (!task_padding.empty() && task_padding.size() != p.area.size())
+    throw invalid_argument("task_padding.size()", task_padding.size(), "must be 0 or (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
   const std::int64_t tokens = p.chunk_tokens;
 
   auto run = [&](bool backward) {
     const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
     const double flops_per_entry = entry_flops(shape.head_dim, backward);
     auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
-      double area = 0, rows = 0;
-      for (const solver::task& t : tasks)
-        area += double(t.area), rows += double(task_rows[static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) +
-                                                         static_cast<std::size_t>(t.kv_chunk)]);
-      return speed.seconds(flops_per_entry * area, rows);
+      double executed = 0, rows = 0;
+      for (const solver::task& t : tasks) {
+        const std::size_t at = static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) + static_cast<std::size_t>(t.kv_chunk);
+        executed += executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at], backward);
+        rows += double(task_rows[at]);
+      }
+      return speed.seconds(flops_per_entry * executed, rows);
     };
     // What each move carries there and back.
     const double kv_there = shape.kv_bytes(tokens), kv_back = backward ? shape.kv_gradient_bytes(tokens) : 0.0;

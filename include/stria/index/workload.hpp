@@ -84,6 +84,15 @@ struct ring_lookup {
   std::vector<index_t> owner;    // [global block]
   std::vector<index_t> step_of;  // [query rank * world + KV rank]
 
+  /// The lookup of a counter over `selection`, once the selection and the sharding's fit are checked.
+  template <sharding_policy Sharding, ring_topology Topology>
+  static ring_lookup checked(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
+    selection.validate();
+    const shard_layout layout{selection.num_blocks(), topology.world_size()};
+    sharding.validate(layout);
+    return of(sharding, layout, topology);
+  }
+
   template <sharding_policy Sharding, ring_topology Topology>
   static ring_lookup of(const Sharding& sharding, const shard_layout& layout, const Topology& topology) {
     ring_lookup x{topology.world_size(), std::vector<index_t>(static_cast<std::size_t>(layout.num_blocks)),
@@ -105,12 +114,8 @@ struct ring_lookup {
 /// 64 * 65 / 2 triangle), and 64 rows per vertical token outside the row's tiles.
 template <sharding_policy Sharding, ring_topology Topology>
 ring_workload count_ring_workload(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
-  selection.validate();
+  const detail::ring_lookup lookup = detail::ring_lookup::checked(selection, sharding, topology);
   const index_t nb = selection.num_blocks(), world = topology.world_size(), steps = topology.num_steps();
-  const shard_layout layout{nb, world};
-  sharding.validate(layout);
-
-  const detail::ring_lookup lookup = detail::ring_lookup::of(sharding, layout, topology);
   const std::vector<index_t>& owner = lookup.owner;
   std::vector<index_t> run_end(owner.size());  // run_end: first later block of another owner
   for (index_t b = nb - 1; b >= 0; --b)
