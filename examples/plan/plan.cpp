@@ -206,7 +206,7 @@ int run_cluster(const options& o) {
       o.throughput_file.empty() ? stria::cost::h200_kernel_throughput(o.head_dim) : plan_input::read_throughput(o.throughput_file, o.head_dim);
   std::string kernel_source = o.throughput_file.empty() ? "built in: tests/bench/results/attention_h200.json, f0cca9d" : o.throughput_file;
   if (o.kernel_scale != 1.0) {  // another GPU, as a multiple of the table's
-    for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
+    for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale, k->call_us /= o.kernel_scale;
     std::ostringstream note;
     note << "; scaled by " << o.kernel_scale;
     kernel_source += note.str();
@@ -221,8 +221,8 @@ int run_cluster(const options& o) {
     nlohmann::ordered_json config = {
         {"heads_q", o.heads_q}, {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", o.sparsity}, {"seed", o.seed},
         {"kernel", {{"source", kernel_source}, {"scale", o.kernel_scale},
-                    {"forward_tflops", kernel.forward.tflops}, {"forward_row_ns", kernel.forward.row_ns},
-                    {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}}},
+                    {"forward_tflops", kernel.forward.tflops}, {"forward_row_ns", kernel.forward.row_ns}, {"forward_call_us", kernel.forward.call_us},
+                    {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}, {"backward_call_us", kernel.backward.call_us}}},
         {"intra_node", {{"gbps", o.intra_gbps}, {"latency_us", o.intra_latency_us}}},
         {"inter_node", {{"gbps", o.inter_gbps}, {"latency_us", o.inter_latency_us}}},
         {"transfer_streams", o.outer_stream ? "one_per_link" : "one_per_rank"},
@@ -256,8 +256,10 @@ int run_cluster(const options& o) {
 
   std::printf("plan --cluster: predicted time of one attention layer (cost model; heads %d/%d, head_dim %d, synthetic VS pattern at %.0f%% sparsity)\n",
               o.heads_q, o.heads_kv, o.head_dim, 100.0 * o.sparsity);
-  std::printf("kernels: forward %.1f TF on executed entries (active + gathered vertical tiles' padding) + %.1f ns per active row and step, backward %.1f TF + %.1f ns (%s)\n",
-              kernel.forward.tflops, kernel.forward.row_ns, kernel.backward.tflops, kernel.backward.row_ns, kernel_source.c_str());
+  std::printf("kernels: forward %.1f TF on executed entries (active + gathered vertical tiles' padding) + %.1f ns per active row and step + %.0f us\n"
+              "         per call, backward %.1f TF + %.1f ns + %.0f us (%s)\n",
+              kernel.forward.tflops, kernel.forward.row_ns, kernel.forward.call_us, kernel.backward.tflops, kernel.backward.row_ns, kernel.backward.call_us,
+              kernel_source.c_str());
   std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
               o.inter_gbps, o.inter_latency_us, streams);
   std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");

@@ -76,7 +76,7 @@ inline constexpr const char* usage =
     "  --intra-latency-us X, --inter-latency-us X   per message (defaults 10 and 20)\n"
     "  --throughput F   kernel speed from an attention_bench JSON (tests/bench/results/\n"
     "                   attention_h200.json): its vs95 rows fitted (default: that file's fit, built in)\n"
-    "  --kernel-scale X kernel speed relative to the table: throughput x X, row cost / X (e.g. an\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput x X, row and call costs / X (e.g. an\n"
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
     "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
     "                   the device engine of this version puts each rank's transfers on one stream)\n"

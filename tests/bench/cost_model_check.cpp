@@ -95,8 +95,8 @@ int main() {
   const cost::kernel_sample today_b[] = {one_step_sample(32768, true, 2.4097), one_step_sample(131072, true, 28.596),
                                          one_step_sample(524288, true, 441.8105)};
   const cost::kernel_throughput today{.head_dim = dim, .forward = cost::fit_kernel_speed(today_f), .backward = cost::fit_kernel_speed(today_b)};
-  std::printf("fbf6377's kernels fitted: forward %.1f TF + %.1f ns per row and step, backward %.1f TF + %.1f ns (executed entries)\n\n",
-              today.forward.tflops, today.forward.row_ns, today.backward.tflops, today.backward.row_ns);
+  std::printf("fbf6377's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
+              today.forward.tflops, today.forward.row_ns, today.forward.call_us, today.backward.tflops, today.backward.row_ns, today.backward.call_us);
   std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
   const char* today_run = "RESULTS 2026-12-02, cost model entry (93cd528)";
   for (const auto& [s, fwd, bwd] : {std::tuple{index_t{131072}, 8.85, 28.35}, std::tuple{index_t{524288}, 138.86, 437.83}}) {
@@ -141,8 +141,8 @@ int main() {
   const cost::kernel_sample f[] = {one_step_sample(131072, false, ms_from_tf(e128, false, 1, 183)), one_step_sample(524288, false, ms_from_tf(e512, false, 1, 195))};
   const cost::kernel_sample b[] = {one_step_sample(131072, true, ms_from_tf(e128, true, 1, 151)), one_step_sample(524288, true, ms_from_tf(e512, true, 1, 178))};
   const cost::kernel_throughput old{.head_dim = dim, .forward = cost::fit_kernel_speed(f), .backward = cost::fit_kernel_speed(b)};
-  std::printf("\n2026-11-29 kernels fitted: forward %.1f TF + %.1f ns per row and step, backward %.1f TF + %.1f ns\n\n", old.forward.tflops,
-              old.forward.row_ns, old.backward.tflops, old.backward.row_ns);
+  std::printf("\n2026-11-29 kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
+              old.forward.tflops, old.forward.row_ns, old.forward.call_us, old.backward.tflops, old.backward.row_ns, old.backward.call_us);
   std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
   const char* four = "RESULTS 2026-11-29, four GPUs";
   struct nccl_row {

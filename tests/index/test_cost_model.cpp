@@ -109,6 +109,39 @@ TEST_CASE("cost model: kernel fit recovers the speed that made the samples") {
   CHECK(one.row_ns == 0.0);
   CHECK(one.seconds(samples[0].flops, samples[0].active_rows) == doctest::Approx(samples[0].seconds));
   CHECK_THROWS_AS(cost::fit_kernel_speed({}), invalid_argument);
+  // Two lengths fit a row cost or a call's cost equally well: the row cost is kept.
+  const cost::kernel_speed two = cost::fit_kernel_speed(std::span(samples).first(2));
+  CHECK(two.tflops == doctest::Approx(300.0));
+  CHECK(two.row_ns == doctest::Approx(50.0));
+  CHECK(two.call_us == 0.0);
+}
+
+TEST_CASE("cost model: three lengths tell a call's fixed cost from the row cost") {
+  auto samples_of = [](const cost::kernel_speed& truth) {
+    std::vector<cost::kernel_sample> samples;
+    for (const double s : {32768.0, 131072.0, 524288.0}) {
+      const double flops = 4 * 128 * 0.05 * s * s / 2 * 16, rows = s / 64 * 16;
+      samples.push_back({flops, rows, truth.seconds(flops, rows)});
+    }
+    return samples;
+  };
+  const cost::kernel_speed all = cost::fit_kernel_speed(samples_of({.tflops = 300.0, .row_ns = 50.0, .call_us = 120.0}));
+  CHECK(all.tflops == doctest::Approx(300.0));
+  CHECK(all.row_ns == doctest::Approx(50.0));
+  CHECK(all.call_us == doctest::Approx(120.0));
+  const cost::kernel_speed calls = cost::fit_kernel_speed(samples_of({.tflops = 300.0, .call_us = 200.0}));
+  CHECK(calls.tflops == doctest::Approx(300.0));
+  CHECK(calls.row_ns == doctest::Approx(0.0).epsilon(1e-6));
+  CHECK(calls.call_us == doctest::Approx(200.0));
+  // A call with no active row launches nothing.
+  CHECK(cost::kernel_speed{.tflops = 300.0, .call_us = 200.0}.seconds(0.0, 0.0) == 0.0);
+  // Measured times shorter than a fixed cost could allow: that term is dropped, not made negative.
+  std::vector<cost::kernel_sample> faster = samples_of({.tflops = 300.0, .row_ns = 50.0});
+  faster[0].seconds *= 0.8;
+  const cost::kernel_speed dropped = cost::fit_kernel_speed(faster);
+  CHECK(dropped.row_ns >= 0.0);
+  CHECK(dropped.call_us >= 0.0);
+  CHECK((dropped.row_ns == 0.0 || dropped.call_us == 0.0));
 }
 
 TEST_CASE("cost model: message sizes and link times") {
@@ -223,10 +256,10 @@ TEST_CASE("cost model: the solver's two stages") {
     const solver::plan x = solver::solve(p);
     const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
     const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(16384), k, cost::cluster{.nodes = 1, .gpus_per_node = 1});
-    std::int64_t area = 0, rows = 0;
+    double seconds = 0;  // one call per task
     const std::vector<std::int64_t> task_rows = cost::solver_task_rows(g, p);
-    for (std::size_t i = 0; i < p.area.size(); ++i) area += p.area[i], rows += task_rows[i];
-    CHECK(l.forward.seconds == doctest::Approx(k.forward.seconds(cost::entry_flops(128, false) * double(area), double(rows))));
+    for (std::size_t i = 0; i < p.area.size(); ++i) seconds += k.forward.seconds(cost::entry_flops(128, false) * double(p.area[i]), double(task_rows[i]));
+    CHECK(l.forward.seconds == doctest::Approx(seconds));
     CHECK_FALSE(l.forward.steps[0].communication_bound);
   }
   // Four ranks: the moves and returns cost time; more bandwidth is never slower.

@@ -25,10 +25,12 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -48,15 +50,20 @@ namespace stria::cost {
 // Kernels
 
 /// One direction (forward or backward) of the sparse kernels: a step's time is
-/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9.
+/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6.
 struct kernel_speed {
-  double tflops = 0;  // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
-  double row_ns = 0;  // per active (query block, head) row and step: loading Q (and dO), merging the running state
+  double tflops = 0;   // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
+  double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), merging the running state
+  double call_us = 0;  // per call with any work: its launches (5 backward), their ramp and tail, the host's work between them
 
-  [[nodiscard]] double seconds(double flops, double active_rows) const { return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9; }
+  /// One call's time; a call with no active row launches nothing.
+  [[nodiscard]] double seconds(double flops, double active_rows) const {
+    return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9 + (active_rows > 0 ? call_us * 1e-6 : 0.0);
+  }
   void validate(const char* what) const {
     if (!(tflops > 0) || !std::isfinite(tflops)) throw invalid_argument(std::string(what) + ".tflops", tflops, "must be positive and finite");
     if (!(row_ns >= 0) || !std::isfinite(row_ns)) throw invalid_argument(std::string(what) + ".row_ns", row_ns, "must be >= 0 and finite");
+    if (!(call_us >= 0) || !std::isfinite(call_us)) throw invalid_argument(std::string(what) + ".call_us", call_us, "must be >= 0 and finite");
   }
 };
 
@@ -73,8 +80,8 @@ struct kernel_throughput {
   }
 };
 
-/// One measured run of a kernel over a whole sequence on one GPU (one ring step): its FLOPs on
-/// active entries, its active rows (S / 64 x Hq where every row has work) and its time.
+/// One measured run of a kernel over a whole sequence on one GPU (one ring step, one call): the
+/// FLOPs of its executed entries, its active rows (S / 64 x Hq where every row has work) and its time.
 struct kernel_sample {
   double flops = 0;
   double active_rows = 0;
@@ -82,38 +89,81 @@ struct kernel_sample {
 };
 
 /// The kernel_speed that fits `samples` best in relative error (each sample's error divided by its
-/// time, so a 32K run counts as much as a 512K one). One sample, or samples whose fit would give a
-/// negative row cost, give the plain throughput (row_ns = 0): a fixed row cost cannot be told apart
-/// from the throughput without runs of different lengths.
+/// time, so a 32K run counts as much as a 512K one). Its three terms grow differently with the length
+/// (FLOPs as S^2 at a fixed density, rows as S, the call's cost not at all), so runs of three lengths
+/// can tell them apart. A term that such a fit leaves negative, or that the runs cannot tell apart,
+/// is dropped: of the fits with fewer terms the one with the smaller error wins, and where both fit
+/// exactly (two lengths) the row cost is kept (DESIGN's per-row work; the call's cost needs a third
+/// length to show). One run gives the plain throughput.
 inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
   if (samples.empty()) throw invalid_argument("fit_kernel_speed: samples.size()", 0, "needs at least one measured run");
   for (const kernel_sample& x : samples)
     if (!(x.flops > 0 && x.seconds > 0 && x.active_rows >= 0) || !std::isfinite(x.flops + x.seconds + x.active_rows))
       throw invalid_argument("fit_kernel_speed: sample seconds", x.seconds, "needs flops > 0, seconds > 0 and active_rows >= 0, all finite");
-  // Unknowns u = 1 / (tflops x 1e12), v = row_ns x 1e-9; rows a = (flops, rows) / seconds, target 1.
-  double aa = 0, ab = 0, bb = 0, a1 = 0, b1 = 0;
-  for (const kernel_sample& x : samples) {
-    const double a = x.flops / x.seconds, b = x.active_rows / x.seconds;
-    aa += a * a, ab += a * b, bb += b * b, a1 += a, b1 += b;
+  // Unknowns: 1 / (tflops x 1e12), row_ns x 1e-9, call_us x 1e-6; a sample's row is its
+  // (flops, rows, 1) / seconds, its target 1. Least squares over the terms in `use`.
+  using terms = std::array<double, 3>;
+  auto solve = [&](std::array<bool, 3> use) -> std::optional<terms> {
+    std::vector<std::size_t> term;  // the unknowns in use
+    for (std::size_t j = 0; j < 3; ++j)
+      if (use[j]) term.push_back(j);
+    const std::size_t n = term.size();
+    if (samples.size() < n) return std::nullopt;
+    std::array<std::array<double, 4>, 3> m{};  // the normal equations, n x (n + 1)
+    for (const kernel_sample& x : samples) {
+      const terms a{x.flops / x.seconds, x.active_rows / x.seconds, 1.0 / x.seconds};
+      for (std::size_t r = 0; r < n; ++r) {
+        for (std::size_t c = 0; c < n; ++c) m[r][c] += a[term[r]] * a[term[c]];
+        m[r][n] += a[term[r]];
+      }
+    }
+    terms diagonal{};  // before elimination: what a pivot is judged against
+    for (std::size_t r = 0; r < n; ++r) diagonal[r] = m[r][r];
+    for (std::size_t c = 0; c < n; ++c) {  // Gauss-Jordan on a symmetric positive semi-definite matrix
+      if (!(m[c][c] > 1e-12 * diagonal[c])) return std::nullopt;  // a term the runs cannot tell apart
+      for (std::size_t r = 0; r < n; ++r)
+        if (r != c) {
+          const double f = m[r][c] / m[c][c];
+          for (std::size_t j = c; j <= n; ++j) m[r][j] -= f * m[c][j];
+        }
+    }
+    terms u{};
+    for (std::size_t r = 0; r < n; ++r) u[term[r]] = m[r][n] / m[r][r];
+    if (!(u[0] > 0) || u[1] < 0 || u[2] < 0) return std::nullopt;
+    return u;
+  };
+  auto squared_error = [&](const terms& u) {
+    double sum = 0;
+    for (const kernel_sample& x : samples) {
+      const double e = (u[0] * x.flops + u[1] * x.active_rows + u[2]) / x.seconds - 1.0;
+      sum += e * e;
+    }
+    return sum;
+  };
+  std::optional<terms> best;
+  if (const std::optional<terms> all = solve({true, true, true})) best = all;
+  for (const std::array<bool, 3> use : {std::array{true, true, false}, std::array{true, false, true}}) {  // ties keep the first
+    if (best && best->at(1) > 0 && best->at(2) > 0) break;                                                  // all three terms fitted
+    if (const std::optional<terms> u = solve(use); u && (!best || squared_error(*u) < squared_error(*best) - 1e-12)) best = u;
   }
-  const double det = aa * bb - ab * ab;
-  if (samples.size() >= 2 && det > 1e-12 * aa * bb) {
-    const double u = (a1 * bb - b1 * ab) / det, v = (aa * b1 - ab * a1) / det;
-    if (u > 0 && v >= 0) return {1.0 / (u * 1e12), v * 1e9};
-  }
-  return {1.0 / (a1 / aa * 1e12), 0.0};
+  if (!best) best = solve({true, false, false});
+  if (!best)  // positive samples always give a positive throughput alone
+    throw invalid_argument("fit_kernel_speed: samples.size()", samples.size(), "gave no positive throughput");
+  return {1.0 / ((*best)[0] * 1e12), (*best)[1] * 1e9, (*best)[2] * 1e6};
 }
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
 /// tests/bench/results/attention_h200.json (commit f0cca9d, 2026-12-04; bf16, Hq 16, Hkv 2, 95%
 /// sparse VS pattern, atomic backward, dS stored at D 128), each row's executed entries counted on
 /// the selection it ran (its padding: 3.7% of the active entries at 32K, 1.0% at 128K, 0.2% at
-/// 512K). D 128 has runs at 32K, 128K and 512K; D 64 has one (128K), so its row cost is not known
-/// and counts as 0.
+/// 512K). D 128 has runs at 32K, 128K and 512K: the three-term fit gives both directions a negative
+/// row cost, so they keep the throughput and the call's cost. D 64 has one run (128K): the plain
+/// throughput, its row and call costs unknown and counted as 0.
 /// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
-  if (head_dim == 128) return {.head_dim = 128, .forward = {.tflops = 446.9240, .row_ns = 14.1586}, .backward = {.tflops = 387.1272, .row_ns = 24.5416}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960, .row_ns = 0.0}, .backward = {.tflops = 274.5333, .row_ns = 0.0}};
+  if (head_dim == 128)
+    return {.head_dim = 128, .forward = {.tflops = 435.1319, .row_ns = 0.0, .call_us = 105.4388}, .backward = {.tflops = 380.9709, .row_ns = 0.0, .call_us = 183.6795}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960}, .backward = {.tflops = 274.5333}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
@@ -646,14 +696,13 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
   auto run = [&](bool backward) {
     const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
     const double flops_per_entry = entry_flops(shape.head_dim, backward);
-    auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
-      double executed = 0, rows = 0;
+    auto stage_seconds = [&](const std::vector<solver::task>& tasks) {  // a call per task
+      double seconds = 0;
       for (const solver::task& t : tasks) {
         const std::size_t at = static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) + static_cast<std::size_t>(t.kv_chunk);
-        executed += executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at], backward);
-        rows += double(task_rows[at]);
+        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at], backward), double(task_rows[at]));
       }
-      return speed.seconds(flops_per_entry * executed, rows);
+      return seconds;
     };
     // What each move carries there and back.
     const double kv_there = shape.kv_bytes(tokens), kv_back = backward ? shape.kv_gradient_bytes(tokens) : 0.0;
