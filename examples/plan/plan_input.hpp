@@ -76,7 +76,7 @@ inline constexpr const char* usage =
     "  --intra-latency-us X, --inter-latency-us X   per message (defaults 10 and 20)\n"
     "  --throughput F   kernel speed from an attention_bench JSON (tests/bench/results/\n"
     "                   attention_h200.json): its vs95 rows fitted (default: that file's fit, built in)\n"
-    "  --kernel-scale X kernel speed relative to the table: throughput x X, row and call costs / X (e.g. an\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput x X, row cost / X, call cost kept (e.g. an\n"
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
     "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
     "                   the device engine of this version puts each rank's transfers on one stream)\n"
@@ -298,18 +298,14 @@ inline stria::global_selection read_selection(const std::string& path) {
   return parse_selection(in, path);
 }
 
-/// The kernels' speed for `head_dim` fitted (stria::cost::fit_kernel_speed) to the rows named
-/// "vs95" of an attention_bench results file (tests/bench/results/attention_h200.json): per row
-/// seq_len, head_dim, heads_q, heads_kv, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops. The executed
-/// entries add the padding of the gathered vertical tiles, counted on the selection attention_bench
-/// ran (the planted pattern at 5% density, host::plant_vs_selection).
 /// The gathered vertical tiles' padding of attention_bench's vs95 selection on one rank.
 inline std::int64_t bench_vertical_padding(double seq_len, double heads_q, double heads_kv, stria::index_t head_dim, const std::string& where) {
   // The selection is planted here, so the row's shape is bounded to what a benchmark row can be.
-  if (seq_len != std::floor(seq_len) || seq_len > double(1 << 21))
-    throw stria::invalid_argument(where + ".seq_len", seq_len, "must be an integer of at most 2097152 (a benchmark row's length)");
+  if (seq_len != std::floor(seq_len) || seq_len < stria::block_tokens || seq_len > double(1 << 21) || std::fmod(seq_len, stria::block_tokens) != 0)
+    throw stria::invalid_argument(where + ".seq_len", seq_len, "must be a multiple of 64 of at most 2097152 (a benchmark row's length)");
   for (const auto& [key, heads] : {std::pair{".heads_q", heads_q}, std::pair{".heads_kv", heads_kv}})
     if (heads != std::floor(heads) || heads > 256) throw stria::invalid_argument(where + key, heads, "must be an integer of at most 256");
+  if (std::fmod(heads_q, heads_kv) != 0) throw stria::invalid_argument(where + ".heads_kv", heads_kv, "must divide heads_q = " + std::to_string(static_cast<long long>(heads_q)));
   stria::host::synthetic_vs_options o;
   o.seq_len = static_cast<stria::index_t>(seq_len);
   o.heads_q = static_cast<stria::index_t>(heads_q);
@@ -320,6 +316,11 @@ inline std::int64_t bench_vertical_padding(double seq_len, double heads_q, doubl
   return stria::cost::count_ring_vertical_padding(g, stria::sharding::striped<64>{}, stria::topology::flat_ring(1)).total();
 }
 
+/// The kernels' speed for `head_dim` fitted (stria::cost::fit_kernel_speed) to the rows named
+/// "vs95" of an attention_bench results file (tests/bench/results/attention_h200.json): per row
+/// seq_len, head_dim, heads_q, heads_kv, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops. The executed
+/// entries add the padding of the gathered vertical tiles, counted on the selection attention_bench
+/// ran (the planted pattern at 5% density, host::plant_vs_selection).
 inline stria::cost::kernel_throughput read_throughput(const std::string& path, stria::index_t head_dim) {
   std::ifstream in(path);
   if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
@@ -353,8 +354,7 @@ inline stria::cost::kernel_throughput read_throughput(const std::string& path, s
     const double backward_flops = number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3;
     const double padding = double(bench_vertical_padding(tokens, heads, number(row, "heads_kv", where), head_dim, where));
     forward.push_back({forward_flops + stria::cost::entry_flops(head_dim, false) * padding, rows_active, number(row, "fwd_ms", where) * 1e-3});
-    backward.push_back({backward_flops + stria::cost::entry_flops(head_dim, true) * stria::cost::backward_padding_share * padding, rows_active,
-                        number(row, "bwd_ms", where) * 1e-3});
+    backward.push_back({backward_flops + stria::cost::entry_flops(head_dim, true) * padding, rows_active, number(row, "bwd_ms", where) * 1e-3});
   }
   if (forward.empty()) throw stria::invalid_argument(file, head_dim, "has no \"vs95\" row for this head_dim");
   return {.head_dim = head_dim, .forward = stria::cost::fit_kernel_speed(forward), .backward = stria::cost::fit_kernel_speed(backward)};

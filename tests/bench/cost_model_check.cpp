@@ -59,7 +59,7 @@ counts flat_counts(index_t seq_len, index_t world) {
 /// entries (active + the gathered tiles' padding), every row active.
 cost::kernel_sample one_step_sample(index_t seq_len, bool backward, double ms) {
   const counts c = flat_counts<sharding::striped<64>>(seq_len, 1);
-  return {cost::entry_flops(dim, backward) * cost::executed_entries(c.entries.total(), c.padding.total(), backward), double(seq_len / 64 * hq),
+  return {cost::entry_flops(dim, backward) * cost::executed_entries(c.entries.total(), c.padding.total()), double(seq_len / 64 * hq),
           ms * 1e-3};
 }
 
@@ -122,9 +122,9 @@ int main() {
     for (index_t st = 0; st < 8; ++st) {
       double slowest = 0;
       for (index_t r = 0; r < 8; ++r)
-        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st), false),
+        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st)),
                                                           double(c.rows.at(r, st))) +
-                                        today.backward.seconds(cost::entry_flops(dim, true) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st), true),
+                                        today.backward.seconds(cost::entry_flops(dim, true) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st)),
                                                                double(c.rows.at(r, st))));
       ring += slowest;
     }

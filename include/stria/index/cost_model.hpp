@@ -5,11 +5,12 @@
 //
 // What it models, and why in this form:
 //  - a step's kernel time = executed entries x FLOPs per entry / effective throughput + active rows x
-//    a row's fixed cost. Executed entries are the active ones plus the padding of the tiles that
-//    gather a row's vertical tokens (count_ring_vertical_padding): few tokens per rank leave those
-//    tiles nearly empty, which the active entries alone do not show. The second term is why a step of 1/W of a row's tiles is not 1/W of the
-//    time (RESULTS.md, 2026-11-29, four GPUs: the backward loses 178 -> 151 TF per GPU on 4 GPUs);
-//    both are fitted from single-GPU runs of several lengths (fit_kernel_speed);
+//    a row's fixed cost + a call's fixed cost. Executed entries are the active ones plus the padding
+//    of the tiles that gather vertical tokens (count_ring_vertical_padding, executed_entries):
+//    few tokens per rank leave those tiles nearly empty, which the active entries alone do not show.
+//    The fixed costs are why a step of 1/W of the work is not 1/W of the time (RESULTS.md, 2026-11-29,
+//    four GPUs, and 2026-12-05); all three terms are fitted from one-step runs of several lengths
+//    (fit_kernel_speed);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
 //    intra-node: NVLink; across nodes: the network);
 //  - the schedule is simulated rank by rank as engine/ring_engine.hpp runs it on device/ring_attention.cuh:
@@ -54,11 +55,11 @@ namespace stria::cost {
 struct kernel_speed {
   double tflops = 0;   // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
   double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), merging the running state
-  double call_us = 0;  // per call with any work: its launches (5 backward), their ramp and tail, the host's work between them
+  double call_us = 0;  // per call: its launches (5 backward), their ramp and tail, the host's work between them
 
-  /// One call's time; a call with no active row launches nothing.
+  /// One call's time. The ring engine calls the kernels at every step, an empty one too.
   [[nodiscard]] double seconds(double flops, double active_rows) const {
-    return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9 + (active_rows > 0 ? call_us * 1e-6 : 0.0);
+    return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9 + call_us * 1e-6;
   }
   void validate(const char* what) const {
     if (!(tflops > 0) || !std::isfinite(tflops)) throw invalid_argument(std::string(what) + ".tflops", tflops, "must be positive and finite");
@@ -162,8 +163,8 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 /// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
   if (head_dim == 128)
-    return {.head_dim = 128, .forward = {.tflops = 435.1319, .row_ns = 0.0, .call_us = 105.4388}, .backward = {.tflops = 380.9709, .row_ns = 0.0, .call_us = 183.6795}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960}, .backward = {.tflops = 274.5333}};
+    return {.head_dim = 128, .forward = {.tflops = 435.1319, .row_ns = 0.0, .call_us = 105.4388}, .backward = {.tflops = 382.4510, .row_ns = 0.0, .call_us = 145.1760}};
+  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960}, .backward = {.tflops = 276.6555}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
@@ -320,13 +321,14 @@ ring_workload count_ring_rows(const global_selection& selection, const Sharding&
   return rows;
 }
 
-/// Entries the forward computes but masks, per (rank, step): a row's vertical tokens in a step's KV
+/// Entries the kernels compute but mask, per (rank, step): a row's vertical tokens in a step's KV
 /// chunk are gathered into tiles of 64 key columns, so v tokens cost ceil(v / 64) whole tiles and
-/// (64 ceil(v / 64) - v) x 64 entries are padding. The fewer tokens a rank holds, the fewer of a
+/// (64 ceil(v / 64) - v) x 64 entries are padding (the forward's and the dQ pass's; executed_entries
+/// says why the backward counts the same). The fewer tokens a rank holds, the fewer of a
 /// row's vertical tokens each chunk has and the emptier those tiles (vs95, striped: 1% of the active
 /// entries at 128K tokens per rank, 8% at 16K, 34% at 4K). Counted exactly as build_ring_indices
 /// lays the tokens out (tokens inside one of the row's active tiles are not gathered), in
-/// O(heads x (vertical token blocks x W + blocks x slash lines) + W^2).
+/// O(heads x (vertical token blocks x W + blocks x slash lines + W^2)).
 template <sharding_policy Sharding, ring_topology Topology>
 ring_workload count_ring_vertical_padding(const global_selection& selection, const Sharding& sharding, const Topology& topology) {
   const detail::ring_lookup lookup = detail::ring_lookup::checked(selection, sharding, topology);
@@ -450,16 +452,40 @@ struct layer_prediction {
 /// FLOPs per active entry: 4 D forward (QK^T, PV), 2.5x that backward (workload.hpp's convention).
 inline double entry_flops(index_t head_dim, bool backward) { return (backward ? backward_flops(1, head_dim) : forward_flops(1, head_dim)); }
 
-/// How much of the gathered vertical tiles' padding a direction computes. The forward computes all
-/// of it. The backward walks those tiles only in its dQ pass, dQ += dS K from the stored dS: one of
-/// the five products it makes per tile; its dK/dV passes pack a head's distinct vertical tokens
-/// densely, 64 to a tile (kernel/sparse_backward_wgmma.cuh).
-inline constexpr double backward_padding_share = 0.2;
+/// Entries a step's kernels compute: the active ones and the padding of the tiles that gather
+/// vertical tokens. The forward's padding is count_ring_vertical_padding's; the backward's dQ pass
+/// walks the same tiles, and its dK/dV pass groups a head's distinct vertical tokens 64 at a time
+/// over the union of their query blocks, whose empty columns come to nearly the same count (built
+/// indices, striped vs95: 8.15% of the active entries against 7.87% at 16K tokens per rank, 34.29%
+/// against 34.16% at 4K), so both directions count that padding.
+inline double executed_entries(std::int64_t active, std::int64_t vertical_padding) { return double(active) + double(vertical_padding); }
 
-/// Entries a step's kernels compute: the active ones and the direction's share of the padding.
-inline double executed_entries(std::int64_t active, std::int64_t vertical_padding, bool backward) {
-  return double(active) + (backward ? backward_padding_share : 1.0) * double(vertical_padding);
-}
+namespace detail {
+
+/// A ring's counts per (rank, step) as the predictions read them: entries, rows and padding (empty:
+/// none), each checked against the ring's shape.
+struct ring_counts {
+  const ring_workload& entries;
+  const ring_workload& rows;
+  const ring_workload& padding;
+
+  ring_counts(const ring_workload& e, const ring_workload& r, const ring_workload& p, index_t world, index_t steps)
+      : entries(e), rows(r), padding(p) {
+    if (entries.world_size != world || entries.num_steps != steps || rows.world_size != world || rows.num_steps != steps)
+      throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
+    if (!padding.entries.empty() && (padding.world_size != world || padding.num_steps != steps))
+      throw invalid_argument("vertical_padding world_size", padding.world_size, "must be counted for this topology, as the entries are");
+  }
+  [[nodiscard]] double executed(index_t rank, index_t step) const {
+    return executed_entries(entries.at(rank, step), padding.entries.empty() ? 0 : padding.at(rank, step));
+  }
+  /// One (rank, step)'s kernel call.
+  [[nodiscard]] double seconds(const kernel_speed& speed, double flops_per_entry, index_t rank, index_t step) const {
+    return speed.seconds(flops_per_entry * executed(rank, step), double(rows.at(rank, step)));
+  }
+};
+
+}  // namespace detail
 
 namespace detail {
 
@@ -537,11 +563,7 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
   const index_t w = topology.world_size(), steps = topology.num_steps();
   if (c.world_size() != w)
     throw invalid_argument("cluster nodes x gpus_per_node", c.world_size(), "must equal the topology's world size " + std::to_string(w));
-  if (entries.world_size != w || entries.num_steps != steps || rows.world_size != w || rows.num_steps != steps)
-    throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
-  const bool padded = !vertical_padding.entries.empty();
-  if (padded && (vertical_padding.world_size != w || vertical_padding.num_steps != steps))
-    throw invalid_argument("vertical_padding world_size", vertical_padding.world_size, "must be counted for this topology, as the entries are");
+  const detail::ring_counts counts(entries, rows, vertical_padding, w, steps);
   if (kernel.head_dim != shape.head_dim)
     throw invalid_argument("kernel_throughput.head_dim", kernel.head_dim, "must equal the layer's head_dim " + std::to_string(shape.head_dim));
   if (shape.seq_len % w != 0) throw invalid_argument("layer_shape.seq_len", shape.seq_len, "must be divisible by the world size " + std::to_string(w));
@@ -566,8 +588,7 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
       for (index_t r = 0; r < w; ++r) {
         const auto i = static_cast<std::size_t>(r);
         const double start = std::max(step_end[i], kv_due.at[kv_due.slot(r, s)]);
-        const double t = speed.seconds(flops_per_entry * executed_entries(entries.at(r, s), padded ? vertical_padding.at(r, s) : 0, backward),
-                                       double(rows.at(r, s)));
+        const double t = counts.seconds(speed, flops_per_entry, r, s);
         out.wait_seconds = std::max(out.wait_seconds, start - step_end[i]);
         out.compute_seconds = std::max(out.compute_seconds, t);
         p.rank_compute_seconds[i] += t;
@@ -605,7 +626,7 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
   for (const bool backward : {false, true}) {
     phase_prediction& phase = backward ? p.backward : p.forward;
     const double t = (backward ? kernel.backward : kernel.forward)
-                         .seconds(entry_flops(shape.head_dim, backward) * executed_entries(total_entries, vertical_padding, backward), rows);
+                         .seconds(entry_flops(shape.head_dim, backward) * executed_entries(total_entries, vertical_padding), rows);
     phase.seconds = t;
     phase.steps = {{t, 0.0, 0.0, false}};
     phase.rank_compute_seconds = {t};
@@ -620,9 +641,7 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
                                            const kernel_throughput& kernel, const ring_workload& vertical_padding = {}) {
   shape.validate();
   kernel.validate();
-  const bool padded = !vertical_padding.entries.empty();
-  if (padded && (vertical_padding.world_size != entries.world_size || vertical_padding.num_steps != entries.num_steps))
-    throw invalid_argument("vertical_padding world_size", vertical_padding.world_size, "must be counted for the entries' ring");
+  const detail::ring_counts counts(entries, rows, vertical_padding, entries.world_size, entries.num_steps);
   layer_prediction p;
   for (const bool backward : {false, true}) {
     phase_prediction& phase = backward ? p.backward : p.forward;
@@ -630,9 +649,7 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
     phase.rank_compute_seconds.assign(static_cast<std::size_t>(entries.world_size), 0.0);
     for (index_t r = 0; r < entries.world_size; ++r)
       for (index_t s = 0; s < entries.num_steps; ++s) {
-        const double t = (backward ? kernel.backward : kernel.forward)
-                             .seconds(entry_flops(shape.head_dim, backward) * executed_entries(entries.at(r, s), padded ? vertical_padding.at(r, s) : 0, backward),
-                                      double(rows.at(r, s)));
+        const double t = counts.seconds(backward ? kernel.backward : kernel.forward, entry_flops(shape.head_dim, backward), r, s);
         phase.rank_compute_seconds[static_cast<std::size_t>(r)] += t;
         phase.steps[static_cast<std::size_t>(s)].compute_seconds += t;
         phase.seconds += t;
@@ -700,7 +717,7 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
       double seconds = 0;
       for (const solver::task& t : tasks) {
         const std::size_t at = static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) + static_cast<std::size_t>(t.kv_chunk);
-        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at], backward), double(task_rows[at]));
+        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at]), double(task_rows[at]));
       }
       return seconds;
     };
