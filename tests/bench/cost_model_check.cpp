@@ -118,14 +118,12 @@ int main() {
                                   ring_bench_row{524288, false, 85.64, 631.40, 1182.48}, ring_bench_row{524288, true, 81.85, 637.55, 1145.26}}) {
     const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
     const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), today, c.padding);
+    const cost::detail::ring_counts step(c.entries, c.rows, c.padding, 8, 8);  // each (rank, step)'s calls, as the model times them
     double ring = 0;
     for (index_t st = 0; st < 8; ++st) {
       double slowest = 0;
       for (index_t r = 0; r < 8; ++r)
-        slowest = std::max(slowest, today.forward.seconds(cost::entry_flops(dim, false) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st)),
-                                                          double(c.rows.at(r, st))) +
-                                        today.backward.seconds(cost::entry_flops(dim, true) * cost::executed_entries(c.entries.at(r, st), c.padding.at(r, st)),
-                                                               double(c.rows.at(r, st))));
+        slowest = std::max(slowest, step.seconds(today.forward, cost::entry_flops(dim, false), r, st) + step.seconds(today.backward, cost::entry_flops(dim, true), r, st));
       ring += slowest;
     }
     const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K";
