@@ -141,12 +141,10 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
     }
     return sum;
   };
-  std::optional<terms> best;
-  if (const std::optional<terms> all = solve({true, true, true})) best = all;
-  for (const std::array<bool, 3> use : {std::array{true, true, false}, std::array{true, false, true}}) {  // ties keep the first
-    if (best && best->at(1) > 0 && best->at(2) > 0) break;                                                  // all three terms fitted
-    if (const std::optional<terms> u = solve(use); u && (!best || squared_error(*u) < squared_error(*best) - 1e-12)) best = u;
-  }
+  std::optional<terms> best = solve({true, true, true});
+  if (!best)
+    for (const std::array<bool, 3> use : {std::array{true, true, false}, std::array{true, false, true}})  // ties keep the first
+      if (const std::optional<terms> u = solve(use); u && (!best || squared_error(*u) < squared_error(*best) - 1e-12)) best = u;
   if (!best) best = solve({true, false, false});
   if (!best)  // positive samples always give a positive throughput alone
     throw invalid_argument("fit_kernel_speed: samples.size()", samples.size(), "gave no positive throughput");
@@ -484,10 +482,6 @@ struct ring_counts {
     return speed.seconds(flops_per_entry * executed(rank, step), double(rows.at(rank, step)));
   }
 };
-
-}  // namespace detail
-
-namespace detail {
 
 /// What arrives for which step, per rank: the latest message due there, its transit (from its
 /// sender's post to its arrival, queueing included) and its sender's post time. Times in seconds
