@@ -170,7 +170,7 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   std::vector<double> index_ms, forward_ms, backward_ms;
   std::vector<std::vector<double>> step_ms(static_cast<std::size_t>(gpus));
   std::vector<std::int64_t> non_finite(static_cast<std::size_t>(gpus));
-  double plan_balance = 1;
+  solver::plan executed_plan;  // the solver's, as rank 0's layer made it
   planning_ms planning;
   on_gpus(gpus, nodes, [&](auto& c) {
     const auto r = static_cast<std::size_t>(c.rank());
@@ -214,7 +214,7 @@ row run_variant(const std::string& name, const global_selection& g, const typena
                       count_non_finite(dv, st);
       if constexpr (dynamic) {
         if (r == 0) {
-          plan_balance = layer.plan().max_load_over_mean();
+          executed_plan = layer.plan();
           planning = time_planning(layer.selection(), topology, st, repeats);
         }
       } else if (measure_steps) {
@@ -231,12 +231,12 @@ row run_variant(const std::string& name, const global_selection& g, const typena
   if constexpr (dynamic) {
     result.planning = planning;
     result.entries = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(gpus)).total();
-    result.planned_worker = plan_balance;
+    result.planned_worker = executed_plan.max_load_over_mean();
     result.planned_step = 1;  // the solver has no ring steps
+    // The plan the layer ran, not a second solve of the problem.
     const solver::problem p = solver::problem_from_selection(g, gpus, topology.chunks_per_rank(), shape.hkv);
-    const cost::layer_prediction l =
-        cost::predict_solver(p, solver::solve(p, topology.options()), cost::solver_task_rows(g, p), layer_of(s), kernels, this_host(1, gpus),
-                             cost::solver_task_vertical_padding(g, p));
+    const cost::layer_prediction l = cost::predict_solver(p, executed_plan, cost::solver_task_rows(g, p), layer_of(s), kernels, this_host(1, gpus),
+                                                          cost::solver_task_vertical_padding(g, p));
     result.predicted_forward_ms = l.forward.seconds * 1e3;
     result.predicted_backward_ms = l.backward.seconds * 1e3;
   } else {
