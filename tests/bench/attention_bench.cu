@@ -7,9 +7,10 @@
 // outputs poisoned before a checked run; effective TFLOPS count the active entries only (4 D per entry forward, 2.5x that backward,
 // ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
 // rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts, timed in turns with the bare
-// kernels (row `_front_w1_bare`), so that both are measured at the same clocks.
+// kernels (row `_front_w1_bare`), so that both are measured at the same clocks. --host-times prints the host side of one forward and
+// one backward call (checks, allocations, launches), which a timed run holds the GPU idle for before its first kernel.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
@@ -186,12 +187,13 @@ int main(int argc, char** argv) try {
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
   index_t dim = 128, hkv = 2;
-  bool with_backward = true, with_front = false;
+  bool with_backward = true, with_front = false, host_times = false;
   device::dq_source main_source = device::dq_source::automatic;  // of every backward row but the recomputed one
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--forward-only" || flag == "--front") {  // flags without a value
+    if (flag == "--forward-only" || flag == "--front" || flag == "--host-times") {  // flags without a value
       if (flag == "--front") with_front = true;
+      else if (flag == "--host-times") host_times = true;
       else with_backward = false;
       --i;
       continue;
@@ -335,6 +337,13 @@ int main(int argc, char** argv) try {
         std::printf("%-8d %-6s %7.2f%% %10s %9s %9.3f %10.1f   (backward with the dQ pass recomputing dS)\n", s, (name + "_recomputed_dq").c_str(),
                     100.0 * density, "-", "-", recomputed_ms, bwd_flops / recomputed_ms * 1e-9);
         rows.push_back({name + "_recomputed_dq", s, dim, hq, hkv, density, fwd_ms, recomputed_ms, entries});
+      }
+      if (host_times) {
+        const double fwd_host = bench::median_host_us(repeats, forward(device::forward_kernel::automatic));
+        const double bwd_host = with_backward ? bench::median_host_us(repeats, backward(device::determinism::atomic)) : NAN;
+        std::printf("%-8d %-6s host time of one call (GPU idle at its start): forward %.1f us, backward %.1f us\n", s, name.c_str(), fwd_host,
+                    bwd_host);
+        std::fflush(stdout);
       }
       if (with_front && with_backward) {
         std::uint64_t front_bad = 0;

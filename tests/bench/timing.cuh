@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -93,6 +94,22 @@ std::pair<double, double> median_ms_alternating(int repeats, RunA run_a, cudaStr
   STRIA_CUDA_CHECK(cudaEventDestroy(start));
   STRIA_CUDA_CHECK(cudaEventDestroy(stop));
   return {median_of(a), median_of(b)};
+}
+
+/// Median host time of one run() in microseconds, the GPU idle at its start: what the call spends on
+/// the host (checks, allocations, launches) before its work is queued. Part of a timed run while the
+/// GPU waits for its first launch; hidden behind earlier work when calls are queued back to back.
+template <class Run>
+double median_host_us(int repeats, Run run) {
+  std::vector<float> times;
+  for (int i = 0; i < repeats; ++i) {
+    STRIA_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    times.push_back(std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - start).count());
+  }
+  STRIA_CUDA_CHECK(cudaDeviceSynchronize());
+  return median_of(times);
 }
 
 }  // namespace stria::bench
