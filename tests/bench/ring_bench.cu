@@ -17,7 +17,9 @@
 //     allocation wait for another stream's free (cudaMemPoolReuseAllowInternalDependencies = 0).
 //     The W ranks' streams share that pool; this tells whether its cross-rank waits are what the
 //     shared-GPU ring loses against the sum of its kernels (RESULTS, 2026-12-02 cost model entry).
-//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies]
+//  5. with --forward-kernels automatic,mma_sync,...: part 2 split as in 4, striped, once per named forward
+//     kernel (device::forward_kernel): whether the shared GPU's forward depends on the kernel.
+//   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -79,7 +81,8 @@ balance time_steps(const global_selection& g, const Sharding& sharding, index_t 
 
 /// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).
 template <class Sharding>
-ring_times time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check, bool split = false) {
+ring_times time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check, bool split = false,
+                     device::forward_kernel which = device::forward_kernel::automatic) {
   const index_t s = g.seq_len, local = s / world;
   const topology::flat_ring ring(world);
   const double scale = 1.0 / std::sqrt(double(dim));
@@ -117,7 +120,7 @@ ring_times time_ring(const global_selection& g, const Sharding& sharding, index_
         using clock = std::chrono::steady_clock;
         const auto ms_since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
         const clock::time_point t0 = clock::now();
-        device::ring_forward(c, ring, std::span<const device_step_index>(indices), forward, scale, run);
+        device::ring_forward(c, ring, std::span<const device_step_index>(indices), forward, scale, run, which);
         clock::time_point t1 = t0;
         if (split) {
           compute.synchronize();
@@ -151,6 +154,7 @@ int main(int argc, char** argv) try {
   index_t world = 8;
   int repeats = 5;
   bool checked = false, pool_dependencies = false;
+  std::vector<std::pair<std::string, device::forward_kernel>> forward_kernels;  // --forward-kernels
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--checked" || flag == "--pool-dependencies") {
@@ -162,7 +166,18 @@ int main(int argc, char** argv) try {
     if (flag == "--seq-len") seq_lens = bench::parse_sizes(flag, value);
     else if (flag == "--world") world = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
-    else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked or --pool-dependencies");
+    else if (flag == "--forward-kernels") {
+      std::size_t begin = 0;
+      while (begin <= value.size()) {
+        const std::size_t end = std::min(value.find(',', begin), value.size());
+        const std::string name = value.substr(begin, end - begin);
+        if (name == "automatic") forward_kernels.emplace_back(name, device::forward_kernel::automatic);
+        else if (name == "mma_sync") forward_kernels.emplace_back(name, device::forward_kernel::mma_sync);
+        else if (name == "wgmma") forward_kernels.emplace_back(name, device::forward_kernel::wgmma);
+        else throw invalid_argument(flag, name, "must be a comma-separated list of automatic, mma_sync and wgmma");
+        begin = end + 1;
+      }
+    } else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked, --pool-dependencies or --forward-kernels");
   }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -181,7 +196,7 @@ int main(int argc, char** argv) try {
     o.density = 0.05;
     const global_selection g = host::plant_vs_selection(o);
     double busiest_zigzag = 0, busiest_striped = 0, ring_zigzag = 0, ring_striped = 0;
-    std::vector<std::string> pool_rows;  // --pool-dependencies, printed after the table
+    std::vector<std::string> pool_rows, kernel_rows;  // --pool-dependencies, --forward-kernels: printed after the table
     auto compare_pool = [&](const global_selection& sel, const auto& sharding, const char* name) {
       const ring_times with = time_ring(sel, sharding, world, repeats, finite_check::off, true);
       allow_pool_internal_dependencies(false);
@@ -218,6 +233,12 @@ int main(int argc, char** argv) try {
       b.ring_engine_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off).layer_ms;
       if (checked) b.checked_ms = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::every_step).layer_ms;
       if (pool_dependencies) compare_pool(g, sharding::striped<64>{}, "striped");
+      for (const auto& [name, which] : forward_kernels) {
+        const ring_times t = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off, true, which);
+        char line[256];
+        std::snprintf(line, sizeof line, "%-8d %-11s %-10s %10.2f %10.2f %10.2f", s, "striped", name.c_str(), t.forward_ms, t.backward_ms, t.layer_ms);
+        kernel_rows.push_back(line);
+      }
       busiest_striped = b.busiest_rank_ms;
       ring_striped = b.ring_ms;
       report("striped", b);
@@ -227,6 +248,11 @@ int main(int argc, char** argv) try {
       std::printf("local_device ring, forward and backward timed apart; the pool's cross-stream waits allowed | forbidden:\n");
       std::printf("%-8s %-11s %10s %10s %10s %12s %10s %10s\n", "S", "sharding", "fwd ms", "bwd ms", "layer ms", "fwd ms", "bwd ms", "layer ms");
       for (const std::string& line : pool_rows) std::printf("%s\n", line.c_str());
+    }
+    if (!kernel_rows.empty()) {
+      std::printf("local_device ring, forward and backward timed apart, per forward kernel:\n");
+      std::printf("%-8s %-11s %-10s %10s %10s %10s\n", "S", "sharding", "forward", "fwd ms", "bwd ms", "layer ms");
+      for (const std::string& line : kernel_rows) std::printf("%s\n", line.c_str());
     }
   }
   return 0;
