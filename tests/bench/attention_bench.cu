@@ -343,6 +343,16 @@ int main(int argc, char** argv) try {
         const double bwd_host = with_backward ? bench::median_host_us(repeats, backward(device::determinism::atomic)) : NAN;
         std::printf("%-8d %-6s host time of one call (GPU idle at its start): forward %.1f us, backward %.1f us\n", s, name.c_str(), fwd_host,
                     bwd_host);
+        // What the backward's host side is made of: the runtime calls it makes once per call.
+        std::size_t free_bytes = 0, total_bytes = 0;
+        cudaPointerAttributes attributes{};
+        const double mem_info = bench::median_host_us(repeats, [&] { STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes)); });
+        const double pointer = bench::median_host_us(repeats, [&] { STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, q.data())); });
+        const double limit = bench::median_host_us(repeats, [&] { static_cast<void>(device::detail::automatic_ds_workspace_limit()); });
+        const double allocation = bench::median_host_us(repeats, [&] { device_buffer<float> x(std::size_t{1} << 20, nullptr); });
+        std::printf("%-8d %-6s host time of a runtime call: cudaMemGetInfo %.1f us, cudaPointerGetAttributes %.1f us, the stored dS's "
+                    "workspace limit %.1f us, a 4 MiB pool allocation and free %.1f us\n",
+                    s, name.c_str(), mem_info, pointer, limit, allocation);
         std::fflush(stdout);
       }
       if (with_front && with_backward) {
