@@ -8,7 +8,8 @@
 // ANCHORS.md). --front adds, for each pattern, the same selection through the front template stria::sparse_attention with one
 // rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts, timed in turns with the bare
 // kernels (row `_front_w1_bare`), so that both are measured at the same clocks. --host-times prints the host side of one forward and
-// one backward call (checks, allocations, launches), which a timed run holds the GPU idle for before its first kernel.
+// one backward call (checks, allocations, launches), an upper bound on what a timed single call holds the GPU idle for (only the
+// part before its first launch does), and the runtime calls that side is made of.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
 //                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
@@ -340,10 +341,11 @@ int main(int argc, char** argv) try {
       }
       if (host_times) {
         const double fwd_host = bench::median_host_us(repeats, forward(device::forward_kernel::automatic));
-        const double bwd_host = with_backward ? bench::median_host_us(repeats, backward(device::determinism::atomic)) : NAN;
-        std::printf("%-8d %-6s host time of one call (GPU idle at its start): forward %.1f us, backward %.1f us\n", s, name.c_str(), fwd_host,
-                    bwd_host);
-        // What the backward's host side is made of: the runtime calls it makes once per call.
+        std::printf("%-8d %-6s host time of one call (GPU idle at its start): forward %.1f us", s, name.c_str(), fwd_host);
+        if (with_backward) std::printf(", backward %.1f us", bench::median_host_us(repeats, backward(device::determinism::atomic)));
+        std::printf("\n");
+        // What that host side is made of: a backward call asks cudaPointerGetAttributes for each of its 8-9 tensors, allocates and
+        // frees 4 buffers from the pool, and computes the stored dS's workspace limit once (cudaMemGetInfo and two pool queries).
         std::size_t free_bytes = 0, total_bytes = 0;
         cudaPointerAttributes attributes{};
         const double mem_info = bench::median_host_us(repeats, [&] { STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes)); });

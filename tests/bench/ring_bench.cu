@@ -18,7 +18,9 @@
 //     The W ranks' streams share that pool; this tells whether its cross-rank waits are what the
 //     shared-GPU ring loses against the sum of its kernels (RESULTS, 2026-12-02 cost model entry).
 //  5. with --forward-kernels automatic,mma_sync,...: part 2 split as in 4, striped, once per named forward
-//     kernel (device::forward_kernel): whether the shared GPU's forward depends on the kernel.
+//     kernel (device::forward_kernel): whether the shared GPU's forward depends on the kernel. mma_sync
+//     is the sm80 kernel; wgmma is the Hopper kernel without pairing, which automatic uses on the steps
+//     whose index is not complete (all of them on vs95).
 //   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
 #include <cuda_bf16.h>
 
@@ -174,7 +176,7 @@ int main(int argc, char** argv) try {
         if (name == "automatic") forward_kernels.emplace_back(name, device::forward_kernel::automatic);
         else if (name == "mma_sync") forward_kernels.emplace_back(name, device::forward_kernel::mma_sync);
         else if (name == "wgmma") forward_kernels.emplace_back(name, device::forward_kernel::wgmma);
-        else throw invalid_argument(flag, name, "must be a comma-separated list of automatic, mma_sync and wgmma");
+        else throw invalid_argument(flag, value, "must be a comma-separated list of automatic, mma_sync and wgmma (\"" + name + "\" is none of them)");
         begin = end + 1;
       }
     } else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked, --pool-dependencies or --forward-kernels");
