@@ -174,17 +174,10 @@ front_times front_template_ms(const global_selection& g, const device_buffer<T>&
   return ms;
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> parts;
-  std::stringstream in(s);
-  for (std::string part; std::getline(in, part, ',');) parts.push_back(part);
-  return parts;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::vector<std::string> lengths = split("16384,65536,131072"), patterns = split("dense,vs90,vs95,slash90,slash95");
+  std::vector<std::string> lengths = bench::split_list("16384,65536,131072"), patterns = bench::split_list("dense,vs90,vs95,slash90,slash95");
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
   index_t dim = 128, hkv = 2;
@@ -204,8 +197,8 @@ int main(int argc, char** argv) try {
       return 2;
     }
     const std::string value = argv[i + 1];
-    if (flag == "--seq-len") lengths = split(value);
-    else if (flag == "--patterns") patterns = split(value);
+    if (flag == "--seq-len") lengths = bench::split_list(value);
+    else if (flag == "--patterns") patterns = bench::split_list(value);
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
     else if (flag == "--pattern-dir") pattern_dir = value;
     else if (flag == "--json") json_path = value;

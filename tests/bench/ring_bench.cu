@@ -169,16 +169,13 @@ int main(int argc, char** argv) try {
     else if (flag == "--world") world = cli::parse_integer<index_t>(flag, value, 1);
     else if (flag == "--repeats") repeats = cli::parse_integer<int>(flag, value, 1);
     else if (flag == "--forward-kernels") {
-      std::size_t begin = 0;
-      while (begin <= value.size()) {
-        const std::size_t end = std::min(value.find(',', begin), value.size());
-        const std::string name = value.substr(begin, end - begin);
+      for (const std::string& name : bench::split_list(value)) {
         if (name == "automatic") forward_kernels.emplace_back(name, device::forward_kernel::automatic);
         else if (name == "mma_sync") forward_kernels.emplace_back(name, device::forward_kernel::mma_sync);
         else if (name == "wgmma") forward_kernels.emplace_back(name, device::forward_kernel::wgmma);
         else throw invalid_argument(flag, value, "must be a comma-separated list of automatic, mma_sync and wgmma (\"" + name + "\" is none of them)");
-        begin = end + 1;
       }
+      if (forward_kernels.empty()) throw invalid_argument(flag, value, "must name at least one of automatic, mma_sync and wgmma");
     } else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked, --pool-dependencies or --forward-kernels");
   }
   cudaDeviceProp prop{};
