@@ -76,15 +76,25 @@ if [ "$mode" != quick ]; then
   # behind a gate kernel that the host opens only after every rank has raised, and compute-sanitizer
   # serializes kernel launches: it cannot finish under a sanitizer (2026-12-04) and is left out. doctest's summary counts the cases outside a shard's range as
   # passed; the sanitizer's own ERROR SUMMARY is what counts. SANITIZER_TIMEOUT (400 s) bounds each.
-  sanitize_shard() {  # TOOL FIRST LAST | TOOL fault PATTERN
-    local log="$OUT/sanitize_$1_$2_${3//[^a-z0-9]/}.log" start=$(date +%s) cases
-    if [ "$2" = fault ]; then cases=(-tc="$3"); else cases=(-tce="*local_device fault*" -f="$2" -l="$3"); fi
-    timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
+  # SANITIZER_PARTS=N takes the four sweeps that outlast a call under racecheck (random and ring-step
+  # indices, both element types; the 300-block backward; the paired forward) out of the shards and
+  # runs each as N processes per tool, process i with STRIA_TEST_PART=i/N (every N-th configuration).
+  # (A template case's name ends in its type: "...indices<__nv_bfloat16>".)
+  sweeps=("*random?step?indices*" "*more?than?256?query?blocks*" "*ring-step?indices*" "the?paired?Hopper?forward*")
+  shard_excluded="*local_device fault*"
+  [ "${SANITIZER_PARTS:-0}" -gt 0 ] && shard_excluded+=",$(IFS=,; echo "${sweeps[*]}")"
+  sanitize_shard() {  # TOOL FIRST LAST | TOOL fault PATTERN | TOOL part PATTERN I/N
+    local log="$OUT/sanitize_$1_$2_${3//[^a-z0-9]/}${4:+_${4//\//of}}.log" start=$(date +%s) cases
+    case $2 in
+      fault | part) cases=(-tc="$3") ;;
+      *) cases=(-tce="$shard_excluded" -f="$2" -l="$3") ;;
+    esac
+    env ${4:+STRIA_TEST_PART=$4} timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
     local rc=$?
-    echo "$1 cases $2 $3: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
+    echo "$1 cases $2 $3${4:+ part $4}: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
     [ $rc = 0 ] && rm -f "$log"  # the others come back packed in one file (at most 8 files do)
   }
-  export -f sanitize_shard; export OUT bin
+  export -f sanitize_shard; export OUT bin shard_excluded
   start=$(date +%s)
   # The binary's count of test cases (doctest's listing), so that a new case is not left out of every shard.
   all_cases=$("$bin/stria_gpu_tests" -ltc | grep -o 'passing the current filters: [0-9]*' | grep -o '[0-9]*$')
@@ -94,7 +104,12 @@ if [ "$mode" != quick ]; then
       for ((first = 1; first <= ${all_cases:-64}; first += per)); do echo "$tool $first $((first + per - 1))"; done
     done
     for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
-  } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
+    for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
+      for ((i = 0; i < ${SANITIZER_PARTS:-0}; ++i)); do
+        for sweep in "${sweeps[@]}"; do echo "$tool part $sweep $i/$SANITIZER_PARTS"; done
+      done
+    done
+  } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2" "$3"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
   # What racecheck reports on the stage rings' hand-over (tests/gpu/racecheck_probe.cu): every lane
   # reading a stage that lane 0 releases (the forward's K ring), lane 0 alone reading, and the control.
   if [[ " ${SANITIZERS-racecheck} " == *" racecheck "* ]] && [ -x "$bin/stria_racecheck_probe" ]; then

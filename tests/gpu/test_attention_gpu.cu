@@ -210,17 +210,18 @@ const problem problems[] = {{2, 2, 64, "Hq2 Hkv2 D64"}, {4, 2, 128, "Hq4 Hkv2 D1
 TEST_CASE_TEMPLATE("sparse attention kernels match the reference on random step indices", T, __nv_bfloat16, __half) {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
+  test::sweep_part part;
   for (const problem& shape : problems)
     for (bool causal : {true, false}) {
       // Striped-like maps: query rank 1 of 3 against KV rank 1 (diagonal tiles) and rank 0.
       const std::vector<index_t> queries{1, 4, 7, 10, 13};
-      check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {1, 4, 7, 10}, 0.4, 0.05), shape);
-      check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {0, 3, 6, 9, 12, 15}, 0.3, 0.08), shape);
+      if (part.next()) check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {1, 4, 7, 10}, 0.4, 0.05), shape);
+      if (part.next()) check_step<T>(rng, random_index(rng, shape.heads_q, causal, queries, {0, 3, 6, 9, 12, 15}, 0.3, 0.08), shape);
     }
 }
 
-// One small problem through every kernel (both forwards, all backward modes): what the device script
-// runs under compute-sanitizer racecheck, which is too slow for the sweeps.
+// One small problem through every kernel (both forwards, all backward modes): racecheck's quick
+// check (under it a sweep outlasts a device call unless split into parts: STRIA_TEST_PART).
 TEST_CASE("sparse attention kernels on one small problem") {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
@@ -234,16 +235,18 @@ TEST_CASE("sparse attention kernels on one small problem") {
 TEST_CASE("the atomic backward over more than 256 query blocks (vertical tokens split into query ranges)") {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
+  test::sweep_part part;
   std::vector<index_t> blocks(300);
   std::iota(blocks.begin(), blocks.end(), 0);
   for (const problem& shape : {problem{2, 1, 64, "Hq2 Hkv1 D64"}, problem{2, 1, 128, "Hq2 Hkv1 D128"}})
     for (const bool causal : {true, false})
-      check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, causal, blocks, blocks, 0.01, 0.003), shape);
+      if (part.next()) check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, causal, blocks, blocks, 0.01, 0.003), shape);
 }
 
 TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
+  test::sweep_part part;
   const index_t world = 3, seq_len = 64 * world * 6;
   const sharding::striped<64> striped;
   for (const problem& shape : problems) {
@@ -251,8 +254,8 @@ TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-st
     const global_selection vs = test::random_selection(rng, seq_len, shape.heads_q, true, 0.2, 0.06);
     for (index_t source : {index_t{1}, index_t{0}, index_t{2}}) {
       CAPTURE(source);
-      check_step<T>(rng, build_local_index(dense, striped, world, 1, source, {}), shape);
-      check_step<T>(rng, build_local_index(vs, striped, world, 1, source, {}), shape);
+      if (part.next()) check_step<T>(rng, build_local_index(dense, striped, world, 1, source, {}), shape);
+      if (part.next()) check_step<T>(rng, build_local_index(vs, striped, world, 1, source, {}), shape);
     }
   }
 }
@@ -263,9 +266,11 @@ TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-st
 TEST_CASE("the paired Hopper forward on complete indices") {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
+  test::sweep_part part;
   for (const problem& shape : {problem{4, 2, 128, "Hq4 Hkv2 D128"}, problem{8, 1, 128, "Hq8 Hkv1 D128"}, problem{2, 2, 128, "Hq2 Hkv2 D128"}})
     for (const index_t blocks : {index_t{1}, index_t{2}, index_t{7}, index_t{10}})
       for (const bool causal : {true, false}) {
+        if (!part.next()) continue;
         const index_t nb = blocks;
         const global_selection all = test::band_selection(nb * block_tokens, shape.heads_q, causal ? 0 : -(nb - 1), nb - 1, causal);
         const step_index index = build_local_index(all, sharding::sequential{}, 1, 0, 0, {});
@@ -275,6 +280,7 @@ TEST_CASE("the paired Hopper forward on complete indices") {
   const problem shape{4, 2, 128, "Hq4 Hkv2 D128 striped W3"};
   const global_selection all = test::band_selection(64 * 3 * 5, shape.heads_q, 0, 3 * 5 - 1, true);
   for (const index_t source : {index_t{0}, index_t{1}, index_t{2}}) {
+    if (!part.next()) continue;
     CAPTURE(source);
     const step_index index = build_local_index(all, sharding::striped<64>{}, 3, 1, source, {});
     REQUIRE(upload_step_index(index, nullptr).complete);  // else check_step would not run the paired kernel
@@ -285,6 +291,7 @@ TEST_CASE("the paired Hopper forward on complete indices") {
   const global_selection zig = test::band_selection(64 * 4 * 3, shape.heads_q, 0, 4 * 3 - 1, true);
   for (const index_t rank : {index_t{0}, index_t{1}})
     for (const index_t source : {index_t{0}, index_t{1}}) {
+      if (!part.next()) continue;
       CAPTURE(rank);
       CAPTURE(source);
       const step_index index = build_local_index(zig, sharding::zigzag{}, 2, rank, source, {});
@@ -294,6 +301,7 @@ TEST_CASE("the paired Hopper forward on complete indices") {
   // The device builder decides completeness by count: it must agree with the row-by-row rule on
   // dense and sparse selections, every sharding, rank and source.
   for (const global_selection& g : {zig, test::random_selection(rng, 64 * 4 * 3, 4, true, 0.5, 0.0), test::random_selection(rng, 64 * 4 * 3, 4, true, 0.3, 0.02)}) {
+    if (!part.next()) continue;
     const device_selection on_device(g);
     for (const index_t world : {1, 2, 3})
       for (index_t rank = 0; rank < world; ++rank)
@@ -313,7 +321,7 @@ TEST_CASE("the paired Hopper forward on complete indices") {
   const global_selection sparse = test::random_selection(rng, 64 * 8, 4, true, 0.3, 0.0);
   const device_step_index incomplete = upload_step_index(build_local_index(sparse, sharding::sequential{}, 1, 0, 0, {}), nullptr);
   CHECK_FALSE(incomplete.complete);
-  if (device::hopper_kernels_available()) {
+  if (device::hopper_kernels_available() && part.next()) {
     device_buffer<__nv_bfloat16> x(std::size_t(64 * 8) * 4 * 128);
     device_buffer<float> out(x.size()), lse(std::size_t(4) * 64 * 8);
     const tensor_view<const __nv_bfloat16, 3> q_view(x.data(), {64 * 8, 4, 128}), kv_view(x.data(), {64 * 8, 2, 128});

@@ -5,8 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,25 @@ inline constexpr bool full_sweep = true;
 
 /// Whether configuration number `i` of a sweep runs in this build: all of them, or every `stride`-th.
 constexpr bool in_sweep(int i, int stride = 3) { return full_sweep || i % stride == 0; }
+
+/// One part of a sweep, for tools too slow to run a whole one in a process (compute-sanitizer
+/// racecheck): with STRIA_TEST_PART=i/n a test case runs its configurations i, i + n, i + 2n, ...
+/// (numbered by its calls of next()), so n processes cover the sweep; unset, every one runs.
+class sweep_part {
+ public:
+  sweep_part() {
+    const char* value = std::getenv("STRIA_TEST_PART");
+    if (value == nullptr) return;
+    int consumed = 0;
+    if (std::sscanf(value, "%d/%d%n", &part_, &parts_, &consumed) != 2 || value[consumed] != '\0' || parts_ < 1 || part_ < 0 || part_ >= parts_)
+      throw std::invalid_argument(std::string("STRIA_TEST_PART is \"") + value + "\": it must be i/n with 0 <= i < n (part i of n)");
+  }
+  /// Whether the sweep's next configuration is this part's.
+  bool next() { return count_++ % parts_ == part_; }
+
+ private:
+  int part_ = 0, parts_ = 1, count_ = 0;
+};
 
 inline std::uint64_t fresh_seed() {
   if (const char* fixed = std::getenv("STRIA_TEST_SEED")) return std::stoull(fixed);
