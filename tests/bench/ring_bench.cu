@@ -260,6 +260,14 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
       progress.phase("S = " + std::to_string(s) + ", " + name + ": alone, untraced, traced");
       const tr::alone_times alone = tr::time_alone(g, sharding::striped<64>{}, world, hq, hkv, dim, repeats, which);
       const ring_times untraced = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off, true, which);
+      double alone_forward = 0, alone_backward = 0;
+      for (std::size_t r = 0; r < alone.forward.size(); ++r)
+        for (std::size_t i = 0; i < alone.forward[r].size(); ++i) alone_forward += alone.forward[r][i], alone_backward += alone.backward[r][i];
+      std::printf("S %d, forward kernel %s: the %zu (rank, step) compute calls alone sum to %.2f ms forward, %.2f ms backward; the untraced ring: "
+                  "forward %.2f ms, backward %.2f ms\n",
+                  s, name.c_str(), alone.forward.size() * (alone.forward.empty() ? 0 : alone.forward.front().size()), alone_forward, alone_backward,
+                  untraced.forward_ms, untraced.backward_ms);
+      std::fflush(stdout);
       for (const bool spinning : spin ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
         trace_run run = trace_ring(g, world, which, spinning, sampler.available() ? &sampler : nullptr);
         run.kernel = name;
