@@ -21,12 +21,28 @@
 //     kernel (device::forward_kernel): whether the shared GPU's forward depends on the kernel. mma_sync
 //     is the sm80 kernel; wgmma is the Hopper kernel without pairing, which automatic uses on the steps
 //     whose index is not complete (all of them on vs95).
+//  6. with --trace (ring_trace.cuh): instead of 1-5, where the shared-GPU ring spends its time. Per
+//     --seq-len, striped, for each forward kernel of --forward-kernels (default automatic): every
+//     (rank, step)'s compute call alone (median), the untraced ring (forward and backward timed
+//     apart, median), then after a warm-up layer one traced forward and one traced backward: per rank
+//     and step, host times (steady_clock from a common t0 after a barrier) at the step's start, after
+//     its KV group send/recv, after its confirm wait, after its compute is queued, and CUDA events
+//     against one reference event recorded at t0: the compute stream at the step's start and end, the
+//     transfer stream around each transfer group; the SM clock sampled through NVML where it loads.
+//     Printed: a table per phase, then per phase a summary (wall, summed compute spans against alone,
+//     how long the GPU ran any step, host time in group_end / waits, the compute streams' gaps by what
+//     came last, the largest whole-GPU idle gaps with each host's state). --trace-spin adds a traced
+//     layer whose confirm waits poll without backing off; --trace-json FILE writes everything as JSON.
+//     Run with CUDA_DEVICE_MAX_CONNECTIONS unset and =32 (the header prints it) to test the hardware
+//     queues (16 streams share 8 by default).
 //   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
+//              [--trace] [--trace-spin] [--trace-json FILE]
 #include <cuda_bf16.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -43,6 +59,7 @@
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
 #include "stria/topology/flat_ring.hpp"
+#include "ring_trace.cuh"
 #include "step_times.cuh"
 #include "timing.cuh"
 #include "args.hpp"
@@ -148,6 +165,160 @@ ring_times time_ring(const global_selection& g, const Sharding& sharding, index_
   return {median(wall), median(forward_wall), median(backward_wall)};
 }
 
+/// Part 6 (--trace): one traced layer of the striped ring (after a warm-up layer on the same path).
+struct trace_run {
+  index_t seq_len = 0;
+  std::string kernel, waits;  // the forward kernel; "library" (comm.wait's backoff) or "spin"
+  ring_times untraced;
+  bench::trace::phase_trace forward, backward;
+};
+
+trace_run trace_ring(const global_selection& g, index_t world, device::forward_kernel which, bool spin, bench::trace::clock_sampler* sampler) {
+  namespace tr = bench::trace;
+  const index_t s = g.seq_len, local = s / world;
+  const topology::flat_ring ring(world);
+  const sharding::striped<64> sharding;
+  const double scale = 1.0 / std::sqrt(double(dim));
+  tr::phase_driver forward_phase(world, sampler, "forward"), backward_phase(world, sampler, "backward");
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(600));
+  ranks.run([&](comm::local_device& c) {
+    const cuda_stream compute, transfer;
+    const cudaStream_t st = compute.get();
+    const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 10 + c.rank(), 2.0f),
+               k = bench::random_buffer(std::size_t(local) * hkv * dim, 20 + c.rank(), 2.0f),
+               v = bench::random_buffer(std::size_t(local) * hkv * dim, 30 + c.rank(), 1.0f),
+               d_out = bench::random_buffer(q.size(), 40 + c.rank(), 1.0f);
+    device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
+    device_buffer<float> lse(std::size_t(hq) * local, st);
+    STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
+    const device_selection selection(g, st);
+    const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, c.rank(), st);
+    const std::span<const device_step_index> steps(indices);
+    const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
+        dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
+    const forward_tensors<T> forward{qv, kv, vv, tensor_view<T, 3>(out.data(), {local, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, local})};
+    const backward_tensors<T> backward{qv,
+                                       kv,
+                                       vv,
+                                       ov,
+                                       dov,
+                                       tensor_view<const float, 2>(lse.data(), {hq, local}),
+                                       tensor_view<T, 3>(dq.data(), {local, hq, dim}),
+                                       tensor_view<T, 3>(dk.data(), {local, hkv, dim}),
+                                       tensor_view<T, 3>(dv.data(), {local, hkv, dim})};
+    tr::event_pool pool(256);
+    tr::traced_comm<comm::local_device> traced(c, spin);
+    {  // warm-up: one layer on the traced path, its records dropped
+      tr::recorder warm_forward(c.rank(), ring.num_steps(), tr::clock::now(), nullptr, pool);
+      traced.attach(&warm_forward);
+      tr::ring_forward(traced, warm_forward, ring, steps, forward, scale, st, transfer.get(), which);
+      tr::recorder warm_backward(c.rank(), ring.num_steps(), tr::clock::now(), nullptr, pool);
+      traced.attach(&warm_backward);
+      tr::ring_backward(traced, warm_backward, ring, steps, backward, scale, device::determinism::atomic, st, transfer.get());
+    }
+    forward_phase.run(c, ring.num_steps(), compute, transfer, pool, [&](tr::recorder& rec) {
+      traced.attach(&rec);
+      tr::ring_forward(traced, rec, ring, steps, forward, scale, st, transfer.get(), which);
+    });
+    backward_phase.run(c, ring.num_steps(), compute, transfer, pool, [&](tr::recorder& rec) {
+      traced.attach(&rec);
+      tr::ring_backward(traced, rec, ring, steps, backward, scale, device::determinism::atomic, st, transfer.get());
+    });
+    traced.attach(nullptr);
+  });
+  trace_run run;
+  run.seq_len = s;
+  run.waits = spin ? "spin" : "library";
+  run.forward = std::move(forward_phase.result);
+  run.backward = std::move(backward_phase.result);
+  return run;
+}
+
+/// --trace: parts 1-5 are skipped; see the header.
+int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats, bool spin,
+               const std::vector<std::pair<std::string, device::forward_kernel>>& kernels, const std::string& json_path) {
+  namespace tr = bench::trace;
+  cudaDeviceProp prop{};
+  STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  std::printf("ring_bench --trace on %s (%d SMs): Hq %d, Hkv %d, D %d, bf16, causal, vs95, striped<64>, flat ring of %d ranks on comm::local_device; "
+              "CUDA_DEVICE_MAX_CONNECTIONS=%s; alone and untraced: median of %d\n",
+              prop.name, prop.multiProcessorCount, hq, hkv, dim, world, connections ? connections : "(unset: 8)", repeats);
+  tr::clock_sampler sampler(0);
+  if (!sampler.available()) std::printf("SM clock not sampled: %s\n", sampler.why_not().c_str());
+  std::vector<trace_run> runs;
+  cli::progress progress;
+  for (const index_t s : seq_lens) {
+    host::synthetic_vs_options o;
+    o.seq_len = s;
+    o.heads_q = hq;
+    o.heads_kv = hkv;
+    o.head_dim = dim;
+    o.density = 0.05;
+    const global_selection g = host::plant_vs_selection(o);
+    for (const auto& [name, which] : kernels) {
+      progress.phase("S = " + std::to_string(s) + ", " + name + ": alone, untraced, traced");
+      const tr::alone_times alone = tr::time_alone(g, sharding::striped<64>{}, world, hq, hkv, dim, repeats, which);
+      const ring_times untraced = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off, true, which);
+      double alone_forward = 0, alone_backward = 0;
+      for (std::size_t r = 0; r < alone.forward.size(); ++r)
+        for (std::size_t i = 0; i < alone.forward[r].size(); ++i) alone_forward += alone.forward[r][i], alone_backward += alone.backward[r][i];
+      std::printf("S %d, forward kernel %s: the %zu (rank, step) compute calls alone sum to %.2f ms forward, %.2f ms backward; the untraced ring: "
+                  "forward %.2f ms, backward %.2f ms\n",
+                  s, name.c_str(), alone.forward.size() * (alone.forward.empty() ? 0 : alone.forward.front().size()), alone_forward, alone_backward,
+                  untraced.forward_ms, untraced.backward_ms);
+      std::fflush(stdout);
+      for (const bool spinning : spin ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
+        trace_run run = trace_ring(g, world, which, spinning, sampler.available() ? &sampler : nullptr);
+        run.kernel = name;
+        run.untraced = untraced;
+        for (std::size_t r = 0; r < run.forward.ranks.size(); ++r)
+          for (std::size_t i = 0; i < run.forward.ranks[r].steps.size(); ++i) {
+            run.forward.ranks[r].steps[i].alone_ms = alone.forward[r][i];
+            run.backward.ranks[r].steps[i].alone_ms = alone.backward[r][i];
+          }
+        std::printf("\n==== S %d, forward kernel %s, confirm waits: %s ====", s, name.c_str(), run.waits.c_str());
+        tr::print_table(run.forward);
+        tr::print_table(run.backward);
+        std::fflush(stdout);
+        runs.push_back(std::move(run));
+      }
+    }
+  }
+  std::printf("\n==== summaries (times in ms from t0; the untraced ring's forward / backward are medians) ====\n");
+  std::FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
+  if (!json_path.empty() && json == nullptr) throw invalid_argument("--trace-json", json_path, "must be a file that can be written");
+  tr::json_writer j(json);
+  if (json) {
+    j.open('{').field("device", std::string(prop.name)).field("sms", prop.multiProcessorCount).field("world", world).field("hq", hq);
+    j.field("hkv", hkv).field("dim", dim).field("repeats", repeats).field("cuda_device_max_connections", std::string(connections ? connections : ""));
+    j.field("clock_sampled", sampler.available() ? 1 : 0);
+    j.key("runs").open('[');
+  }
+  for (const trace_run& run : runs) {
+    char label[160];
+    std::snprintf(label, sizeof label, "S %d %s waits=%s", run.seq_len, run.kernel.c_str(), run.waits.c_str());
+    std::printf("%s: untraced forward %.2f ms, backward %.2f ms\n", label, run.untraced.forward_ms, run.untraced.backward_ms);
+    const tr::phase_summary f = tr::summarize(run.forward), b = tr::summarize(run.backward);
+    tr::print_summary(label, run.forward, f);
+    tr::print_summary(label, run.backward, b);
+    if (json) {
+      j.open('{').field("seq_len", run.seq_len).field("forward_kernel", run.kernel).field("waits", run.waits);
+      j.field("untraced_forward_ms", run.untraced.forward_ms).field("untraced_backward_ms", run.untraced.backward_ms);
+      j.key("phases").open('[');
+      tr::write_phase(j, run.forward, f);
+      tr::write_phase(j, run.backward, b);
+      j.close(']').close('}');
+    }
+  }
+  if (json) {
+    j.close(']').close('}');
+    std::fputc('\n', json);
+    if (std::fclose(json) != 0) throw invalid_argument("--trace-json", json_path, "could not be written completely");
+    std::printf("trace written to %s\n", json_path.c_str());
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -155,12 +326,18 @@ int main(int argc, char** argv) try {
   std::vector<index_t> seq_lens{131072, 524288};
   index_t world = 8;
   int repeats = 5;
-  bool checked = false, pool_dependencies = false;
+  bool checked = false, pool_dependencies = false, trace = false, trace_spin = false;
+  std::string trace_json;
   std::vector<std::pair<std::string, device::forward_kernel>> forward_kernels;  // --forward-kernels
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--checked" || flag == "--pool-dependencies") {
       (flag == "--checked" ? checked : pool_dependencies) = true;
+      continue;
+    }
+    if (flag == "--trace" || flag == "--trace-spin") {
+      trace = true;
+      trace_spin = trace_spin || flag == "--trace-spin";
       continue;
     }
     if (i + 1 >= argc) throw invalid_argument(flag, "(missing)", "needs a value");
@@ -176,7 +353,19 @@ int main(int argc, char** argv) try {
         else throw invalid_argument(flag, value, "must be a comma-separated list of automatic, mma_sync and wgmma (\"" + name + "\" is none of them)");
       }
       if (forward_kernels.empty()) throw invalid_argument(flag, value, "must name at least one of automatic, mma_sync and wgmma");
-    } else throw invalid_argument("flag", flag, "must be --seq-len, --world, --repeats, --checked, --pool-dependencies or --forward-kernels");
+    } else if (flag == "--trace-json") {
+      if (value.empty()) throw invalid_argument(flag, value, "must name a file");
+      trace_json = value;
+      trace = true;
+    } else
+      throw invalid_argument("flag", flag,
+                             "must be --seq-len, --world, --repeats, --checked, --pool-dependencies, --forward-kernels, --trace, --trace-spin or "
+                             "--trace-json");
+  }
+  if (trace) {
+    if (checked || pool_dependencies) throw invalid_argument("--trace", "with --checked or --pool-dependencies", "runs alone (parts 1-5 are skipped)");
+    if (forward_kernels.empty()) forward_kernels.emplace_back("automatic", device::forward_kernel::automatic);
+    return run_traces(seq_lens, world, repeats, trace_spin, forward_kernels, trace_json);
   }
   cudaDeviceProp prop{};
   STRIA_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
