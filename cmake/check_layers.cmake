@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # cmake -DROOT=<source dir> -P check_layers.cmake
 # The one launch layer (DESIGN 3): every kernel launch (`<<<`) is in include/stria/device/, and only
-# kernel/ and device/ include stria/kernel/. Fails naming every file that breaks a rule.
+# kernel/ and device/ include stria/kernel/. And no header calls thrust with a policy that
+# synchronizes the stream after the call (thrust::cuda::par, thrust::device): a ring step's host
+# would wait for the device there. Fails naming every file that breaks a rule.
 get_filename_component(ROOT "${ROOT}" ABSOLUTE)
 file(GLOB_RECURSE headers RELATIVE "${ROOT}/include" "${ROOT}/include/*.hpp" "${ROOT}/include/*.cuh" "${ROOT}/include/*.h")
 list(LENGTH headers count)
@@ -10,10 +12,13 @@ if(count EQUAL 0)
 endif()
 set(broken "")
 foreach(header IN LISTS headers)
+  file(READ "${ROOT}/include/${header}" text)
+  if(text MATCHES "thrust::(cuda::par|device)[^_a-zA-Z0-9]")
+    string(APPEND broken "\n  include/${header}: calls thrust with a policy that synchronizes the stream (use thrust::cuda::par_nosync.on(stream))")
+  endif()
   if(header MATCHES "^stria/device/")
     continue()
   endif()
-  file(READ "${ROOT}/include/${header}" text)
   string(FIND "${text}" "<<<" launch)
   if(NOT launch EQUAL -1)
     string(APPEND broken "\n  include/${header}: launches a kernel (<<<) outside include/stria/device/")
@@ -25,4 +30,4 @@ endforeach()
 if(broken)
   message(FATAL_ERROR "the launch layer is include/stria/device/:${broken}")
 endif()
-message(STATUS "${count} headers: every launch in device/, kernel/ included only from kernel/ and device/")
+message(STATUS "${count} headers: every launch in device/, kernel/ included only from kernel/ and device/, no synchronizing thrust policy")

@@ -129,7 +129,7 @@ class local_device {
       const T* x = static_cast<const T*>(all[r].data);
       if (count == 0) continue;
       if (r == 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(result.data(), x, count * sizeof(T), cudaMemcpyDeviceToDevice, stream));
-      else thrust::transform(thrust::cuda::par.on(stream), result.data(), result.data() + count, x, result.data(), detail::reduce_with<T>{op});
+      else thrust::transform(thrust::cuda::par_nosync.on(stream), result.data(), result.data() + count, x, result.data(), detail::reduce_with<T>{op});
     }
     finish_collective(stream);  // every rank has read every send buffer: recv may now be written
     if (count > 0) STRIA_CUDA_CHECK(cudaMemcpyAsync(recv_data, result.data(), count * sizeof(T), cudaMemcpyDeviceToDevice, stream));

@@ -65,9 +65,9 @@ void check_kv_layout(tensor_view<const T, 3> k, tensor_view<const T, 3> v) {
   check_layout(v, "v", 16);
 }
 
-/// x[i] += y[i] for n floats, on `stream`.
+/// x[i] += y[i] for n floats, queued on `stream` (thrust's `par` would also make the host wait for it).
 inline void add_into(float* x, const float* y, std::size_t n, cudaStream_t stream) {
-  thrust::transform(thrust::cuda::par.on(stream), x, x + n, y, x, thrust::plus<float>());
+  thrust::transform(thrust::cuda::par_nosync.on(stream), x, x + n, y, x, thrust::plus<float>());
 }
 
 /// The device backend of the ring engine. A KV chunk ([2, Sk, Hkv, D]: K then V) and a dK/dV

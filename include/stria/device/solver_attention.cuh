@@ -183,7 +183,7 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
     running = device_buffer<float>(static_cast<std::size_t>(local) * hq * dim, stream);
     running_lse = device_buffer<float>(lse_elems * static_cast<std::size_t>(this->p.chunks_per_rank), stream);
     running.fill_bytes(0, stream);
-    thrust::fill(thrust::cuda::par.on(stream), running_lse.data(), running_lse.data() + running_lse.size(), neg_inf);
+    thrust::fill(thrust::cuda::par_nosync.on(stream), running_lse.data(), running_lse.data() + running_lse.size(), neg_inf);
     for (std::size_t i = 0; i < plan.moves.size(); ++i) {
       const solver::chunk_move& move = plan.moves[i];
       if (move.what == solver::chunk_move::kind::kv) {
@@ -191,7 +191,7 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
       } else if (move.to == me.rank()) {
         moved_query m{device_buffer<T>(q_elems, stream), {device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)}};
         m.state.out.fill_bytes(0, stream);
-        thrust::fill(thrust::cuda::par.on(stream), m.state.lse.data(), m.state.lse.data() + lse_elems, neg_inf);
+        thrust::fill(thrust::cuda::par_nosync.on(stream), m.state.lse.data(), m.state.lse.data() + lse_elems, neg_inf);
         moved_q.emplace(move.chunk, std::move(m));
       } else if (me.owns(move.chunk)) {
         returned.emplace(i, partial{device_buffer<float>(q_elems, stream), device_buffer<float>(lse_elems, stream)});

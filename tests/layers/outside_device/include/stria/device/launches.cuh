@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// The same launch where it belongs, for the test of cmake/check_layers.cmake: not reported.
+// The same launch where it belongs, for the test of cmake/check_layers.cmake: not reported; its
+// thrust call with a synchronizing policy is.
 #pragma once
 
 #include "stria/kernel/select.cuh"
 
 inline void launch() { stria::kernel::select_verticals<><<<1, 1>>>({}); }
+inline void fill(float* x, cudaStream_t stream) { thrust::fill(thrust::cuda::par.on(stream), x, x + 1, 0.0f); }
+inline void fill_nosync(float* x, cudaStream_t stream) { thrust::fill(thrust::cuda::par_nosync.on(stream), x, x + 1, 0.0f); }
