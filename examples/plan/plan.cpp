@@ -204,10 +204,15 @@ int run_cluster(const options& o) {
   const auto start = std::chrono::steady_clock::now();
   stria::cost::kernel_throughput kernel =
       o.throughput_file.empty() ? stria::cost::h200_kernel_throughput(o.head_dim) : plan_input::read_throughput(o.throughput_file, o.head_dim);
-  std::string kernel_source = o.throughput_file.empty() ? "built in: tests/bench/results/attention_h200.json, f0cca9d" : o.throughput_file;
+  std::string kernel_source = o.throughput_file.empty()
+                                  ? "built in: tests/bench/results/attention_lengths_h200.json, 89a7cd3, and attention_h200.json, f0cca9d"
+                                  : o.throughput_file;
   if (o.kernel_scale != 1.0) {  // another GPU, as a multiple of the table's
     // The call's fixed cost stays: launches and the host's work between them do not follow the FLOPs.
-    for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
+    for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) {
+      k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
+      for (stria::cost::speed_point& point : k->curve) point.tflops *= o.kernel_scale;
+    }
     std::ostringstream note;
     note << "; scaled by " << o.kernel_scale;
     kernel_source += note.str();
@@ -218,12 +223,22 @@ int run_cluster(const options& o) {
     for (const stria::index_t s : o.seq_lens) results.push_back(predict_cluster(o, nodes, gpus, s, kernel));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
+  // A curve point's row work in tiles (64 x 64 entries), as attention_bench reports rows.
+  auto tiles_per_row = [&](const stria::cost::speed_point& point, bool backward) {
+    return point.flops_per_row / (stria::cost::entry_flops(o.head_dim, backward) * stria::block_tokens * stria::block_tokens);
+  };
   if (o.json) {
+    auto curve = [&](const stria::cost::kernel_speed& k, bool backward) {
+      nlohmann::ordered_json points = nlohmann::ordered_json::array();
+      for (const stria::cost::speed_point& point : k.curve) points.push_back({{"tiles_per_row", tiles_per_row(point, backward)}, {"tflops", point.tflops}});
+      return points;
+    };
     nlohmann::ordered_json config = {
         {"heads_q", o.heads_q}, {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", o.sparsity}, {"seed", o.seed},
         {"kernel", {{"source", kernel_source}, {"scale", o.kernel_scale},
                     {"forward_tflops", kernel.forward.tflops}, {"forward_row_ns", kernel.forward.row_ns}, {"forward_call_us", kernel.forward.call_us},
-                    {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}, {"backward_call_us", kernel.backward.call_us}}},
+                    {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}, {"backward_call_us", kernel.backward.call_us},
+                    {"forward_curve", curve(kernel.forward, false)}, {"backward_curve", curve(kernel.backward, true)}}},
         {"intra_node", {{"gbps", o.intra_gbps}, {"latency_us", o.intra_latency_us}}},
         {"inter_node", {{"gbps", o.inter_gbps}, {"latency_us", o.inter_latency_us}}},
         {"transfer_streams", o.outer_stream ? "one_per_link" : "one_per_rank"},
@@ -257,10 +272,19 @@ int run_cluster(const options& o) {
 
   std::printf("plan --cluster: predicted time of one attention layer (cost model; heads %d/%d, head_dim %d, synthetic VS pattern at %.0f%% sparsity)\n",
               o.heads_q, o.heads_kv, o.head_dim, 100.0 * o.sparsity);
-  std::printf("kernels: forward %.1f TF on executed entries (active + gathered vertical tiles' padding) + %.1f ns per active row and step + %.0f us\n"
-              "         per call, backward %.1f TF + %.1f ns + %.0f us (%s)\n",
-              kernel.forward.tflops, kernel.forward.row_ns, kernel.forward.call_us, kernel.backward.tflops, kernel.backward.row_ns, kernel.backward.call_us,
-              kernel_source.c_str());
+  std::printf("kernels (%s):\n", kernel_source.c_str());
+  for (const bool backward : {false, true}) {
+    const stria::cost::kernel_speed& k = backward ? kernel.backward : kernel.forward;
+    std::printf("  %s", backward ? "backward" : "forward ");
+    if (!k.curve.empty()) {
+      std::printf(" by tiles per row:");
+      for (const stria::cost::speed_point& point : k.curve) std::printf(" %.1f %.0f TF,", tiles_per_row(point, backward), point.tflops);
+      std::printf(" else");
+    }
+    std::printf(" %.1f TF + %.1f ns per active row and step + %.0f us per call\n", k.tflops, k.row_ns, k.call_us);
+  }
+  std::printf("  (TF on executed entries: the active ones and the gathered vertical tiles' padding; between measured points\n"
+              "  interpolated in log(tiles per row), beyond them the three terms)\n");
   std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
               o.inter_gbps, o.inter_latency_us, streams);
   std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");

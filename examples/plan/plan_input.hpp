@@ -74,9 +74,11 @@ inline constexpr const char* usage =
     "                   238 GB/s, NCCL send/recv measured on H200 NVLink)\n"
     "  --inter-gbps X   between nodes, Gb/s per direction per GPU (default 400: InfiniBand NDR)\n"
     "  --intra-latency-us X, --inter-latency-us X   per message (defaults 10 and 20)\n"
-    "  --throughput F   kernel speed from an attention_bench JSON (tests/bench/results/\n"
-    "                   attention_h200.json): its vs95 rows fitted (default: that file's fit, built in)\n"
-    "  --kernel-scale X kernel speed relative to the table: throughput x X, row cost / X, call cost kept (e.g. an\n"
+    "  --throughput F[,F...]  kernel speed from attention_bench JSON files (tests/bench/results/\n"
+    "                   attention_h200.json): their vs95 rows fitted, and each row's speed kept as a\n"
+    "                   point of the speed curve by tiles per row (default, built in: the fit of\n"
+    "                   attention_lengths_h200.json,attention_h200.json)\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput and curve x X, row cost / X, call cost kept (e.g. an\n"
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
     "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
     "                   the device engine of this version puts each rank's transfers on one stream)\n"
@@ -111,7 +113,7 @@ struct options {
   double inter_gbps = stria::cost::infiniband_400g.gbytes_per_s * 8;
   double intra_latency_us = stria::cost::h200_nvlink.latency_us;
   double inter_latency_us = stria::cost::infiniband_400g.latency_us;
-  std::string throughput_file;
+  std::string throughput_file;  // --throughput: one or more paths, comma-separated
   bool outer_stream = false;
   double kernel_scale = 1.0;
   bool world_given = false;  // --world or --nodes on the command line
@@ -317,46 +319,55 @@ inline std::int64_t bench_vertical_padding(double seq_len, double heads_q, doubl
 }
 
 /// The kernels' speed for `head_dim` fitted (stria::cost::fit_kernel_speed) to the rows named
-/// "vs95" of an attention_bench results file (tests/bench/results/attention_h200.json): per row
-/// seq_len, head_dim, heads_q, heads_kv, fwd_ms, bwd_ms, fwd_tflops, bwd_tflops. The executed
-/// entries add the padding of the gathered vertical tiles, counted on the selection attention_bench
-/// ran (the planted pattern at 5% density, host::plant_vs_selection).
-inline stria::cost::kernel_throughput read_throughput(const std::string& path, stria::index_t head_dim) {
-  std::ifstream in(path);
-  if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
-  nlohmann::json root;
-  try {
-    root = nlohmann::json::parse(in, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
-      if (depth > selection_max_depth) throw stria::invalid_argument("--throughput", path, "nests deeper than " + std::to_string(selection_max_depth) + " levels");
-      return true;
-    });
-  } catch (const nlohmann::json::exception& e) {
-    throw stria::invalid_argument("--throughput", path, std::string("is not valid JSON: ") + e.what());
-  }
-  const std::string file = "throughput " + path;
-  if (!root.is_object() || !root.contains("rows") || !root["rows"].is_array())
-    throw stria::invalid_argument(file, root.type_name(), "must be an object with an array \"rows\"");
+/// "vs95" of attention_bench results files (tests/bench/results/attention_h200.json), `paths`
+/// comma-separated, their rows pooled: per row seq_len, head_dim, heads_q, heads_kv, fwd_ms, bwd_ms,
+/// fwd_tflops, bwd_tflops. The executed entries add the padding of the gathered vertical tiles,
+/// counted on the selection attention_bench ran (the planted pattern at 5% density,
+/// host::plant_vs_selection).
+inline stria::cost::kernel_throughput read_throughput(const std::string& paths, stria::index_t head_dim) {
   std::vector<stria::cost::kernel_sample> forward, backward;
-  const nlohmann::json& rows = root["rows"];
-  auto number = [&](const nlohmann::json& row, const char* key, const std::string& where) {
-    if (!row.contains(key) || !row[key].is_number() || !(row[key].get<double>() > 0) || !std::isfinite(row[key].get<double>()))
-      throw stria::invalid_argument(where + "." + key, row.contains(key) ? shown(row[key]) : "(missing)", "must be a positive finite number");
-    return row[key].get<double>();
-  };
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    const nlohmann::json& row = rows[i];
-    const std::string where = file + ": rows[" + std::to_string(i) + "]";
-    if (!row.is_object()) throw stria::invalid_argument(where, shown(row), "must be an object");
-    if (!row.contains("name") || row["name"] != "vs95" || !row.contains("head_dim") || row["head_dim"] != head_dim) continue;
-    const double tokens = number(row, "seq_len", where), heads = number(row, "heads_q", where);
-    const double rows_active = tokens / stria::block_tokens * heads;
-    const double forward_flops = number(row, "fwd_tflops", where) * 1e12 * number(row, "fwd_ms", where) * 1e-3;
-    const double backward_flops = number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3;
-    const double padding = double(bench_vertical_padding(tokens, heads, number(row, "heads_kv", where), head_dim, where));
-    forward.push_back({forward_flops + stria::cost::entry_flops(head_dim, false) * padding, rows_active, number(row, "fwd_ms", where) * 1e-3});
-    backward.push_back({backward_flops + stria::cost::entry_flops(head_dim, true) * padding, rows_active, number(row, "bwd_ms", where) * 1e-3});
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = paths.find(',', start);
+    const std::string path = paths.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (path.empty()) throw stria::invalid_argument("--throughput", paths, "must be one or more file names, comma-separated");
+    std::ifstream in(path);
+    if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
+    nlohmann::json root;
+    try {
+      root = nlohmann::json::parse(in, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+        if (depth > selection_max_depth) throw stria::invalid_argument("--throughput", path, "nests deeper than " + std::to_string(selection_max_depth) + " levels");
+        return true;
+      });
+    } catch (const nlohmann::json::exception& e) {
+      throw stria::invalid_argument("--throughput", path, std::string("is not valid JSON: ") + e.what());
+    }
+    const std::string file = "throughput " + path;
+    if (!root.is_object() || !root.contains("rows") || !root["rows"].is_array())
+      throw stria::invalid_argument(file, root.type_name(), "must be an object with an array \"rows\"");
+    const nlohmann::json& rows = root["rows"];
+    auto number = [&](const nlohmann::json& row, const char* key, const std::string& where) {
+      if (!row.contains(key) || !row[key].is_number() || !(row[key].get<double>() > 0) || !std::isfinite(row[key].get<double>()))
+        throw stria::invalid_argument(where + "." + key, row.contains(key) ? shown(row[key]) : "(missing)", "must be a positive finite number");
+      return row[key].get<double>();
+    };
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const nlohmann::json& row = rows[i];
+      const std::string where = file + ": rows[" + std::to_string(i) + "]";
+      if (!row.is_object()) throw stria::invalid_argument(where, shown(row), "must be an object");
+      if (!row.contains("name") || row["name"] != "vs95" || !row.contains("head_dim") || row["head_dim"] != head_dim) continue;
+      const double tokens = number(row, "seq_len", where), heads = number(row, "heads_q", where);
+      const double rows_active = tokens / stria::block_tokens * heads;
+      const double forward_flops = number(row, "fwd_tflops", where) * 1e12 * number(row, "fwd_ms", where) * 1e-3;
+      const double backward_flops = number(row, "bwd_tflops", where) * 1e12 * number(row, "bwd_ms", where) * 1e-3;
+      const double padding = double(bench_vertical_padding(tokens, heads, number(row, "heads_kv", where), head_dim, where));
+      forward.push_back({forward_flops + stria::cost::entry_flops(head_dim, false) * padding, rows_active, number(row, "fwd_ms", where) * 1e-3});
+      backward.push_back({backward_flops + stria::cost::entry_flops(head_dim, true) * padding, rows_active, number(row, "bwd_ms", where) * 1e-3});
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
   }
-  if (forward.empty()) throw stria::invalid_argument(file, head_dim, "has no \"vs95\" row for this head_dim");
+  if (forward.empty()) throw stria::invalid_argument("throughput " + paths, head_dim, "has no \"vs95\" row for this head_dim");
   return {.head_dim = head_dim, .forward = stria::cost::fit_kernel_speed(forward), .backward = stria::cost::fit_kernel_speed(backward)};
 }
 

@@ -152,7 +152,20 @@ int main() {
     row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, today_run);
   }
 
-  // 2. The 2026-11-29 kernels: their speed fitted to the same bench's one-GPU rows (128K: 183 / 151
+  // 2. Today's kernels (89a7cd3, as f0cca9d's): the built-in speed, fitted to whole-sequence runs of
+  // 4K to 512K on one GPU (attention_lengths_h200.json, attention_h200.json), against ring_bench's
+  // 8 ranks at 128K, each (rank, step)'s forward and backward timed alone and summed, which that
+  // fit did not see. A striped step there holds 6.4 tiles per row, as a whole 16K run does.
+  std::printf("\n| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
+  const cost::kernel_throughput builtin = cost::h200_kernel_throughput(dim);
+  for (const auto& [striped, measured] : {std::pair{true, 63.0}, std::pair{false, 58.9}}) {
+    const counts c = striped ? flat_counts<sharding::striped<64>>(131072, 8) : flat_counts<sharding::zigzag>(131072, 8);
+    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(131072), builtin, c.padding);
+    row(std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 128K, today's kernels: all steps' kernels", "fwd+bwd", shared.seconds() * 1e3,
+        measured, "RESULTS 2026-12-05 (second), 89a7cd3");
+  }
+
+  // 3. The 2026-11-29 kernels: their speed fitted to the same bench's one-GPU rows (128K: 183 / 151
   // TF, 512K: 195 / 178 TF per GPU), then the runs on 2 and 4 GPUs predicted.
   const std::int64_t e128 = flat_counts<sharding::striped<64>>(131072, 1).entries.total();
   const std::int64_t e512 = flat_counts<sharding::striped<64>>(524288, 1).entries.total();

@@ -4,7 +4,9 @@
 // GPU never compute less in all, the hierarchical ring hides its outer transfers behind a round).
 #include <doctest/doctest.h>
 
+#include <limits>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "stria/host/synthetic_vs.hpp"
@@ -142,7 +144,8 @@ TEST_CASE("cost model: three lengths tell a call's fixed cost from the row cost"
   const cost::kernel_speed dropped = cost::fit_kernel_speed(faster);
   CHECK(dropped.call_us == 0.0);
   CHECK(dropped.row_ns > 0.0);
-  auto squared_error = [&](const cost::kernel_speed& k) {
+  auto squared_error = [&](cost::kernel_speed k) {  // of the three terms: the curve holds the samples themselves
+    k.curve.clear();
     double sum = 0;
     for (const cost::kernel_sample& x : faster) sum += (k.seconds(x.flops, x.active_rows) / x.seconds - 1) * (k.seconds(x.flops, x.active_rows) / x.seconds - 1);
     return sum;
@@ -151,6 +154,47 @@ TEST_CASE("cost model: three lengths tell a call's fixed cost from the row cost"
   for (cost::kernel_sample& x : calls_only) x.active_rows = 0;
   const cost::kernel_speed other = cost::fit_kernel_speed(calls_only);
   CHECK(squared_error(dropped) <= squared_error(other));
+}
+
+TEST_CASE("cost model: the speed curve by a row's work, between the measured runs; the three terms beyond them") {
+  // Runs whose rows lose more than the three terms can say: 100 TF at 2 tiles per row, 300 at 8, 400 at 32.
+  const double tile = 4.0 * 128 * 64 * 64;  // forward FLOPs of one 64 x 64 tile at D 128
+  std::vector<cost::kernel_sample> samples;
+  for (const auto& [tiles, tflops] : {std::pair{2.0, 100.0}, std::pair{8.0, 300.0}, std::pair{32.0, 400.0}}) {
+    const double rows = 4096, flops = tiles * tile * rows;
+    samples.push_back({flops, rows, flops / (tflops * 1e12)});
+  }
+  samples.push_back({samples[1].flops * 2, samples[1].active_rows * 2, samples[1].seconds * 2 * 1.5});  // the same work, another run: pooled
+  const cost::kernel_speed fit = cost::fit_kernel_speed(samples);
+  REQUIRE(fit.curve.size() == 3);
+  CHECK(fit.curve[0].flops_per_row == doctest::Approx(2 * tile));
+  CHECK(fit.curve[0].tflops == doctest::Approx(100.0));
+  CHECK(fit.curve[1].tflops == doctest::Approx(300.0 * 3 / (1 + 2 * 1.5)));  // both runs' FLOPs over both runs' time
+  CHECK(fit.curve[2].tflops == doctest::Approx(400.0));
+  CHECK_NOTHROW(fit.validate("fit"));
+  // At a measured point its speed, whatever the call's size; between points linear in log(work).
+  CHECK(fit.seconds(32 * tile * 100, 100) == doctest::Approx(32 * tile * 100 / 400e12));
+  CHECK(fit.curve_tflops(16 * tile) == doctest::Approx((fit.curve[1].tflops + 400.0) / 2));
+  CHECK(fit.seconds(16 * tile * 50, 50) == doctest::Approx(16 * tile * 50 / (fit.curve_tflops(16 * tile) * 1e12)));
+  // Beyond the curve, and for an empty call, the three terms.
+  cost::kernel_speed terms = fit;
+  terms.curve.clear();
+  CHECK(fit.seconds(tile * 1000, 1000) == doctest::Approx(terms.seconds(tile * 1000, 1000)));
+  CHECK(fit.seconds(64 * tile * 10, 10) == doctest::Approx(terms.seconds(64 * tile * 10, 10)));
+  CHECK(fit.seconds(0.0, 0.0) == doctest::Approx(terms.seconds(0.0, 0.0)));
+  CHECK_THROWS_AS((void)fit.curve_tflops(tile), invalid_argument);
+  // A curve must ascend in work, with positive finite speeds.
+  cost::kernel_speed bad = fit;
+  std::swap(bad.curve[0], bad.curve[1]);
+  CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[1].flops_per_row"), invalid_argument);
+  bad = fit;
+  bad.curve[2].tflops = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].tflops"), invalid_argument);
+  // The built-in D 128 speeds: a curve of seven runs, ascending, slower per FLOP where rows are short.
+  const cost::kernel_throughput h200 = cost::h200_kernel_throughput(128);
+  CHECK_NOTHROW(h200.validate());
+  CHECK(h200.forward.curve.size() == 7);
+  CHECK(h200.forward.curve.front().tflops < h200.forward.curve.back().tflops / 3);
 }
 
 TEST_CASE("cost model: message sizes and link times") {
@@ -291,7 +335,11 @@ TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLO
   const ring_workload entries = count_ring_workload(g, sharding::striped<64>{}, flat), rows = cost::count_ring_rows(g, sharding::striped<64>{}, flat),
                       padding = cost::count_ring_vertical_padding(g, sharding::striped<64>{}, flat);
   REQUIRE(padding.total() > 0);
-  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  // The three terms, whose FLOPs term is linear (the curve's speed moves with the padding too).
+  const cost::kernel_throughput measured = cost::h200_kernel_throughput(128);
+  cost::kernel_throughput k = measured;
+  k.forward.curve.clear();
+  k.backward.curve.clear();
   const cost::link instant{.gbytes_per_s = 1e9, .latency_us = 0};
   const cost::cluster c{.nodes = 1, .gpus_per_node = 4, .intra_node = instant, .inter_node = instant};
   const cost::layer_prediction without = cost::predict_ring(entries, rows, flat, shape_of(8192), k, c);
@@ -309,6 +357,7 @@ TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLO
   const std::int64_t one = cost::count_ring_vertical_padding(g, sharding::striped<64>{}, topology::flat_ring(1)).total();
   CHECK(cost::predict_one_gpu(entries.total(), shape_of(8192), k, one).forward.seconds - cost::predict_one_gpu(entries.total(), shape_of(8192), k).forward.seconds ==
         doctest::Approx(cost::entry_flops(128, false) * double(one) / (k.forward.tflops * 1e12)).epsilon(1e-9));
+  CHECK(cost::predict_one_gpu(entries.total(), shape_of(8192), measured, one).seconds() > cost::predict_one_gpu(entries.total(), shape_of(8192), measured).seconds());
   // Ranks sharing one GPU: the same sum over all ranks.
   const double shared_extra = cost::predict_shared_gpu(entries, rows, shape_of(8192), k, padding).forward.seconds -
                               cost::predict_shared_gpu(entries, rows, shape_of(8192), k).forward.seconds;

@@ -4,13 +4,14 @@
 // throughput table and the links' bandwidth and latency. Host only; nothing here runs a kernel.
 //
 // What it models, and why in this form:
-//  - a step's kernel time = executed entries x FLOPs per entry / effective throughput + active rows x
-//    a row's fixed cost + a call's fixed cost. Executed entries are the active ones plus the padding
-//    of the tiles that gather vertical tokens (count_ring_vertical_padding, executed_entries):
-//    few tokens per rank leave those tiles nearly empty, which the active entries alone do not show.
-//    The fixed costs are why a step of 1/W of the work is not 1/W of the time (RESULTS.md, 2026-11-29,
-//    four GPUs, and 2026-12-05); all three terms are fitted from one-step runs of several lengths
-//    (fit_kernel_speed);
+//  - a step's kernel time = executed entries x FLOPs per entry / the speed measured for rows that
+//    carry as much work (tiles per row), interpolated between one-step runs of several lengths;
+//    beyond them, effective throughput + active rows x a row's fixed cost + a call's fixed cost
+//    (fit_kernel_speed). Executed entries are the active ones plus the padding of the tiles that
+//    gather vertical tokens (count_ring_vertical_padding, executed_entries): few tokens per rank
+//    leave those tiles nearly empty, which the active entries alone do not show. The per-row and
+//    per-call costs are why a step of 1/W of the work is not 1/W of the time (RESULTS.md,
+//    2026-11-29, four GPUs, and 2026-12-05);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
 //    intra-node: NVLink; across nodes: the network);
 //  - the schedule is simulated rank by rank as engine/ring_engine.hpp runs it on device/ring_attention.cuh:
@@ -50,21 +51,56 @@ namespace stria::cost {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
+/// A measured speed: a one-call run whose active rows each carried `flops_per_row` (FLOPs of the
+/// executed entries over the active rows; a 64 x 64 tile is 4096 entries) ran at `tflops`.
+struct speed_point {
+  double flops_per_row = 0;
+  double tflops = 0;
+};
+
 /// One direction (forward or backward) of the sparse kernels: a step's time is
-/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6.
+/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6, or, where its rows' mean
+/// work lies within `curve`, flops / (the curve's tflops there x 1e12).
 struct kernel_speed {
   double tflops = 0;   // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
   double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), merging the running state
   double call_us = 0;  // per call: its launches (5 backward), their ramp and tail, the host's work between them
+  /// Measured speeds, ascending in flops_per_row (fit_kernel_speed), interpolated linearly in
+  /// log(flops per row). The kernels lose per row in a way the three terms do not follow (a row of
+  /// 2-4 tiles pays its prologue and epilogue nearly alone: RESULTS 2026-12-05, second), and a point
+  /// holds its run's per-row and per-call costs at the shape of a ring step with the same row work:
+  /// a striped step over W ranks has the rows and the row work of a whole-sequence run of S / W.
+  /// Outside the curve (or with none) the three terms.
+  std::vector<speed_point> curve = {};
 
   /// One call's time. The ring engine calls the kernels at every step, an empty one too.
   [[nodiscard]] double seconds(double flops, double active_rows) const {
+    if (!curve.empty() && flops > 0 && active_rows > 0) {
+      const double work = flops / active_rows;
+      if (work >= curve.front().flops_per_row && work <= curve.back().flops_per_row) return flops / (curve_tflops(work) * 1e12);
+    }
     return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9 + call_us * 1e-6;
+  }
+  /// The curve's speed at `flops_per_row`, which must lie within it.
+  [[nodiscard]] double curve_tflops(double flops_per_row) const {
+    const auto above = std::upper_bound(curve.begin(), curve.end(), flops_per_row, [](double w, const speed_point& p) { return w < p.flops_per_row; });
+    if (above == curve.begin() || flops_per_row > curve.back().flops_per_row)
+      throw invalid_argument("curve_tflops: flops_per_row", flops_per_row, "must lie within the curve's points");
+    if (above == curve.end()) return curve.back().tflops;
+    const speed_point& a = *(above - 1);
+    const double t = std::log(flops_per_row / a.flops_per_row) / std::log(above->flops_per_row / a.flops_per_row);
+    return a.tflops + t * (above->tflops - a.tflops);
   }
   void validate(const char* what) const {
     if (!(tflops > 0) || !std::isfinite(tflops)) throw invalid_argument(std::string(what) + ".tflops", tflops, "must be positive and finite");
     if (!(row_ns >= 0) || !std::isfinite(row_ns)) throw invalid_argument(std::string(what) + ".row_ns", row_ns, "must be >= 0 and finite");
     if (!(call_us >= 0) || !std::isfinite(call_us)) throw invalid_argument(std::string(what) + ".call_us", call_us, "must be >= 0 and finite");
+    for (std::size_t i = 0; i < curve.size(); ++i) {
+      const std::string at = std::string(what) + ".curve[" + std::to_string(i) + "]";
+      if (!(curve[i].tflops > 0) || !std::isfinite(curve[i].tflops)) throw invalid_argument(at + ".tflops", curve[i].tflops, "must be positive and finite");
+      if (!(curve[i].flops_per_row > (i == 0 ? 0.0 : curve[i - 1].flops_per_row)) || !std::isfinite(curve[i].flops_per_row))
+        throw invalid_argument(at + ".flops_per_row", curve[i].flops_per_row, "must be finite and above the point before it (or 0)");
+    }
   }
 };
 
@@ -95,7 +131,8 @@ struct kernel_sample {
 /// can tell them apart. A term that such a fit leaves negative, or that the runs cannot tell apart,
 /// is dropped: of the fits with fewer terms the one with the smaller error wins, and where both fit
 /// exactly (two lengths) the row cost is kept (DESIGN's per-row work; the call's cost needs a third
-/// length to show). One run gives the plain throughput.
+/// length to show). One run gives the plain throughput. The curve holds every sample's speed by its
+/// rows' work, runs of the same work (within 0.1%: the same length and pattern) pooled.
 inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
   if (samples.empty()) throw invalid_argument("fit_kernel_speed: samples.size()", 0, "needs at least one measured run");
   for (const kernel_sample& x : samples)
@@ -148,21 +185,44 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
   if (!best) best = solve({true, false, false});
   if (!best)  // positive samples always give a positive throughput alone
     throw invalid_argument("fit_kernel_speed: samples.size()", samples.size(), "gave no positive throughput");
-  return {1.0 / ((*best)[0] * 1e12), (*best)[1] * 1e9, (*best)[2] * 1e6};
+  kernel_speed fit{1.0 / ((*best)[0] * 1e12), (*best)[1] * 1e9, (*best)[2] * 1e6, {}};
+  // Samples with rows, ascending in work; works within 0.1% pooled (runs of one length and pattern
+  // whose FLOPs files give as TF x ms, rounded).
+  std::vector<kernel_sample> by_work;
+  for (const kernel_sample& x : samples)
+    if (x.active_rows > 0) by_work.push_back(x);
+  std::sort(by_work.begin(), by_work.end(), [](const kernel_sample& a, const kernel_sample& b) { return a.flops / a.active_rows < b.flops / b.active_rows; });
+  for (std::size_t i = 0; i < by_work.size();) {
+    const double work = by_work[i].flops / by_work[i].active_rows;
+    double flops = 0, seconds = 0;
+    for (; i < by_work.size() && by_work[i].flops / by_work[i].active_rows <= work * 1.001; ++i) flops += by_work[i].flops, seconds += by_work[i].seconds;
+    fit.curve.push_back({work, flops / seconds * 1e-12});
+  }
+  return fit;
 }
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
-/// tests/bench/results/attention_h200.json (commit f0cca9d, 2026-12-04; bf16, Hq 16, Hkv 2, 95%
-/// sparse VS pattern, atomic backward, dS stored at D 128), each row's executed entries counted on
-/// the selection it ran (its padding: 3.7% of the active entries at 32K, 1.0% at 128K, 0.2% at
-/// 512K). D 128 has runs at 32K, 128K and 512K: the three-term fit gives both directions a negative
-/// row cost, so they keep the throughput and the call's cost. D 64 has one run (128K): the plain
-/// throughput, its row and call costs unknown and counted as 0.
-/// `plan --throughput FILE` fits a file instead; a test checks these numbers against the file.
+/// tests/bench/results/attention_lengths_h200.json (commit 89a7cd3, 2026-12-05: 4K to 128K) and
+/// attention_h200.json (f0cca9d, 2026-12-04: 32K, 128K, 512K; the same kernels), pooled (bf16, Hq
+/// 16, Hkv 2, 95% sparse VS pattern, atomic backward, dS stored at D 128), each row's executed
+/// entries counted on the selection it ran (its padding: 26% of the active entries at 4K, 3.7% at
+/// 32K, 0.2% at 512K). D 128: the curve runs from 2.7 to 203 tiles per row (forward 123 to 432 TF,
+/// backward 69 to 379); the three terms, used beyond it, fit all nine runs. D 64 has one run (128K):
+/// the plain throughput, its row and call costs unknown and counted as 0, and a one-point curve.
+/// `plan --throughput FILE,FILE` fits files instead; a test checks these numbers against the files.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
   if (head_dim == 128)
-    return {.head_dim = 128, .forward = {.tflops = 435.1319, .row_ns = 0.0, .call_us = 105.4388}, .backward = {.tflops = 382.4510, .row_ns = 0.0, .call_us = 145.1760}};
-  if (head_dim == 64) return {.head_dim = 64, .forward = {.tflops = 328.6960}, .backward = {.tflops = 276.6555}};
+    return {.head_dim = 128,
+            .forward = {.tflops = 453.9013, .row_ns = 15.5865, .call_us = 18.9601,
+                        .curve = {{5.618576e+06, 122.6742}, {8.966526e+06, 195.5638}, {1.554303e+07, 278.6182}, {2.896667e+07, 362.0740},
+                                  {5.514312e+07, 411.0021}, {1.080562e+08, 422.8042}, {4.265192e+08, 431.5698}}},
+            .backward = {.tflops = 417.5099, .row_ns = 43.0769, .call_us = 148.0737,
+                         .curve = {{1.405076e+07, 68.6777}, {2.241989e+07, 115.5699}, {3.885322e+07, 184.0014}, {7.242045e+07, 346.9175},
+                                   {1.378570e+08, 367.1884}, {2.701404e+08, 378.3069}, {1.066298e+09, 378.6011}}}};
+  if (head_dim == 64)
+    return {.head_dim = 64,
+            .forward = {.tflops = 328.6960, .row_ns = 0, .call_us = 0, .curve = {{5.397282e+07, 328.6960}}},
+            .backward = {.tflops = 276.6555, .row_ns = 0, .call_us = 0, .curve = {{1.349329e+08, 276.6555}}}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
