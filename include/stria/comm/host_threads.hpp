@@ -135,6 +135,12 @@ std::string type_name() {
   else return typeid(T).name();
 }
 
+/// Throws unless `peer` is a rank of a world of `world_size` ranks; `what` names the call ("send", ...).
+inline void check_peer(index_t peer, index_t world_size, const char* what) {
+  if (peer < 0 || peer >= world_size)
+    throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_size) + ")");
+}
+
 }  // namespace detail
 
 /// W ranks' shared state. `run` starts one thread per rank and rethrows the first failure.
@@ -192,23 +198,15 @@ class host_threads {
   template <class T>
   void send(const T* data, std::size_t count, index_t peer, int tag = 0) {
     static_assert(std::is_trivially_copyable_v<T>);
-    check_peer(peer, "send");
-    if (group_depth_ > 0) {
-      queue_.push_back({true, [this, data, count, peer, tag] { post_send(data, count, peer, tag); }});
-      return;
-    }
-    post_send(data, count, peer, tag);
+    detail::check_peer(peer, world_size(), "send");
+    run_or_queue(true, [this, data, count, peer, tag] { post_send(data, count, peer, tag); });
   }
 
   template <class T>
   void recv(T* data, std::size_t count, index_t peer, int tag = 0) {
     static_assert(std::is_trivially_copyable_v<T>);
-    check_peer(peer, "recv");
-    if (group_depth_ > 0) {
-      queue_.push_back({false, [this, data, count, peer, tag] { complete_recv(data, count, peer, tag); }});
-      return;
-    }
-    complete_recv(data, count, peer, tag);
+    detail::check_peer(peer, world_size(), "recv");
+    run_or_queue(false, [this, data, count, peer, tag] { complete_recv(data, count, peer, tag); });
   }
 
   /// recv holds world_size * count elements: rank r's `count` elements at offset r * count.
@@ -241,7 +239,7 @@ class host_threads {
 
   template <class T>
   void broadcast(T* data, std::size_t count, index_t root) {
-    check_peer(root, "broadcast root");
+    detail::check_peer(root, world_size(), "broadcast root");
     std::vector<T> copy(count);
     collective({"broadcast", detail::type_name<T>(), count, root}, data,
                [&](const std::vector<const void*>& all) { std::memcpy(copy.data(), all[static_cast<std::size_t>(root)], count * sizeof(T)); });
@@ -275,9 +273,10 @@ class host_threads {
     std::function<void()> run;
   };
 
-  void check_peer(index_t peer, const char* what) const {
-    if (peer < 0 || peer >= world_size())
-      throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_size()) + ")");
+  /// Inside a group, queues `op` for group_end; else runs it now.
+  void run_or_queue(bool is_send, std::function<void()> op) {
+    if (group_depth_ > 0) queue_.push_back({is_send, std::move(op)});
+    else op();
   }
 
   template <class T>

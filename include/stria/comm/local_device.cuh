@@ -96,14 +96,14 @@ class local_device {
   /// Sends `count` elements of device memory to `peer`, read in the order of `stream`.
   template <class T>
   void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag = 0) {
-    check_peer(peer, "send");
+    detail::check_peer(peer, world_size(), "send");
     enqueue({true, const_cast<T*>(data), count * sizeof(T), peer, stream, tag});
   }
 
   /// Receives `count` elements from `peer` into device memory, written in the order of `stream`.
   template <class T>
   void recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int tag = 0) {
-    check_peer(peer, "recv");
+    detail::check_peer(peer, world_size(), "recv");
     enqueue({false, data, count * sizeof(T), peer, stream, tag});
   }
 
@@ -138,7 +138,7 @@ class local_device {
   /// Every rank's `data` becomes root's.
   template <class T>
   void broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) {
-    check_peer(root, "broadcast root");
+    detail::check_peer(root, world_size(), "broadcast root");
     const std::vector<detail::device_contribution> all = contribute(data, stream, "broadcast");
     if (rank() != root && count > 0) {
       STRIA_CUDA_CHECK(cudaStreamWaitEvent(stream, all[static_cast<std::size_t>(root)].ready, 0));
@@ -175,11 +175,6 @@ class local_device {
     queued op;
     cuda_event ready, done;
   };
-
-  void check_peer(index_t peer, const char* what) const {
-    if (peer < 0 || peer >= world_size())
-      throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_size()) + ")");
-  }
 
   void enqueue(const queued& op) {
     if (op.tag < 0) throw invalid_argument("tag", op.tag, "must be >= 0");

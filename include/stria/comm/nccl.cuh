@@ -241,14 +241,14 @@ class nccl {
   template <class T>
   void send(const T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
     check_usable();
-    check_peer(peer, "send");
+    detail::check_peer(peer, world_size(), "send");
     STRIA_NCCL_CHECK(ncclSend(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
   }
 
   template <class T>
   void recv(T* data, std::size_t count, index_t peer, cudaStream_t stream, int /*tag*/ = 0) {
     check_usable();
-    check_peer(peer, "recv");
+    detail::check_peer(peer, world_size(), "recv");
     STRIA_NCCL_CHECK(ncclRecv(data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(peer), comm_, stream));
   }
 
@@ -270,7 +270,7 @@ class nccl {
   template <class T>
   void broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) {
     check_usable();
-    check_peer(root, "broadcast root");
+    detail::check_peer(root, world_size(), "broadcast root");
     STRIA_NCCL_CHECK(ncclBroadcast(data, data, detail::nccl_count<T>(count), detail::nccl_type<T>(), static_cast<int>(root), comm_, stream));
     check_async();
   }
@@ -304,11 +304,6 @@ class nccl {
     STRIA_CUDA_CHECK(cudaSetDevice(current));
     STRIA_CUDA_CHECK(created);
     device_ = comm_device;
-  }
-
-  void check_peer(index_t peer, const char* what) const {
-    if (peer < 0 || peer >= world_)
-      throw invalid_argument(std::string(what) + " peer", peer, "must be a rank in [0, " + std::to_string(world_) + ")");
   }
 
   void check_usable() const {

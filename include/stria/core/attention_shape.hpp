@@ -54,4 +54,16 @@ void check_extents(const View& view, const index_t (&expected)[Rank], const char
                              "must be " + std::to_string(expected[d]) + " to match the other tensors");
 }
 
+/// The shape of a call from q [Sq, Hq, D] and k, v [Sk, Hkv, D], validated, with every extent (and
+/// pointer) of the three checked against it.
+template <class Q, class KV>
+attention_shape checked_attention_shape(const Q& q, const KV& k, const KV& v) {
+  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
+  shape.validate();
+  check_extents(q, {shape.query_tokens, shape.heads_q, shape.head_dim}, "q");
+  check_extents(k, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "k");
+  check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
+  return shape;
+}
+
 }  // namespace stria

@@ -145,11 +145,7 @@ attention_shape checked_shape(tensor_view<const T, 3> q, tensor_view<const T, 3>
                               const device_step_index& index, double softmax_scale) {
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>,
                 "the sparse attention kernels take bf16 (__nv_bfloat16) or fp16 (__half) inputs");
-  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-  shape.validate();
-  check_extents(q, {shape.query_tokens, shape.heads_q, shape.head_dim}, "q");
-  check_extents(k, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "k");
-  check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
+  const attention_shape shape = checked_attention_shape(q, k, v);
   for (auto [view, name] : {std::pair{q, "q"}, std::pair{k, "k"}, std::pair{v, "v"}}) check_layout(view, name, 16);
   check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, index.shape.causal});
   check_softmax_scale(softmax_scale);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -19,26 +20,6 @@
 #include "stria/index/global_selection.hpp"
 
 namespace stria::host {
-
-namespace detail {
-
-/// Scores of one 64x64 tile in the exp2 domain, [64 query rows, 64 keys]: qs holds the 64 queries
-/// pre-scaled by scale * log2(e), [64, D]; kt the head's keys transposed, [D, S].
-inline void score_tile(const float* qs, const float* kt, index_t seq_len, index_t dim, index_t key_block, float* score) {
-  std::fill(score, score + block_tokens * block_tokens, 0.0f);
-  const float* keys = kt + static_cast<std::size_t>(key_block) * block_tokens;
-  for (index_t a = 0; a < block_tokens; ++a) {
-    float* row = score + static_cast<std::size_t>(a) * block_tokens;
-    const float* qrow = qs + static_cast<std::size_t>(a) * dim;
-    for (index_t d = 0; d < dim; ++d) {
-      const float x = qrow[d];
-      const float* key = keys + static_cast<std::size_t>(d) * seq_len;
-      for (index_t b = 0; b < block_tokens; ++b) row[b] += x * key[b];
-    }
-  }
-}
-
-}  // namespace detail
 
 /// What the oracle follows: the estimator's rule (its p, budgets and safeguards), and optionally a
 /// selection (the estimate) whose density, head by head, the second oracle selection matches.
@@ -158,7 +139,7 @@ oracle_selections oracle_vs_selection(tensor_view<const T, 3> q, tensor_view<con
         else vertical[static_cast<std::size_t>(m)] += p;
       }
     std::vector<index_t> order(static_cast<std::size_t>(s));
-    for (index_t m = 0; m < s; ++m) order[static_cast<std::size_t>(m)] = m;
+    std::iota(order.begin(), order.end(), index_t{0});
     const index_t cap = rule.vertical_cap;
     std::partial_sort(order.begin(), order.begin() + cap, order.end(), [&](index_t a, index_t b) {
       const double ma = vertical[static_cast<std::size_t>(a)], mb = vertical[static_cast<std::size_t>(b)];

@@ -51,6 +51,32 @@ inline float exp2_nonpositive(float x) {
   return p * std::bit_cast<float>(static_cast<std::uint32_t>(n + 127) << 23);
 }
 
+/// Scores of one 64x64 tile in the exp2 domain, [64 query rows, 64 keys]: qs holds the 64 queries
+/// pre-scaled by scale * log2(e), [64, D]; kt the head's keys transposed, [D, S]. Four query rows
+/// share each key load (the b loop vectorises).
+inline void score_tile(const float* qs, const float* kt, index_t seq_len, index_t dim, index_t key_block, float* score) {
+  std::fill(score, score + block_tokens * block_tokens, 0.0f);
+  const float* keys = kt + static_cast<std::size_t>(key_block) * block_tokens;
+  for (index_t a = 0; a < block_tokens; a += 4) {
+    float* r0 = score + static_cast<std::size_t>(a) * block_tokens;
+    float* r1 = r0 + block_tokens;
+    float* r2 = r1 + block_tokens;
+    float* r3 = r2 + block_tokens;
+    const float* q0 = qs + static_cast<std::size_t>(a) * dim;
+    for (index_t d = 0; d < dim; ++d) {
+      const float x0 = q0[d], x1 = q0[dim + d], x2 = q0[2 * dim + d], x3 = q0[3 * dim + d];
+      const float* key = keys + static_cast<std::size_t>(d) * seq_len;
+      for (index_t b = 0; b < block_tokens; ++b) {
+        const float kv = key[b];
+        r0[b] += x0 * kv;
+        r1[b] += x1 * kv;
+        r2[b] += x2 * kv;
+        r3[b] += x3 * kv;
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 struct recall_summary {
@@ -116,27 +142,7 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
                              (!sel.blocks.empty() && std::binary_search(sel.blocks.begin(), sel.blocks.end(), block_pair{qb, kb}));
         for (index_t b = 0; b < block_tokens; ++b)
           keep[static_cast<std::size_t>(b)] = tile_on || vertical[static_cast<std::size_t>(kb * block_tokens + b)] ? 1.0f : 0.0f;
-        // Scores of the tile; four query rows share each key load (the b loop vectorises).
-        std::fill(score.begin(), score.end(), 0.0f);
-        const float* keys = kt.data() + static_cast<std::size_t>(kb) * block_tokens;
-        for (index_t a = 0; a < block_tokens; a += 4) {
-          float* r0 = score.data() + static_cast<std::size_t>(a) * block_tokens;
-          float* r1 = r0 + block_tokens;
-          float* r2 = r1 + block_tokens;
-          float* r3 = r2 + block_tokens;
-          const float* q0 = qs.data() + static_cast<std::size_t>(a) * dim;
-          for (index_t d = 0; d < dim; ++d) {
-            const float x0 = q0[d], x1 = q0[dim + d], x2 = q0[2 * dim + d], x3 = q0[3 * dim + d];
-            const float* key = keys + static_cast<std::size_t>(d) * s;
-            for (index_t b = 0; b < block_tokens; ++b) {
-              const float kv = key[b];
-              r0[b] += x0 * kv;
-              r1[b] += x1 * kv;
-              r2[b] += x2 * kv;
-              r3[b] += x3 * kv;
-            }
-          }
-        }
+        detail::score_tile(qs.data(), kt.data(), s, dim, kb, score.data());
         for (index_t a = 0; a < block_tokens; ++a) {
           // On a diagonal tile of causal attention, keys after the query are masked out.
           const index_t count = causal && kb == qb ? a + 1 : block_tokens;

@@ -31,19 +31,10 @@ inline void row_keys(const step_index_view& index, index_t head, index_t local_q
 }
 
 template <class T>
-attention_shape shape_of(tensor_view<const T, 3> q, tensor_view<const T, 3> k) {
-  return {q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
-}
-
-template <class T>
-void check_inputs(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
-                  const step_index_view& index, bool causal) {
-  const attention_shape shape = shape_of(q, k);
-  shape.validate();
-  check_extents(q, {shape.query_tokens, shape.heads_q, shape.head_dim}, "q");
-  check_extents(k, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "k");
-  check_extents(v, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "v");
-  check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, causal});
+attention_shape check_inputs(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, const step_index_view& index) {
+  const attention_shape shape = checked_attention_shape(q, k, v);
+  check_index_shape(index.shape, {shape.heads_q, shape.query_tokens / block_tokens, shape.kv_tokens / block_tokens, index.shape.causal});
+  return shape;
 }
 
 /// The extents every backward call checks: out, d_out, dq like q; lse [Hq, Sq]; dk, dv like k.
@@ -68,9 +59,8 @@ template <class Accum = double, class T, class Out, class Lse>
 void reference_forward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
                        const step_index_view& index, double softmax_scale, tensor_view<Out, 3> out,
                        tensor_view<Lse, 2> lse) {
-  detail::check_inputs(q, k, v, index, index.shape.causal);
+  const attention_shape shape = detail::check_inputs(q, k, v, index);
   check_softmax_scale(softmax_scale);
-  const attention_shape shape = detail::shape_of(q, k);
   check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
 
@@ -120,9 +110,8 @@ void reference_backward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, te
                         tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, tensor_view<const Lse, 2> lse,
                         const step_index_view& index, double softmax_scale, tensor_view<Grad, 3> dq,
                         tensor_view<Grad, 3> dk, tensor_view<Grad, 3> dv) {
-  detail::check_inputs(q, k, v, index, index.shape.causal);
+  const attention_shape shape = detail::check_inputs(q, k, v, index);
   check_softmax_scale(softmax_scale);
-  const attention_shape shape = detail::shape_of(q, k);
   detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
 
   const index_t dim = shape.head_dim;

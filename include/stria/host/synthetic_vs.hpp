@@ -116,22 +116,6 @@ struct vs_model {
 inline constexpr double expected_peak_logit = 6.0;    // scale * f(0): the local window's pull
 inline constexpr double outlier_logit = 9.0;          // scale * q . outlier: the vertical lines' pull
 
-/// Expected scaled score of a query of head h against a key `delta` tokens earlier: scale * f(delta).
-inline double expected_logit(const vs_model& m, index_t head_dim, index_t h, index_t hk, double delta) {
-  double f = 0;
-  for (index_t i = 0; i < m.pairs; ++i) {
-    // Pair i holds dims (2i, 2i + 1); rotation by theta_i * (n - m) between a query and an earlier key.
-    const double qa = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i)];
-    const double qb = m.mean_q[static_cast<std::size_t>(h * head_dim + 2 * i + 1)];
-    const double ka = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i)];
-    const double kb = m.mean_k[static_cast<std::size_t>(hk * head_dim + 2 * i + 1)];
-    const double angle = m.theta[static_cast<std::size_t>(i)] * delta;
-    // (R(n) q) . (R(m) k) = q . R(m - n) k = q . R(-delta) k
-    f += (qa * ka + qb * kb) * std::cos(angle) + (qa * kb - qb * ka) * std::sin(angle);
-  }
-  return m.scale * f;
-}
-
 /// The heavy-tailed families on top of the rope model (synthetic_vs_options::pattern). They draw
 /// from a stream of their own, so the rope model's draws are untouched.
 ///
@@ -224,8 +208,13 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
       m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] = gain * (std::cos(phase) * ka - std::sin(phase) * kb);
       m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] = gain * (std::sin(phase) * ka + std::cos(phase) * kb);
     }
-    // Normalise so that the expected scaled score at delta = 0 is expected_peak_logit.
-    const double f0 = expected_logit(m, d, h, hk, 0.0);
+    // Normalise so that the expected scaled score at delta = 0 (no rotation: scale * q . k) is expected_peak_logit.
+    double f0 = 0;
+    for (index_t i = 0; i < m.pairs; ++i) {
+      const auto j = static_cast<std::size_t>(h * d + 2 * i), jk = static_cast<std::size_t>(hk * d + 2 * i);
+      f0 += m.mean_q[j] * m.mean_k[jk] + m.mean_q[j + 1] * m.mean_k[jk + 1];
+    }
+    f0 *= m.scale;
     const double fix = f0 > 0 ? expected_peak_logit / f0 : 1.0;
     for (index_t j = 0; j < d; ++j) m.mean_q[static_cast<std::size_t>(h * d + j)] *= fix;
   }
@@ -264,8 +253,10 @@ inline double diagonal_entries(index_t blocks, index_t delta) {
   return delta == 0 ? double(blocks) * 64.0 * 65.0 / 2.0 : double(blocks - delta) * 64.0 * 64.0;
 }
 
-/// expected_logit(h, delta) for every delta in [0, count), by one rotating phasor per RoPE pair
-/// (f = Re sum_i (A_i - i B_i) e^{i theta_i delta}): no trigonometry inside the loop.
+/// Expected scaled score of a query of head h against a key `delta` tokens earlier, scale * f(delta),
+/// for every delta in [0, count): pair i holds dims (2i, 2i + 1), and (R(n) q) . (R(m) k) = q . R(-delta) k,
+/// so f = Re sum_i (A_i - i B_i) e^{i theta_i delta}, by one rotating phasor per RoPE pair: no
+/// trigonometry inside the loop.
 inline std::vector<double> expected_logits(const vs_model& m, index_t head_dim, index_t h, index_t hk, index_t count) {
   std::vector<double> f(static_cast<std::size_t>(count), 0.0);
   for (index_t i = 0; i < m.pairs; ++i) {

@@ -712,31 +712,16 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
   return p;
 }
 
-namespace detail {
-
-/// A sequential ring's counts over the C chunks of `p`, laid out [C, C] per task (query chunk i,
-/// KV chunk j) like p.area.
-inline std::vector<std::int64_t> per_task(const ring_workload& counts, const solver::problem& p) {
-  const index_t chunks = p.num_chunks();
-  std::vector<std::int64_t> out(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
-  for (index_t i = 0; i < chunks; ++i)
-    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
-      out[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = counts.at(i, s);
-  return out;
-}
-
-}  // namespace detail
-
 /// Active rows of every solver task (query chunk i, KV chunk j) of `p`, laid out [C, C] like
 /// p.area: the rows of a sequential ring over the C chunks (as solver::problem_from_selection counts
 /// the areas).
 inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, const solver::problem& p) {
-  return detail::per_task(count_ring_rows(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
+  return solver::detail::per_task(count_ring_rows(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())));
 }
 
 /// The gathered vertical tiles' padding of every solver task, laid out like solver_task_rows.
 inline std::vector<std::int64_t> solver_task_vertical_padding(const global_selection& g, const solver::problem& p) {
-  return detail::per_task(count_ring_vertical_padding(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
+  return solver::detail::per_task(count_ring_vertical_padding(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())));
 }
 
 /// Predicts one layer of the dynamic solver's plan `x` of problem `p` (topology::solver, sequential

@@ -94,9 +94,6 @@ struct step_index {
             vtoken_query.data()};
   }
 
-  [[nodiscard]] index_t num_active_blocks() const { return static_cast<index_t>(block_col.size()); }
-  [[nodiscard]] index_t num_vertical_entries() const { return static_cast<index_t>(col_token.size()); }
-
   /// (query token, key token) pairs computed: full tiles, causal triangles of diagonal tiles, and
   /// 64 query rows per vertical token. The FLOP count of a step is 4 * D * this (forward).
   [[nodiscard]] std::int64_t active_entries() const {

@@ -26,9 +26,8 @@ struct ring_workload {
     return entries[static_cast<std::size_t>(rank) * static_cast<std::size_t>(num_steps) + static_cast<std::size_t>(step)];
   }
   [[nodiscard]] std::int64_t rank_total(index_t rank) const {
-    std::int64_t sum = 0;
-    for (index_t s = 0; s < num_steps; ++s) sum += at(rank, s);
-    return sum;
+    const auto first = entries.begin() + static_cast<std::ptrdiff_t>(rank) * num_steps;
+    return std::accumulate(first, first + num_steps, std::int64_t{0});
   }
   [[nodiscard]] std::int64_t total() const { return std::accumulate(entries.begin(), entries.end(), std::int64_t{0}); }
   [[nodiscard]] std::int64_t max_rank_total() const {

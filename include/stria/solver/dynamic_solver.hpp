@@ -98,6 +98,21 @@ struct problem {
   }
 };
 
+namespace detail {
+
+/// A sequential ring's counts over C chunks (rank c holds chunk c), laid out [C, C] per task (query
+/// chunk i, KV chunk j) like problem::area.
+inline std::vector<std::int64_t> per_task(const ring_workload& counts) {
+  const index_t chunks = counts.world_size;
+  std::vector<std::int64_t> out(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
+  for (index_t i = 0; i < chunks; ++i)
+    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
+      out[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = counts.at(i, s);
+  return out;
+}
+
+}  // namespace detail
+
 /// The task areas of a global selection with `chunks_per_rank` chunks per rank (sequential sharding).
 inline problem problem_from_selection(const global_selection& g, index_t world_size, index_t chunks_per_rank, index_t heads_kv) {
   const index_t chunks = world_size * chunks_per_rank;
@@ -105,12 +120,8 @@ inline problem problem_from_selection(const global_selection& g, index_t world_s
     throw invalid_argument("world_size x chunks_per_rank", chunks,
                            "must divide seq_len / 64 = " + std::to_string(g.seq_len / block_tokens) + " (whole blocks per chunk)");
   // Chunk c is rank c of a sequential ring over all chunks: the workload counter gives every pair.
-  const ring_workload w = count_ring_workload(g, sharding::sequential{}, topology::flat_ring(chunks));
-  problem p{world_size, chunks_per_rank, g.seq_len / chunks, g.num_heads(), heads_kv, {}};
-  p.area.resize(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(chunks));
-  for (index_t i = 0; i < chunks; ++i)
-    for (index_t s = 0; s < chunks; ++s)  // at step s chunk i meets KV chunk (i - s) mod C
-      p.area[static_cast<std::size_t>(i) * static_cast<std::size_t>(chunks) + static_cast<std::size_t>((i - s + chunks) % chunks)] = w.at(i, s);
+  problem p{world_size, chunks_per_rank, g.seq_len / chunks, g.num_heads(), heads_kv,
+            detail::per_task(count_ring_workload(g, sharding::sequential{}, topology::flat_ring(chunks)))};
   p.validate();
   return p;
 }
