@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # cmake -DROOT=<source dir> -P check_layers.cmake
 # The one launch layer (DESIGN 3): every kernel launch (`<<<`) is in include/stria/device/, and only
-# kernel/ and device/ include stria/kernel/. And no header calls thrust with a policy that
-# synchronizes the stream after the call (thrust::cuda::par, thrust::device): a ring step's host
-# would wait for the device there. Fails naming every file that breaks a rule.
+# kernel/ and device/ include stria/kernel/. And no header names thrust::cuda::par or thrust::device,
+# the policies that synchronize the stream after a call (a ring step's host would wait for the device
+# there; other spellings and thrust calls that return a value, which block under any policy, are not
+# caught). Fails naming every file that breaks a rule.
 get_filename_component(ROOT "${ROOT}" ABSOLUTE)
 file(GLOB_RECURSE headers RELATIVE "${ROOT}/include" "${ROOT}/include/*.hpp" "${ROOT}/include/*.cuh" "${ROOT}/include/*.h")
 list(LENGTH headers count)
@@ -28,6 +29,6 @@ foreach(header IN LISTS headers)
   endif()
 endforeach()
 if(broken)
-  message(FATAL_ERROR "the launch layer is include/stria/device/:${broken}")
+  message(FATAL_ERROR "the layer rules are broken:${broken}")
 endif()
 message(STATUS "${count} headers: every launch in device/, kernel/ included only from kernel/ and device/, no synchronizing thrust policy")

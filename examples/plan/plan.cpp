@@ -211,7 +211,7 @@ int run_cluster(const options& o) {
     // The call's fixed cost stays: launches and the host's work between them do not follow the FLOPs.
     for (stria::cost::kernel_speed* k : {&kernel.forward, &kernel.backward}) {
       k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
-      for (stria::cost::speed_point& point : k->curve) point.tflops *= o.kernel_scale;
+      for (stria::cost::speed_point& point : k->curve) point.row_ns /= o.kernel_scale;
     }
     std::ostringstream note;
     note << "; scaled by " << o.kernel_scale;
@@ -230,7 +230,7 @@ int run_cluster(const options& o) {
   if (o.json) {
     auto curve = [&](const stria::cost::kernel_speed& k, bool backward) {
       nlohmann::ordered_json points = nlohmann::ordered_json::array();
-      for (const stria::cost::speed_point& point : k.curve) points.push_back({{"tiles_per_row", tiles_per_row(point, backward)}, {"tflops", point.tflops}});
+      for (const stria::cost::speed_point& point : k.curve) points.push_back({{"tiles_per_row", tiles_per_row(point, backward)}, {"row_ns", point.row_ns}});
       return points;
     };
     nlohmann::ordered_json config = {
@@ -275,16 +275,18 @@ int run_cluster(const options& o) {
   std::printf("kernels (%s):\n", kernel_source.c_str());
   for (const bool backward : {false, true}) {
     const stria::cost::kernel_speed& k = backward ? kernel.backward : kernel.forward;
-    std::printf("  %s", backward ? "backward" : "forward ");
-    if (!k.curve.empty()) {
-      std::printf(" by tiles per row:");
-      for (const stria::cost::speed_point& point : k.curve) std::printf(" %.1f %.0f TF,", tiles_per_row(point, backward), point.tflops);
-      std::printf(" else");
+    std::printf("  %s %.0f us per call + per active row and step", backward ? "backward" : "forward ", k.call_us);
+    if (k.curve.empty()) {
+      std::printf(" %.1f ns + %.1f TF on executed entries\n", k.row_ns, k.tflops);
+      continue;
     }
-    std::printf(" %.1f TF + %.1f ns per active row and step + %.0f us per call\n", k.tflops, k.row_ns, k.call_us);
+    std::printf(", by tiles per row:");
+    for (std::size_t i = 0; i < k.curve.size(); ++i)
+      std::printf("%s %.1f %.0f ns", i == 0 ? "" : ",", tiles_per_row(k.curve[i], backward), k.curve[i].row_ns);
+    std::printf("\n");
   }
-  std::printf("  (TF on executed entries: the active ones and the gathered vertical tiles' padding; between measured points\n"
-              "  interpolated in log(tiles per row), beyond them the three terms)\n");
+  std::printf("  (executed entries: the active ones and the gathered vertical tiles' padding; a row's time linear in its work\n"
+              "  between the measured rows, the end segments extended beyond them)\n");
   std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
               o.inter_gbps, o.inter_latency_us, streams);
   std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");

@@ -736,6 +736,10 @@ struct phase_summary {
   double host_group_ms = 0, host_wait_ms = 0, host_compute_ms = 0, host_partial_ms = 0, host_finish_ms = 0;  // sums over ranks
   int waits = 0;
   double gap_host_ms = 0, gap_transfer_ms = 0, gap_stream_ms = 0, gap_unexplained_ms = 0;  // stream gaps by cause, sums over ranks
+  // Of the compute spans, the part before the host had queued the step's kernels: the start mark is
+  // recorded before the call, so on an idle stream it completes at once and the span then holds
+  // the call's host side (allocations, checks, launches). Summed over ranks.
+  double host_bound_in_compute_ms = 0;
   double transfer_median_ms = none, transfer_max_ms = none;  // a transfer group's end - ready
   double clock_min = none, clock_median = none, clock_max = none, idle_reason_share = none;
   std::size_t clock_samples = 0;
@@ -752,6 +756,7 @@ inline phase_summary summarize(const phase_trace& p) {
     device_end = std::max(device_end, r.tail);
     for (const step_record& s : r.steps) {
       m.compute_sum_ms += s.compute_end - s.compute_start;
+      if (!std::isnan(s.queued)) m.host_bound_in_compute_ms += std::max(0.0, std::min(s.queued, s.compute_end) - s.compute_start);
       if (!std::isnan(s.alone_ms)) m.alone_sum_ms += s.alone_ms;
       compute.emplace_back(s.compute_start, s.compute_end);
       m.waits += s.waits;
@@ -881,11 +886,11 @@ inline void print_table(const phase_trace& p) {
 }
 
 inline void print_summary(const std::string& label, const phase_trace& p, const phase_summary& m) {
-  std::printf("%s %s: wall %.2f ms (device tail %.2f); compute spans %.2f ms summed (alone %.2f), GPU running a step %.2f ms (%.0f%% of the "
+  std::printf("%s %s: wall %.2f ms (device tail %.2f); compute spans %.2f ms summed (of which before the host had queued the step: %.2f; alone %.2f), GPU running a step %.2f ms (%.0f%% of the "
               "wall), a transfer %.2f ms (a group's end - ready: median %.3f, max %.3f); host, summed over ranks: group_end %.2f, waits %.2f (%d), compute calls %.2f, partials %.2f, "
               "finish %.2f ms; compute streams' gaps before steps, by what came last: host %.2f, transfer %.2f, earlier stream work %.2f, unexplained %.2f ms; "
               "pool %.1f -> %.1f MiB\n",
-              label.c_str(), p.name.c_str(), m.wall_ms, m.device_end_ms, m.compute_sum_ms, m.alone_sum_ms, m.compute_union_ms,
+              label.c_str(), p.name.c_str(), m.wall_ms, m.device_end_ms, m.compute_sum_ms, m.host_bound_in_compute_ms, m.alone_sum_ms, m.compute_union_ms,
               100.0 * m.compute_union_ms / m.wall_ms, m.transfer_union_ms, m.transfer_median_ms, m.transfer_max_ms, m.host_group_ms, m.host_wait_ms, m.waits, m.host_compute_ms,
               m.host_partial_ms, m.host_finish_ms, m.gap_host_ms, m.gap_transfer_ms, m.gap_stream_ms, m.gap_unexplained_ms, double(p.pool_reserved_before) / 1048576.0,
               double(p.pool_reserved_after) / 1048576.0);
@@ -969,7 +974,7 @@ inline void write_phase(json_writer& j, const phase_trace& p, const phase_summar
   j.field("host_group_ms", m.host_group_ms).field("host_wait_ms", m.host_wait_ms).field("waits", m.waits);
   j.field("host_compute_ms", m.host_compute_ms).field("host_partial_ms", m.host_partial_ms).field("host_finish_ms", m.host_finish_ms);
   j.field("gap_host_ms", m.gap_host_ms).field("gap_transfer_ms", m.gap_transfer_ms).field("gap_stream_ms", m.gap_stream_ms);
-  j.field("gap_unexplained_ms", m.gap_unexplained_ms);
+  j.field("gap_unexplained_ms", m.gap_unexplained_ms).field("host_bound_in_compute_ms", m.host_bound_in_compute_ms);
   j.field("clock_min_mhz", m.clock_min).field("clock_median_mhz", m.clock_median).field("clock_max_mhz", m.clock_max);
   j.field("idle_reason_share", m.idle_reason_share);
   j.field("pool_reserved_before", double(p.pool_reserved_before)).field("pool_reserved_after", double(p.pool_reserved_after));

@@ -126,7 +126,7 @@ TEST_CASE("a rank that returns before a collective fails the others' wait at onc
   CHECK(std::chrono::steady_clock::now() - start < 1s);
 }
 
-TEST_CASE("a failure does not outlive its run; the timeout must be positive") {
+TEST_CASE("a failure does not outlive its run, the timeout must be positive") {
   host_world world(3, 30s);
   CHECK_THROWS_AS(world.run([](host_threads& c) {
                     if (c.rank() == 0) throw std::runtime_error("first run fails");

@@ -86,7 +86,7 @@ std::string progress_text(bool enabled, Report report) {
 
 }  // namespace
 
-TEST_CASE("progress: phases on their own lines, steps rewritten in place, each with the elapsed time; nothing when off") {
+TEST_CASE("progress: phases on their own lines, steps rewritten in place, each with the elapsed time, nothing when off") {
   auto run = [](cli::progress& p) {
     p.phase("input");
     p.step("forward", 1, 3);

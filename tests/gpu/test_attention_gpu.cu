@@ -210,7 +210,9 @@ const problem problems[] = {{2, 2, 64, "Hq2 Hkv2 D64"}, {4, 2, 128, "Hq4 Hkv2 D1
 TEST_CASE_TEMPLATE("sparse attention kernels match the reference on random step indices", T, __nv_bfloat16, __half) {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
-  test::sweep_part part;
+  test::sweep_part part;  // STRIA_TEST_PART
+  const std::string part_name = part.name();
+  CAPTURE(part_name);
   for (const problem& shape : problems)
     for (bool causal : {true, false}) {
       // Striped-like maps: query rank 1 of 3 against KV rank 1 (diagonal tiles) and rank 0.
@@ -235,7 +237,9 @@ TEST_CASE("sparse attention kernels on one small problem") {
 TEST_CASE("the atomic backward over more than 256 query blocks (vertical tokens split into query ranges)") {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
-  test::sweep_part part;
+  test::sweep_part part;  // STRIA_TEST_PART
+  const std::string part_name = part.name();
+  CAPTURE(part_name);
   std::vector<index_t> blocks(300);
   std::iota(blocks.begin(), blocks.end(), 0);
   for (const problem& shape : {problem{2, 1, 64, "Hq2 Hkv1 D64"}, problem{2, 1, 128, "Hq2 Hkv1 D128"}})
@@ -246,7 +250,9 @@ TEST_CASE("the atomic backward over more than 256 query blocks (vertical tokens 
 TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-step indices", T, __nv_bfloat16, __half) {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
-  test::sweep_part part;
+  test::sweep_part part;  // STRIA_TEST_PART
+  const std::string part_name = part.name();
+  CAPTURE(part_name);
   const index_t world = 3, seq_len = 64 * world * 6;
   const sharding::striped<64> striped;
   for (const problem& shape : problems) {
@@ -266,7 +272,9 @@ TEST_CASE_TEMPLATE("sparse attention kernels on dense and Vertical-Slash ring-st
 TEST_CASE("the paired Hopper forward on complete indices") {
   test::seeded_rng rng;
   CAPTURE(rng.seed);
-  test::sweep_part part;
+  test::sweep_part part;  // STRIA_TEST_PART
+  const std::string part_name = part.name();
+  CAPTURE(part_name);
   for (const problem& shape : {problem{4, 2, 128, "Hq4 Hkv2 D128"}, problem{8, 1, 128, "Hq8 Hkv1 D128"}, problem{2, 2, 128, "Hq2 Hkv2 D128"}})
     for (const index_t blocks : {index_t{1}, index_t{2}, index_t{7}, index_t{10}})
       for (const bool causal : {true, false}) {

@@ -29,7 +29,7 @@ TEST_CASE("selection_entries counts the causal entries of a head exactly") {
   CHECK(nb == 8);
 }
 
-TEST_CASE("the oracle: exact top-p reaches p over all rows; at the estimate's density it spends no more") {
+TEST_CASE("the oracle: exact top-p reaches p over all rows, at the estimate's density it spends no more") {
   for (const host::vs_pattern pattern : {host::vs_pattern::rope, host::vs_pattern::mixture}) {
     host::synthetic_vs_options o;
     o.seq_len = 2048;

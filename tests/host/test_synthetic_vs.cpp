@@ -95,7 +95,7 @@ TEST_CASE("the planted density is near the target at long sequences") {
   }
 }
 
-TEST_CASE("the planted selection holds most of the exact attention mass; the same lines moved do not") {
+TEST_CASE("the planted selection holds most of the exact attention mass, the same lines moved do not") {
   for (const double theta : {1e4, 1e6}) {
     host::synthetic_vs_options o;
     o.seq_len = 2048;

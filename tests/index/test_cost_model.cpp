@@ -156,45 +156,61 @@ TEST_CASE("cost model: three lengths tell a call's fixed cost from the row cost"
   CHECK(squared_error(dropped) <= squared_error(other));
 }
 
-TEST_CASE("cost model: the speed curve by a row's work, between the measured runs; the three terms beyond them") {
-  // Runs whose rows lose more than the three terms can say: 100 TF at 2 tiles per row, 300 at 8, 400 at 32.
+TEST_CASE("cost model: a row's time by its work, from the measured runs, never falling as the work grows") {
+  // Runs whose rows lose more than throughput and a row's fixed cost can say: 100 TF at 2 tiles per
+  // row, 300 at 8, 400 at 32, 4096 rows each (one call each, so the fitted call cost is 0 or small).
   const double tile = 4.0 * 128 * 64 * 64;  // forward FLOPs of one 64 x 64 tile at D 128
   std::vector<cost::kernel_sample> samples;
   for (const auto& [tiles, tflops] : {std::pair{2.0, 100.0}, std::pair{8.0, 300.0}, std::pair{32.0, 400.0}}) {
     const double rows = 4096, flops = tiles * tile * rows;
     samples.push_back({flops, rows, flops / (tflops * 1e12)});
   }
-  samples.push_back({samples[1].flops * 2, samples[1].active_rows * 2, samples[1].seconds * 2 * 1.5});  // the same work, another run: pooled
   const cost::kernel_speed fit = cost::fit_kernel_speed(samples);
   REQUIRE(fit.curve.size() == 3);
-  CHECK(fit.curve[0].flops_per_row == doctest::Approx(2 * tile));
-  CHECK(fit.curve[0].tflops == doctest::Approx(100.0));
-  CHECK(fit.curve[1].tflops == doctest::Approx(300.0 * 3 / (1 + 2 * 1.5)));  // both runs' FLOPs over both runs' time
-  CHECK(fit.curve[2].tflops == doctest::Approx(400.0));
   CHECK_NOTHROW(fit.validate("fit"));
-  // At a measured point its speed, whatever the call's size; between points linear in log(work).
-  CHECK(fit.seconds(32 * tile * 100, 100) == doctest::Approx(32 * tile * 100 / 400e12));
-  CHECK(fit.curve_tflops(16 * tile) == doctest::Approx((fit.curve[1].tflops + 400.0) / 2));
-  CHECK(fit.seconds(16 * tile * 50, 50) == doctest::Approx(16 * tile * 50 / (fit.curve_tflops(16 * tile) * 1e12)));
-  // Beyond the curve, and for an empty call, the three terms.
-  cost::kernel_speed terms = fit;
-  terms.curve.clear();
-  CHECK(fit.seconds(tile * 1000, 1000) == doctest::Approx(terms.seconds(tile * 1000, 1000)));
-  CHECK(fit.seconds(64 * tile * 10, 10) == doctest::Approx(terms.seconds(64 * tile * 10, 10)));
-  CHECK(fit.seconds(0.0, 0.0) == doctest::Approx(terms.seconds(0.0, 0.0)));
-  CHECK_THROWS_AS((void)fit.curve_tflops(tile), invalid_argument);
-  // A curve must ascend in work, with positive finite speeds.
+  // At every run the prediction is the run's time: the call's cost plus its rows' time.
+  for (const cost::kernel_sample& x : samples) CHECK(fit.seconds(x.flops, x.active_rows) == doctest::Approx(x.seconds));
+  // Between runs a row's time is linear in its work; more work never takes less time, and at the
+  // ends the time runs on continuously (the end segments extended, no faster than the fastest run).
+  const double mid = fit.curve_row_ns(5 * tile);
+  CHECK(mid == doctest::Approx((fit.curve[0].row_ns + fit.curve[1].row_ns) / 2));
+  double previous = 0;
+  for (double tiles = 0.5; tiles < 128; tiles *= 1.1) {
+    const double t = fit.curve_row_ns(tiles * tile);
+    CHECK(t >= previous);
+    CHECK(t >= tiles * tile / (400e12 * 1e-9) * (1 - 1e-9));  // never faster than the fastest run's 400 TF
+    previous = t;
+  }
+  for (const double end : {fit.curve.front().flops_per_row, fit.curve.back().flops_per_row})
+    CHECK(fit.curve_row_ns(end * (1 - 1e-9)) == doctest::Approx(fit.curve_row_ns(end * (1 + 1e-9))));
+  // Two runs of one work (another call of the same length) pool: both runs' time over both runs' rows.
+  std::vector<cost::kernel_sample> again = samples;
+  again.push_back({samples[1].flops * 2, samples[1].active_rows * 2, samples[1].seconds * 2 * 1.5});
+  const cost::kernel_speed pooled = cost::fit_kernel_speed(again);
+  REQUIRE(pooled.curve.size() == 3);
+  CHECK(pooled.curve[1].row_ns ==
+        doctest::Approx((samples[1].seconds * 4 - 2 * pooled.call_us * 1e-6) / (samples[1].active_rows * 3) * 1e9));
+  // A run faster per row than a shorter one leaves the row's time where the shorter run put it.
+  std::vector<cost::kernel_sample> dip = samples;
+  dip[1].seconds = dip[0].seconds * 0.5;  // 8 tiles a row in half the time of 2
+  const cost::kernel_speed held = cost::fit_kernel_speed(dip);
+  CHECK(held.curve[1].row_ns >= held.curve[0].row_ns);
+  // An empty call costs the call; a curve must ascend in work and never fall in time.
+  CHECK(fit.seconds(0.0, 0.0) == doctest::Approx(fit.call_us * 1e-6));
   cost::kernel_speed bad = fit;
-  std::swap(bad.curve[0], bad.curve[1]);
+  std::swap(bad.curve[0].flops_per_row, bad.curve[1].flops_per_row);
   CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[1].flops_per_row"), invalid_argument);
   bad = fit;
-  bad.curve[2].tflops = std::numeric_limits<double>::quiet_NaN();
-  CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].tflops"), invalid_argument);
-  // The built-in D 128 speeds: a curve of seven runs, ascending, slower per FLOP where rows are short.
+  bad.curve[2].row_ns = bad.curve[1].row_ns / 2;
+  CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].row_ns"), invalid_argument);
+  bad.curve[2].row_ns = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].row_ns"), invalid_argument);
+  // The built-in D 128 speeds: seven runs; a row of 2.7 tiles costs twice as much per tile as one of 203.
   const cost::kernel_throughput h200 = cost::h200_kernel_throughput(128);
   CHECK_NOTHROW(h200.validate());
-  CHECK(h200.forward.curve.size() == 7);
-  CHECK(h200.forward.curve.front().tflops < h200.forward.curve.back().tflops / 3);
+  REQUIRE(h200.forward.curve.size() == 7);
+  const cost::speed_point &shortest = h200.forward.curve.front(), &longest = h200.forward.curve.back();
+  CHECK(shortest.row_ns / shortest.flops_per_row > 2 * longest.row_ns / longest.flops_per_row);
 }
 
 TEST_CASE("cost model: message sizes and link times") {

@@ -37,6 +37,8 @@ class sweep_part {
     if (std::sscanf(value, "%d/%d%n", &part_, &parts_, &consumed) != 2 || value[consumed] != '\0' || parts_ < 1 || part_ < 0 || part_ >= parts_)
       throw std::invalid_argument(std::string("STRIA_TEST_PART is \"") + value + "\": it must be i/n with 0 <= i < n (part i of n)");
   }
+  /// "i/n", or "all": what a failure's report needs besides the seed (the part decides the draws).
+  [[nodiscard]] std::string name() const { return parts_ == 1 ? std::string("all") : std::to_string(part_) + "/" + std::to_string(parts_); }
   /// Whether the sweep's next configuration is this part's.
   bool next() { return count_++ % parts_ == part_; }
 

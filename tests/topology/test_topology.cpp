@@ -190,7 +190,7 @@ TEST_CASE("hierarchical ring schedules are complete and conflict free for every 
     }
 }
 
-TEST_CASE("the hierarchical ring follows DESIGN 5: node n - o, card c - i; the outer buffer is only read by the inner ring") {
+TEST_CASE("the hierarchical ring follows DESIGN 5: node n - o, card c - i, the outer buffer is only read by the inner ring") {
   const topology::hierarchical_ring ring(2, 4);
   for (index_t r = 0; r < 8; ++r)
     for (index_t s = 0; s < 8; ++s) {

@@ -4,14 +4,15 @@
 // throughput table and the links' bandwidth and latency. Host only; nothing here runs a kernel.
 //
 // What it models, and why in this form:
-//  - a step's kernel time = executed entries x FLOPs per entry / the speed measured for rows that
-//    carry as much work (tiles per row), interpolated between one-step runs of several lengths;
-//    beyond them, effective throughput + active rows x a row's fixed cost + a call's fixed cost
-//    (fit_kernel_speed). Executed entries are the active ones plus the padding of the tiles that
-//    gather vertical tokens (count_ring_vertical_padding, executed_entries): few tokens per rank
-//    leave those tiles nearly empty, which the active entries alone do not show. The per-row and
-//    per-call costs are why a step of 1/W of the work is not 1/W of the time (RESULTS.md,
-//    2026-11-29, four GPUs, and 2026-12-05);
+//  - a step's kernel time = a call's fixed cost + active rows x the time measured for a row that
+//    carries as much work (FLOPs of the executed entries per row), linear in the work between
+//    one-step runs of several lengths and extended beyond them (fit_kernel_speed; without such runs,
+//    executed FLOPs / effective throughput + active rows x a row's fixed cost + the call's). Executed
+//    entries are the active ones plus the padding of the tiles that gather vertical tokens
+//    (count_ring_vertical_padding, executed_entries): few tokens per rank leave those tiles nearly
+//    empty, which the active entries alone do not show. The per-row and per-call costs are why a
+//    step of 1/W of the work is not 1/W of the time (RESULTS.md, 2026-11-29, four GPUs, and
+//    2026-12-05);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
 //    intra-node: NVLink; across nodes: the network);
 //  - the schedule is simulated rank by rank as engine/ring_engine.hpp runs it on device/ring_attention.cuh:
@@ -51,45 +52,44 @@ namespace stria::cost {
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
-/// A measured speed: a one-call run whose active rows each carried `flops_per_row` (FLOPs of the
-/// executed entries over the active rows; a 64 x 64 tile is 4096 entries) ran at `tflops`.
+/// A measured row: in a one-call run whose active rows each carried `flops_per_row` (FLOPs of the
+/// executed entries over the active rows; a 64 x 64 tile is 4096 entries), a row took `row_ns`
+/// beyond the call's fixed cost.
 struct speed_point {
   double flops_per_row = 0;
-  double tflops = 0;
+  double row_ns = 0;
 };
 
-/// One direction (forward or backward) of the sparse kernels: a step's time is
-/// flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6, or, where its rows' mean
-/// work lies within `curve`, flops / (the curve's tflops there x 1e12).
+/// One direction (forward or backward) of the sparse kernels: a call's time is
+/// call_us x 1e-6 + active_rows x (the curve's row time at the rows' mean work) where there is a
+/// curve, else flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6.
 struct kernel_speed {
   double tflops = 0;   // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
   double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), merging the running state
   double call_us = 0;  // per call: its launches (5 backward), their ramp and tail, the host's work between them
-  /// Measured speeds, ascending in flops_per_row (fit_kernel_speed), interpolated linearly in
-  /// log(flops per row). The kernels lose per row in a way the three terms do not follow (a row of
-  /// 2-4 tiles pays its prologue and epilogue nearly alone: RESULTS 2026-12-05, second), and a point
-  /// holds its run's per-row and per-call costs at the shape of a ring step with the same row work:
-  /// a striped step over W ranks has the rows and the row work of a whole-sequence run of S / W.
-  /// Outside the curve (or with none) the three terms.
+  /// A row's time by its work, ascending in flops_per_row and never falling (fit_kernel_speed):
+  /// linear in the work between points, the end segments extended beyond them, and no faster per
+  /// FLOP than the fastest point. The kernels lose per row in a way throughput + a row's fixed cost
+  /// do not follow (a row of 2-4 tiles pays its prologue and epilogue nearly alone: RESULTS
+  /// 2026-12-05, second), and a point holds its run's costs at the shape of a ring step with the same
+  /// row work: a striped step over W ranks has the rows and the row work of a whole run of S / W.
   std::vector<speed_point> curve = {};
 
   /// One call's time. The ring engine calls the kernels at every step, an empty one too.
   [[nodiscard]] double seconds(double flops, double active_rows) const {
-    if (!curve.empty() && flops > 0 && active_rows > 0) {
-      const double work = flops / active_rows;
-      if (work >= curve.front().flops_per_row && work <= curve.back().flops_per_row) return flops / (curve_tflops(work) * 1e12);
-    }
+    if (!curve.empty() && active_rows > 0) return call_us * 1e-6 + active_rows * curve_row_ns(flops / active_rows) * 1e-9;
     return flops / (tflops * 1e12) + active_rows * row_ns * 1e-9 + call_us * 1e-6;
   }
-  /// The curve's speed at `flops_per_row`, which must lie within it.
-  [[nodiscard]] double curve_tflops(double flops_per_row) const {
-    const auto above = std::upper_bound(curve.begin(), curve.end(), flops_per_row, [](double w, const speed_point& p) { return w < p.flops_per_row; });
-    if (above == curve.begin() || flops_per_row > curve.back().flops_per_row)
-      throw invalid_argument("curve_tflops: flops_per_row", flops_per_row, "must lie within the curve's points");
-    if (above == curve.end()) return curve.back().tflops;
-    const speed_point& a = *(above - 1);
-    const double t = std::log(flops_per_row / a.flops_per_row) / std::log(above->flops_per_row / a.flops_per_row);
-    return a.tflops + t * (above->tflops - a.tflops);
+  /// The curve's time for a row of `flops_per_row`.
+  [[nodiscard]] double curve_row_ns(double flops_per_row) const {
+    if (curve.empty()) throw invalid_argument("curve_row_ns: curve.size()", 0, "needs at least one point");
+    double fastest = 0;  // FLOPs per ns
+    for (const speed_point& p : curve) fastest = std::max(fastest, p.flops_per_row / p.row_ns);
+    if (curve.size() == 1) return flops_per_row / fastest;
+    const auto above = std::upper_bound(curve.begin() + 1, curve.end() - 1, flops_per_row, [](double w, const speed_point& p) { return w < p.flops_per_row; });
+    const speed_point &a = *(above - 1), &b = *above;
+    const double t = a.row_ns + (flops_per_row - a.flops_per_row) * (b.row_ns - a.row_ns) / (b.flops_per_row - a.flops_per_row);
+    return std::max(t, flops_per_row / fastest);
   }
   void validate(const char* what) const {
     if (!(tflops > 0) || !std::isfinite(tflops)) throw invalid_argument(std::string(what) + ".tflops", tflops, "must be positive and finite");
@@ -97,9 +97,10 @@ struct kernel_speed {
     if (!(call_us >= 0) || !std::isfinite(call_us)) throw invalid_argument(std::string(what) + ".call_us", call_us, "must be >= 0 and finite");
     for (std::size_t i = 0; i < curve.size(); ++i) {
       const std::string at = std::string(what) + ".curve[" + std::to_string(i) + "]";
-      if (!(curve[i].tflops > 0) || !std::isfinite(curve[i].tflops)) throw invalid_argument(at + ".tflops", curve[i].tflops, "must be positive and finite");
       if (!(curve[i].flops_per_row > (i == 0 ? 0.0 : curve[i - 1].flops_per_row)) || !std::isfinite(curve[i].flops_per_row))
         throw invalid_argument(at + ".flops_per_row", curve[i].flops_per_row, "must be finite and above the point before it (or 0)");
+      if (!(curve[i].row_ns >= (i == 0 ? 0.0 : curve[i - 1].row_ns)) || !(curve[i].row_ns > 0) || !std::isfinite(curve[i].row_ns))
+        throw invalid_argument(at + ".row_ns", curve[i].row_ns, "must be positive, finite and not below the point before it (more work never takes less time)");
     }
   }
 };
@@ -131,8 +132,8 @@ struct kernel_sample {
 /// can tell them apart. A term that such a fit leaves negative, or that the runs cannot tell apart,
 /// is dropped: of the fits with fewer terms the one with the smaller error wins, and where both fit
 /// exactly (two lengths) the row cost is kept (DESIGN's per-row work; the call's cost needs a third
-/// length to show). One run gives the plain throughput. The curve holds every sample's speed by its
-/// rows' work, runs of the same work (within 0.1%: the same length and pattern) pooled.
+/// length to show). One run gives the plain throughput. The curve holds every run's time per row
+/// beyond the call's cost, by its rows' work (kernel_speed::curve).
 inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
   if (samples.empty()) throw invalid_argument("fit_kernel_speed: samples.size()", 0, "needs at least one measured run");
   for (const kernel_sample& x : samples)
@@ -186,17 +187,20 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
   if (!best)  // positive samples always give a positive throughput alone
     throw invalid_argument("fit_kernel_speed: samples.size()", samples.size(), "gave no positive throughput");
   kernel_speed fit{1.0 / ((*best)[0] * 1e12), (*best)[1] * 1e9, (*best)[2] * 1e6, {}};
-  // Samples with rows, ascending in work; works within 0.1% pooled (runs of one length and pattern
-  // whose FLOPs files give as TF x ms, rounded).
+  // The curve: each run's time beyond the fitted call cost, per row, by its rows' work; runs whose
+  // works lie within 0.1% pooled (one length and pattern, whose FLOPs files give as TF x ms,
+  // rounded); a row's time never falls as its work grows (the larger of it and the points before).
   std::vector<kernel_sample> by_work;
   for (const kernel_sample& x : samples)
     if (x.active_rows > 0) by_work.push_back(x);
   std::sort(by_work.begin(), by_work.end(), [](const kernel_sample& a, const kernel_sample& b) { return a.flops / a.active_rows < b.flops / b.active_rows; });
   for (std::size_t i = 0; i < by_work.size();) {
     const double work = by_work[i].flops / by_work[i].active_rows;
-    double flops = 0, seconds = 0;
-    for (; i < by_work.size() && by_work[i].flops / by_work[i].active_rows <= work * 1.001; ++i) flops += by_work[i].flops, seconds += by_work[i].seconds;
-    fit.curve.push_back({work, flops / seconds * 1e-12});
+    double rows = 0, beyond_calls = 0;
+    for (; i < by_work.size() && by_work[i].flops / by_work[i].active_rows <= work * 1.001; ++i)
+      rows += by_work[i].active_rows, beyond_calls += std::max(by_work[i].seconds - fit.call_us * 1e-6, 0.01 * by_work[i].seconds);
+    const double row_ns = std::max(beyond_calls / rows * 1e9, fit.curve.empty() ? 0.0 : fit.curve.back().row_ns);
+    fit.curve.push_back({work, row_ns});
   }
   return fit;
 }
@@ -206,23 +210,24 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 /// attention_h200.json (f0cca9d, 2026-12-04: 32K, 128K, 512K; the same kernels), pooled (bf16, Hq
 /// 16, Hkv 2, 95% sparse VS pattern, atomic backward, dS stored at D 128), each row's executed
 /// entries counted on the selection it ran (its padding: 26% of the active entries at 4K, 3.7% at
-/// 32K, 0.2% at 512K). D 128: the curve runs from 2.7 to 203 tiles per row (forward 123 to 432 TF,
-/// backward 69 to 379); the three terms, used beyond it, fit all nine runs. D 64 has one run (128K):
-/// the plain throughput, its row and call costs unknown and counted as 0, and a one-point curve.
+/// 32K, 0.2% at 512K). D 128: a call costs 19 us forward and 148 us backward (the three-term fit
+/// over all nine runs) and a row, by its work, from 27 ns at 2.7 tiles to 988 ns at 203 forward, 60
+/// to 2815 ns backward. D 64 has one run (128K): the plain throughput, its row and call costs
+/// unknown and counted as 0, and a one-point curve through it.
 /// `plan --throughput FILE,FILE` fits files instead; a test checks these numbers against the files.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
   if (head_dim == 128)
     return {.head_dim = 128,
             .forward = {.tflops = 453.9013, .row_ns = 15.5865, .call_us = 18.9601,
-                        .curve = {{5.618576e+06, 122.6742}, {8.966526e+06, 195.5638}, {1.554303e+07, 278.6182}, {2.896667e+07, 362.0740},
-                                  {5.514312e+07, 411.0021}, {1.080562e+08, 422.8042}, {4.265192e+08, 431.5698}}},
+                        .curve = {{5.618576e+06, 27.2851}, {8.966526e+06, 36.5918}, {1.554303e+07, 51.1572}, {2.896667e+07, 77.6904},
+                                  {5.514312e+07, 133.0103}, {1.080562e+08, 254.9924}, {4.265192e+08, 988.1526}}},
             .backward = {.tflops = 417.5099, .row_ns = 43.0769, .call_us = 148.0737,
-                         .curve = {{1.405076e+07, 68.6777}, {2.241989e+07, 115.5699}, {3.885322e+07, 184.0014}, {7.242045e+07, 346.9175},
-                                   {1.378570e+08, 367.1884}, {2.701404e+08, 378.3069}, {1.066298e+09, 378.6011}}}};
+                         .curve = {{1.405076e+07, 59.9866}, {2.241989e+07, 121.6925}, {3.885322e+07, 175.0064}, {7.242045e+07, 190.6831},
+                                   {1.378570e+08, 366.4017}, {2.701404e+08, 709.5589}, {1.066298e+09, 2815.2849}}}};
   if (head_dim == 64)
     return {.head_dim = 64,
-            .forward = {.tflops = 328.6960, .row_ns = 0, .call_us = 0, .curve = {{5.397282e+07, 328.6960}}},
-            .backward = {.tflops = 276.6555, .row_ns = 0, .call_us = 0, .curve = {{1.349329e+08, 276.6555}}}};
+            .forward = {.tflops = 328.6960, .row_ns = 0, .call_us = 0, .curve = {{5.397282e+07, 164.2029}}},
+            .backward = {.tflops = 276.6555, .row_ns = 0, .call_us = 0, .curve = {{1.349329e+08, 487.7289}}}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
