@@ -98,11 +98,57 @@ balance time_steps(const global_selection& g, const Sharding& sharding, index_t 
   return {bench::measure_balance(ms)};
 }
 
+/// The bench's input: the generator's Vertical-Slash selection at 95% sparsity.
+global_selection vs95(index_t seq_len) {
+  host::synthetic_vs_options o;
+  o.seq_len = seq_len;
+  o.heads_q = hq;
+  o.heads_kv = hkv;
+  o.head_dim = dim;
+  o.density = 0.05;
+  return host::plant_vs_selection(o);
+}
+
+/// One rank's layer on its compute stream `st`: random inputs (seeded by rank), outputs, its ring
+/// indices, and the tensors ring_forward and ring_backward take.
+template <class Sharding>
+struct rank_layer {
+  index_t local;
+  device_buffer<T> q, k, v, d_out, out, dq, dk, dv;
+  device_buffer<float> lse;
+  std::vector<device_step_index> indices;
+  forward_tensors<T> forward;
+  backward_tensors<T> backward;
+
+  rank_layer(const global_selection& g, const Sharding& sharding, const topology::flat_ring& ring, index_t rank, cudaStream_t st)
+      : local(g.seq_len / ring.world_size()),
+        q(bench::random_buffer(std::size_t(local) * hq * dim, 10 + rank, 2.0f)),
+        k(bench::random_buffer(std::size_t(local) * hkv * dim, 20 + rank, 2.0f)),
+        v(bench::random_buffer(std::size_t(local) * hkv * dim, 30 + rank, 1.0f)),
+        d_out(bench::random_buffer(q.size(), 40 + rank, 1.0f)),
+        out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st), lse(std::size_t(hq) * local, st),
+        forward{view(q, hq), view(k, hkv), view(v, hkv), tensor_view<T, 3>(out.data(), {local, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, local})},
+        backward{view(q, hq),
+                 view(k, hkv),
+                 view(v, hkv),
+                 view(out, hq),
+                 view(d_out, hq),
+                 tensor_view<const float, 2>(lse.data(), {hq, local}),
+                 tensor_view<T, 3>(dq.data(), {local, hq, dim}),
+                 tensor_view<T, 3>(dk.data(), {local, hkv, dim}),
+                 tensor_view<T, 3>(dv.data(), {local, hkv, dim})} {
+    STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
+    indices = build_ring_indices_device(device_selection(g, st), sharding, ring, rank, st);
+  }
+
+ private:
+  tensor_view<const T, 3> view(const device_buffer<T>& b, index_t heads) const { return {b.data(), {local, heads, dim}}; }
+};
+
 /// Part 2: the whole ring on comm::local_device, all ranks at once; wall time per layer (median).
 template <class Sharding>
 ring_times time_ring(const global_selection& g, const Sharding& sharding, index_t world, int repeats, finite_check check, bool split = false,
                      device::forward_kernel which = device::forward_kernel::automatic) {
-  const index_t s = g.seq_len, local = s / world;
   const topology::flat_ring ring(world);
   const double scale = 1.0 / std::sqrt(double(dim));
   std::vector<double> wall, forward_wall, backward_wall;
@@ -111,27 +157,10 @@ ring_times time_ring(const global_selection& g, const Sharding& sharding, index_
     const cuda_stream compute, transfer;
     const cudaStream_t st = compute.get();
     {
-      const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 10 + c.rank(), 2.0f),
-                 k = bench::random_buffer(std::size_t(local) * hkv * dim, 20 + c.rank(), 2.0f),
-                 v = bench::random_buffer(std::size_t(local) * hkv * dim, 30 + c.rank(), 1.0f),
-                 d_out = bench::random_buffer(q.size(), 40 + c.rank(), 1.0f);
-      device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
-      device_buffer<float> lse(std::size_t(hq) * local, st);
-      STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
-      const device_selection selection(g, st);
-      const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, c.rank(), st);
-      const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
-          dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
-      const forward_tensors<T> forward{qv, kv, vv, tensor_view<T, 3>(out.data(), {local, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, local})};
-      const backward_tensors<T> backward{qv,
-                                         kv,
-                                         vv,
-                                         ov,
-                                         dov,
-                                         tensor_view<const float, 2>(lse.data(), {hq, local}),
-                                         tensor_view<T, 3>(dq.data(), {local, hq, dim}),
-                                         tensor_view<T, 3>(dk.data(), {local, hkv, dim}),
-                                         tensor_view<T, 3>(dv.data(), {local, hkv, dim})};
+      const rank_layer<Sharding> layer(g, sharding, ring, c.rank(), st);
+      const std::vector<device_step_index>& indices = layer.indices;
+      const forward_tensors<T>& forward = layer.forward;
+      const backward_tensors<T>& backward = layer.backward;
       const device::run_options run{st, transfer.get(), check};
       for (int i = 0; i < repeats + 1; ++i) {  // one warm-up
         compute.synchronize();
@@ -175,7 +204,6 @@ struct trace_run {
 
 trace_run trace_ring(const global_selection& g, index_t world, device::forward_kernel which, bool spin, bench::trace::clock_sampler* sampler) {
   namespace tr = bench::trace;
-  const index_t s = g.seq_len, local = s / world;
   const topology::flat_ring ring(world);
   const sharding::striped<64> sharding;
   const double scale = 1.0 / std::sqrt(double(dim));
@@ -184,28 +212,10 @@ trace_run trace_ring(const global_selection& g, index_t world, device::forward_k
   ranks.run([&](comm::local_device& c) {
     const cuda_stream compute, transfer;
     const cudaStream_t st = compute.get();
-    const auto q = bench::random_buffer(std::size_t(local) * hq * dim, 10 + c.rank(), 2.0f),
-               k = bench::random_buffer(std::size_t(local) * hkv * dim, 20 + c.rank(), 2.0f),
-               v = bench::random_buffer(std::size_t(local) * hkv * dim, 30 + c.rank(), 1.0f),
-               d_out = bench::random_buffer(q.size(), 40 + c.rank(), 1.0f);
-    device_buffer<T> out(q.size(), st), dq(q.size(), st), dk(k.size(), st), dv(v.size(), st);
-    device_buffer<float> lse(std::size_t(hq) * local, st);
-    STRIA_CUDA_CHECK(cudaDeviceSynchronize());  // the inputs (default stream) are in place
-    const device_selection selection(g, st);
-    const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, c.rank(), st);
-    const std::span<const device_step_index> steps(indices);
-    const tensor_view<const T, 3> qv(q.data(), {local, hq, dim}), kv(k.data(), {local, hkv, dim}), vv(v.data(), {local, hkv, dim}),
-        dov(d_out.data(), {local, hq, dim}), ov(out.data(), {local, hq, dim});
-    const forward_tensors<T> forward{qv, kv, vv, tensor_view<T, 3>(out.data(), {local, hq, dim}), tensor_view<float, 2>(lse.data(), {hq, local})};
-    const backward_tensors<T> backward{qv,
-                                       kv,
-                                       vv,
-                                       ov,
-                                       dov,
-                                       tensor_view<const float, 2>(lse.data(), {hq, local}),
-                                       tensor_view<T, 3>(dq.data(), {local, hq, dim}),
-                                       tensor_view<T, 3>(dk.data(), {local, hkv, dim}),
-                                       tensor_view<T, 3>(dv.data(), {local, hkv, dim})};
+    const rank_layer<sharding::striped<64>> layer(g, sharding, ring, c.rank(), st);
+    const std::span<const device_step_index> steps(layer.indices);
+    const forward_tensors<T>& forward = layer.forward;
+    const backward_tensors<T>& backward = layer.backward;
     tr::event_pool pool(256);
     tr::traced_comm<comm::local_device> traced(c, spin);
     {  // warm-up: one layer on the traced path, its records dropped
@@ -227,7 +237,7 @@ trace_run trace_ring(const global_selection& g, index_t world, device::forward_k
     traced.attach(nullptr);
   });
   trace_run run;
-  run.seq_len = s;
+  run.seq_len = g.seq_len;
   run.waits = spin ? "spin" : "library";
   run.forward = std::move(forward_phase.result);
   run.backward = std::move(backward_phase.result);
@@ -249,13 +259,7 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
   std::vector<trace_run> runs;
   cli::progress progress;
   for (const index_t s : seq_lens) {
-    host::synthetic_vs_options o;
-    o.seq_len = s;
-    o.heads_q = hq;
-    o.heads_kv = hkv;
-    o.head_dim = dim;
-    o.density = 0.05;
-    const global_selection g = host::plant_vs_selection(o);
+    const global_selection g = vs95(s);
     for (const auto& [name, which] : kernels) {
       progress.phase("S = " + std::to_string(s) + ", " + name + ": alone, untraced, traced");
       const tr::alone_times alone = tr::time_alone(g, sharding::striped<64>{}, world, hq, hkv, dim, repeats, which);
@@ -376,13 +380,7 @@ int main(int argc, char** argv) try {
   cli::progress progress;  // on stderr, when it is a terminal
   for (const index_t s : seq_lens) {
     progress.phase("S = " + std::to_string(s) + ": sequential, zigzag, striped");
-    host::synthetic_vs_options o;
-    o.seq_len = s;
-    o.heads_q = hq;
-    o.heads_kv = hkv;
-    o.head_dim = dim;
-    o.density = 0.05;
-    const global_selection g = host::plant_vs_selection(o);
+    const global_selection g = vs95(s);
     double busiest_zigzag = 0, busiest_striped = 0, ring_zigzag = 0, ring_striped = 0;
     std::vector<std::string> pool_rows, kernel_rows;  // --pool-dependencies, --forward-kernels: printed after the table
     auto compare_pool = [&](const global_selection& sel, const auto& sharding, const char* name) {
