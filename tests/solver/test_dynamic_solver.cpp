@@ -226,4 +226,13 @@ TEST_CASE("the solver refuses bad problems with the field, the value and the rul
   CHECK_THROWS_WITH_AS(solver::solve(p), doctest::Contains("problem.heads_kv = 3: must be >= 1 and divide heads_q = 4"), stria::invalid_argument);
   const global_selection g = test::band_selection(64 * 6, 2, 0, 5, true);
   CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 4, 1, 1), doctest::Contains("must divide seq_len / 64 = 6"), stria::invalid_argument);
+  // Past the index widths: 65536 x 65536 chunks wrapped to 0 in index_t, so an empty area matched
+  // the wrapped (0)^2 and the problem was accepted; problem_from_selection reported "= 0".
+  CHECK_THROWS_WITH_AS(solver::problem({65536, 65536, 64, 1, 1, {}}).validate(),
+                       "stria: problem world_size x chunks_per_rank x chunk_tokens = 274877906944: must be at most 2147483647 (the sequence "
+                       "length is an index_t)",
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 65536, 65536, 1),
+                       "stria: world_size x chunks_per_rank = 4294967296: must divide seq_len / 64 = 6 (whole blocks per chunk)",
+                       stria::invalid_argument);
 }
