@@ -236,3 +236,18 @@ TEST_CASE("the solver refuses bad problems with the field, the value and the rul
                        "stria: world_size x chunks_per_rank = 4294967296: must divide seq_len / 64 = 6 (whole blocks per chunk)",
                        stria::invalid_argument);
 }
+
+TEST_CASE("a volume cap past int64's range is no cap") {
+  // volume_cap x the ring's volume was converted to int64 unchecked (undefined; it read as a
+  // negative cap): --volume-cap 1e17 gave an infeasible plan that moved less than --volume-cap 1e6's.
+  const index_t world = 4, m = 2, seq_len = world * m * block_tokens * 4, nb = seq_len / block_tokens;
+  const solver::problem p = solver::problem_from_selection(test::band_selection(seq_len, 8, 0, nb - 1, true), world, m, 1);
+  const solver::plan bounded = solver::solve(p, {1.10, 1e6});
+  REQUIRE(bounded.feasible);
+  for (const double cap : {1e17, 1e300}) {
+    CAPTURE(cap);
+    const solver::plan x = solver::solve(p, {1.10, cap});
+    CHECK(x.feasible);
+    CHECK(same_plan(x, bounded));
+  }
+}

@@ -399,7 +399,9 @@ inline plan solve(const problem& p, const options& o = {}) {
   detail::placement x(p);
   x.place_on_query_owners();  // 1.
   const std::int64_t total = std::accumulate(x.loads().begin(), x.loads().end(), std::int64_t{0});
-  const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
+  // A cap past int64 is no cap: converting it would be undefined (it read as a negative cap).
+  const double cap_volume = o.volume_cap * double(p.ring_volume());
+  const std::int64_t cap = cap_volume < 0x1p63 ? static_cast<std::int64_t>(cap_volume) : std::numeric_limits<std::int64_t>::max();
   const double mean = double(total) / double(p.world_size), limit = o.mu * mean;
   detail::shed(p, x, mean * (1 + (o.mu - 1) / 2), cap);  // 2. to halfway between the mean and the limit
   const auto above = [&] { return std::any_of(x.loads().begin(), x.loads().end(), [&](std::int64_t l) { return double(l) > limit * (1 + 1e-12); }); };
