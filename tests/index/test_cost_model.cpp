@@ -194,6 +194,28 @@ TEST_CASE("cost model: two ranks worked by hand, forward and backward") {
                   invalid_argument);
 }
 
+TEST_CASE("cost model: counts that do not fill the ring's ranks x steps, or are negative, are refused") {
+  // The predictions and reschedule indexed the counts unchecked (entries {2, 2, {}}: a null read;
+  // {2, 2, {1}}: heap-buffer-overflow), and negative counts predicted negative times.
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  const cost::cluster two{.nodes = 1, .gpus_per_node = 2};
+  const ring_workload good{2, 2, {1000, 300, 200, 400}}, empty{2, 2, {}}, short_one{2, 2, {1}}, negative{1, 1, {-1000000000000}};
+  CHECK_THROWS_WITH_AS(cost::predict_ring(empty, good, topology::flat_ring(2), shape_of(1024), k, two),
+                       "stria: entries.entries.size() = 0: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_ring(good, short_one, topology::flat_ring(2), shape_of(1024), k, two),
+                       "stria: rows.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_ring(good, good, topology::flat_ring(2), shape_of(1024), k, two, short_one),
+                       "stria: vertical_padding.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(short_one, short_one, shape_of(1024), k),
+                       "stria: entries.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(negative, ring_workload{1, 1, {0}}, shape_of(1024), k),
+                       "stria: entries.entries[0] = -1000000000000: counts must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::reschedule(empty, topology::hierarchical_ring(1, 2)),
+                       "stria: reschedule: workload.entries.size() = 0: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_one_gpu(-1000000000000, shape_of(1024), k), "stria: total_entries = -1000000000000: must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_one_gpu(1000, shape_of(1024), k, -1), "stria: vertical_padding = -1: must be >= 0", invalid_argument);
+}
+
 TEST_CASE("cost model: more bandwidth never predicts a slower layer") {
   const global_selection g = vs_input(16384);
   for (const auto streams : {cost::transfer_streams::one_per_rank, cost::transfer_streams::one_per_link}) {

@@ -405,6 +405,7 @@ ring_workload count_ring_vertical_padding(const global_selection& selection, con
 /// same ranks: what a rank computes with one KV chunk does not depend on when it meets it.
 template <ring_topology Topology>
 ring_workload reschedule(const ring_workload& flat, const Topology& topology) {
+  flat.validate("reschedule: workload");
   const index_t w = topology.world_size();
   if (flat.world_size != w || flat.num_steps != w)
     throw invalid_argument("reschedule: workload world_size", flat.world_size, "must be a flat ring's counts over the topology's " + std::to_string(w) + " ranks");
@@ -469,6 +470,9 @@ struct ring_counts {
 
   ring_counts(const ring_workload& e, const ring_workload& r, const ring_workload& p, index_t world, index_t steps)
       : entries(e), rows(r), padding(p) {
+    entries.validate("entries");
+    rows.validate("rows");
+    if (!padding.entries.empty()) padding.validate("vertical_padding");
     if (entries.world_size != world || entries.num_steps != steps || rows.world_size != world || rows.num_steps != steps)
       throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
     if (!padding.entries.empty() && (padding.world_size != world || padding.num_steps != steps))
@@ -615,6 +619,8 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
                                         std::int64_t vertical_padding = 0) {
   shape.validate();
   kernel.validate();
+  if (total_entries < 0) throw invalid_argument("total_entries", total_entries, "must be >= 0");
+  if (vertical_padding < 0) throw invalid_argument("vertical_padding", vertical_padding, "must be >= 0");
   const double rows = double(shape.seq_len / block_tokens) * shape.heads_q;
   layer_prediction p;
   for (const bool backward : {false, true}) {
