@@ -307,6 +307,41 @@ TEST_CASE("cost model: the solver's two stages") {
   }
 }
 
+TEST_CASE("cost model: the solver's prediction refuses a plan, shape or selection of another problem") {
+  // predict_solver read the plan unchecked: a task of chunk 7 of 2 read past task_rows, a move to
+  // rank 99 wrote past the per-rank tables (ASan heap-buffer-overflow); a layer_shape of 1M tokens
+  // was priced with the problem's 128-token chunks; solver_task_rows counted a selection of another
+  // length for the problem's chunks.
+  const global_selection g = vs_input(1024);
+  const solver::problem p = solver::problem_from_selection(g, 2, 1, 2);
+  const solver::plan x = solver::solve(p);
+  const std::vector<std::int64_t> rows = cost::solver_task_rows(g, p);
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  const cost::cluster two{.nodes = 1, .gpus_per_node = 2};
+  CHECK_NOTHROW(cost::predict_solver(p, x, rows, shape_of(1024), k, two));
+  solver::plan bad_task = x;
+  bad_task.local_tasks[0].push_back({7, 9, 5});
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, bad_task, rows, shape_of(1024), k, two),
+                       doctest::Contains("].query_chunk = 7: must be a chunk in [0, 2)"), invalid_argument);
+  solver::plan bad_move = x;
+  bad_move.moves.push_back({solver::chunk_move::kind::qo, 0, 99});
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, bad_move, rows, shape_of(1024), k, two),
+                       doctest::Contains(".to = 99: must be a rank in [0, 2) other than the chunk's owner 0"), invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, rows, shape_of(1 << 20), k, two),
+                       "stria: layer_shape.seq_len = 1048576: must equal the problem's chunks x chunk tokens = 1024", invalid_argument);
+  cost::layer_shape other_heads = shape_of(1024);
+  other_heads.heads_q = 64;
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, rows, other_heads, k, two), doctest::Contains("layer_shape.heads_q = 64: must equal the problem's heads_q = 8"),
+                       invalid_argument);
+  std::vector<std::int64_t> negative = rows;
+  negative[0] = -5;
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, negative, shape_of(1024), k, two), "stria: task_rows = -5: counts must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::solver_task_rows(vs_input(2048), p),
+                       "stria: selection.seq_len = 2048: must equal the problem's chunks x chunk tokens = 1024 (a problem of another selection?)",
+                       invalid_argument);
+  CHECK_THROWS_AS(cost::solver_task_vertical_padding(vs_input(2048), p), invalid_argument);
+}
+
 TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLOPs, on a ring, a shared GPU and the solver") {
   const global_selection g = vs_input(8192);
   const topology::flat_ring flat(4);

@@ -43,6 +43,7 @@
 #include "stria/index/workload.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/solver/dynamic_solver.hpp"
+#include "stria/solver/execution.hpp"
 #include "stria/topology/flat_ring.hpp"
 
 namespace stria::cost {
@@ -671,17 +672,30 @@ inline std::vector<std::int64_t> per_task(const ring_workload& counts, const sol
   return out;
 }
 
+/// Throws unless `p` could have been made from `g` (solver::problem_from_selection): the same
+/// sequence, split into p's chunks, and the same query heads.
+inline void check_problem_of(const global_selection& g, const solver::problem& p) {
+  p.validate();
+  if (g.seq_len != p.num_chunks() * p.chunk_tokens)
+    throw invalid_argument("selection.seq_len", g.seq_len,
+                           "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens) + " (a problem of another selection?)");
+  if (g.num_heads() != p.heads_q)
+    throw invalid_argument("selection.heads.size()", g.num_heads(), "must equal the problem's heads_q = " + std::to_string(p.heads_q));
+}
+
 }  // namespace detail
 
 /// Active rows of every solver task (query chunk i, KV chunk j) of `p`, laid out [C, C] like
 /// p.area: the rows of a sequential ring over the C chunks (as solver::problem_from_selection counts
 /// the areas).
 inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, const solver::problem& p) {
+  detail::check_problem_of(g, p);
   return detail::per_task(count_ring_rows(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
 }
 
 /// The gathered vertical tiles' padding of every solver task, laid out like solver_task_rows.
 inline std::vector<std::int64_t> solver_task_vertical_padding(const global_selection& g, const solver::problem& p) {
+  detail::check_problem_of(g, p);
   return detail::per_task(count_ring_vertical_padding(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())), p);
 }
 
@@ -708,6 +722,21 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
     throw invalid_argument("task_rows.size()", task_rows.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
   if (!task_padding.empty() && task_padding.size() != p.area.size())
     throw invalid_argument("task_padding.size()", task_padding.size(), "must be 0 or (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
+  // The plan's tasks and moves index the rows, the padding and the ranks: a plan of another problem
+  // read and wrote outside them.
+  solver::check_plan_of(p, x);
+  for (index_t r = 0; r < w; ++r) solver::check_rank_tasks(p, x, r);
+  if (shape.seq_len != p.num_chunks() * p.chunk_tokens)
+    throw invalid_argument("layer_shape.seq_len", shape.seq_len,
+                           "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens));
+  if (shape.heads_q != p.heads_q || shape.heads_kv != p.heads_kv)
+    throw invalid_argument("layer_shape.heads_q", shape.heads_q,
+                           "must equal the problem's heads_q = " + std::to_string(p.heads_q) + ", with heads_kv = " + std::to_string(p.heads_kv) +
+                               " (layer_shape.heads_kv = " + std::to_string(shape.heads_kv) + ")");
+  for (const std::int64_t n : task_rows)
+    if (n < 0) throw invalid_argument("task_rows", n, "counts must be >= 0");
+  for (const std::int64_t n : task_padding)
+    if (n < 0) throw invalid_argument("task_padding", n, "counts must be >= 0");
   const std::int64_t tokens = p.chunk_tokens;
 
   auto run = [&](bool backward) {
