@@ -733,10 +733,10 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
     throw invalid_argument("layer_shape.heads_q", shape.heads_q,
                            "must equal the problem's heads_q = " + std::to_string(p.heads_q) + ", with heads_kv = " + std::to_string(p.heads_kv) +
                                " (layer_shape.heads_kv = " + std::to_string(shape.heads_kv) + ")");
-  for (const std::int64_t n : task_rows)
-    if (n < 0) throw invalid_argument("task_rows", n, "counts must be >= 0");
-  for (const std::int64_t n : task_padding)
-    if (n < 0) throw invalid_argument("task_padding", n, "counts must be >= 0");
+  for (const std::int64_t count : task_rows)
+    if (count < 0) throw invalid_argument("task_rows", count, "counts must be >= 0");
+  for (const std::int64_t count : task_padding)
+    if (count < 0) throw invalid_argument("task_padding", count, "counts must be >= 0");
   const std::int64_t tokens = p.chunk_tokens;
 
   auto run = [&](bool backward) {
