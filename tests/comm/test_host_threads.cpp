@@ -141,6 +141,9 @@ TEST_CASE("a failure does not outlive its run, the timeout must be positive") {
   CHECK(sums == std::vector<int>{6, 6, 6});
   CHECK_THROWS_WITH_AS(host_world(2, 0ms), "stria: timeout (ms) = 0: must be positive", stria::invalid_argument);
   CHECK_THROWS_WITH_AS(host_world(2, -5ms), "stria: timeout (ms) = -5: must be positive", stria::invalid_argument);
+  // Unbounded, host_world(2^30) asked for per-rank tables of 80 GB (std::bad_alloc, no stria message).
+  CHECK_THROWS_WITH_AS(host_world(1 << 30), "stria: world_size = 1073741824: must be at most 65536 ranks (a thread each)", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(host_world(0), "stria: world_size = 0: must be at least 1", stria::invalid_argument);
 }
 
 TEST_CASE("a receive of the wrong size or type is an error naming both sides") {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "stria/comm/host_threads.hpp"
@@ -341,4 +342,36 @@ TEST_CASE("bad estimator settings are rejected with the argument, the value and 
   none.seq_len = 4096;
   none.num_heads = 8;
   CHECK_THROWS_WITH_AS(estimator::vertical_slash_top_p{}.select(none), doctest::Contains("needs the window statistics"), stria::invalid_argument);
+}
+
+TEST_CASE("top-p and top-k select() check their options and the statistics' tokens, as dense and block_mask do") {
+  // select() ran on unchecked options: sink_tokens 100000 at seq_len 256 wrote past the token bitmap
+  // (ASan heap-buffer-overflow, select.hpp:142), slash.max -1 or p NaN picked silently; a candidate
+  // token past seq_len, or negative, indexed outside the per-diagonal masses (SEGV, select.hpp:117).
+  const vs_statistics s{256, 1, true, 64, {1.0f}, {0.5f, 0.2f, 0.2f, 0.1f}, {{{0.3f, 3}, {0.1f, 10}}}, 1};
+  estimator::vertical_slash_top_p p;
+  p.local_diagonals = 1;
+  CHECK_NOTHROW((void)p.select(s));
+  auto refused = [&](estimator::vertical_slash_top_p e, const char* text) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS((void)e.select(s), text, stria::invalid_argument);
+  };
+  estimator::vertical_slash_top_p e = p;
+  e.sink_tokens = 100000;
+  refused(e, "stria: sink_tokens = 100000: must lie in [0, seq_len = 256]");
+  e = p;
+  e.slash = {1, -1};
+  refused(e, "stria: slash.max = -1: must be >= 0 (0 picks the default cap)");
+  e = p;
+  e.p_vertical = std::nan("");
+  refused(e, "stria: p_vertical = nan: must lie in (0, 1]");
+  estimator::vertical_slash_top_k k;
+  k.slash_count = -4;
+  CHECK_THROWS_WITH_AS((void)k.select(s), "stria: slash_count = -4: budgets must be at least 1", stria::invalid_argument);
+  for (const auto& [token, text] : {std::pair{100000, "stria: statistics.vertical[0][0].token = 100000: must lie in [0, seq_len = 256)"},
+                                     std::pair{-70, "stria: statistics.vertical[0][0].token = -70: must lie in [0, seq_len = 256)"}}) {
+    vs_statistics bad = s;
+    bad.vertical[0][0].token = token;
+    CHECK_THROWS_WITH_AS((void)p.select(bad), text, stria::invalid_argument);
+  }
 }

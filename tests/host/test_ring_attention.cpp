@@ -193,3 +193,41 @@ TEST_CASE("indices built for another configuration are rejected") {
                        }),
                        doctest::Contains("comm.world_size() = 3: must equal the topology's world size 4"), stria::invalid_argument);
 }
+
+TEST_CASE("the host ring refuses a step index that breaks its invariants") {
+  // step_index is a plain struct: the ring read a corrupted one as it stood. block_col 1000 read past
+  // kv_global_block (ASan heap-buffer-overflow in row_keys), col_token 100000 read past the KV
+  // shard (SEGV in reference_forward), a short block_ptr read past its end.
+  STRIA_SEEDED_RNG(rng);
+  const global_selection selection = test::random_selection(rng, 512, 2, true, 0.4, 0.03);
+  const topology::flat_ring ring(2);
+  std::vector<float> q(256 * 2 * 64, 0.5f), k(256 * 1 * 64, 0.25f), out(q.size()), lse(2 * 256), dq(q.size()), dk(k.size()), dv(k.size());
+  auto refused = [&](auto corrupt, const char* text) {
+    CAPTURE(text);
+    for (const bool backward : {false, true}) {
+      comm::host_world host(2, std::chrono::seconds(30));
+      CHECK_THROWS_WITH_AS(host.run([&](comm::host_threads& c) {
+                             std::vector<step_index> indices = build_ring_indices(selection, sharding::striped<64>{}, ring, c.rank());
+                             corrupt(indices[1]);
+                             const auto q3 = view3(std::as_const(q), 256, 2, 64), k3 = view3(std::as_const(k), 256, 1, 64);
+                             if (!backward)
+                               host::ring_forward(c, ring, std::span<const step_index>(indices),
+                                                  forward_tensors<float>{q3, k3, k3, view3(out, 256, 2, 64), view2(lse, 2, 256)}, 0.125);
+                             else
+                               host::ring_backward(c, ring, std::span<const step_index>(indices),
+                                                   backward_tensors<float>{q3, k3, k3, q3, q3, view2(std::as_const(lse), 2, 256), view3(dq, 256, 2, 64),
+                                                                           view3(dk, 256, 1, 64), view3(dv, 256, 1, 64)},
+                                                   0.125);
+                           }),
+                           doctest::Contains(text), stria::invalid_argument);
+    }
+  };
+  refused([](step_index& x) { x.block_col.at(0) = 1000; }, "block_col[0] = 1000: out of range [0, 4)");
+  refused([](step_index& x) { x.block_ptr.resize(1); }, "block_ptr.size() = 1: must be 9");
+  refused(
+      [](step_index& x) {
+        x.col_token.push_back(100000);
+        x.col_ptr.back() += 1;
+      },
+      "= 100000: out of range [0, 256)");
+}

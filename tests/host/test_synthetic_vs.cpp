@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "stria/host/recall.hpp"
@@ -135,6 +136,21 @@ TEST_CASE("generator options are validated with the argument and the rule") {
   o.heads_q = 6;
   o.heads_kv = 4;
   CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains("heads_q = 6: must be a positive multiple of heads_kv = 4"), stria::invalid_argument);
+  // Past the index widths: heads_q x head_dim = 2^32 wrapped to an empty [Hq, D] table, which the
+  // model then wrote through (plan and quickstart --heads-q 33554432 --heads-kv 1: SIGSEGV).
+  o.heads_q = 33554432;
+  o.heads_kv = 1;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), "stria: heads_q x head_dim = 4294967296: must be at most 2147483647", stria::invalid_argument);
+  o.heads_q = 4;
+  // Counts bounded by the tokens: vertical_clusters = 2^31 - 1 drew that many centres (8 GiB, minutes);
+  // extra_slashes = 2^31 - 1 with a small slash_power kept the power-law loop going for every line.
+  o.vertical_clusters = std::numeric_limits<index_t>::max();
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: vertical_clusters = 2147483647: must lie in [1, seq_len]", stria::invalid_argument);
+  o.vertical_clusters = 8;
+  o.extra_slashes = std::numeric_limits<index_t>::max();
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: extra_slashes = 2147483647: must lie in [1, seq_len]", stria::invalid_argument);
+  o.extra_slashes = 4096;
+  CHECK_NOTHROW(o.validate());
 }
 
 TEST_CASE("attention_recall equals the fp64 recall over every row") {

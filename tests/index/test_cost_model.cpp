@@ -254,6 +254,28 @@ TEST_CASE("cost model: two ranks worked by hand, forward and backward") {
                   invalid_argument);
 }
 
+TEST_CASE("cost model: counts that do not fill the ring's ranks x steps, or are negative, are refused") {
+  // The predictions and reschedule indexed the counts unchecked (entries {2, 2, {}}: a null read;
+  // {2, 2, {1}}: heap-buffer-overflow), and negative counts predicted negative times.
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  const cost::cluster two{.nodes = 1, .gpus_per_node = 2};
+  const ring_workload good{2, 2, {1000, 300, 200, 400}}, empty{2, 2, {}}, short_one{2, 2, {1}}, negative{1, 1, {-1000000000000}};
+  CHECK_THROWS_WITH_AS(cost::predict_ring(empty, good, topology::flat_ring(2), shape_of(1024), k, two),
+                       "stria: entries.entries.size() = 0: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_ring(good, short_one, topology::flat_ring(2), shape_of(1024), k, two),
+                       "stria: rows.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_ring(good, good, topology::flat_ring(2), shape_of(1024), k, two, short_one),
+                       "stria: vertical_padding.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(short_one, short_one, shape_of(1024), k),
+                       "stria: entries.entries.size() = 1: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(negative, ring_workload{1, 1, {0}}, shape_of(1024), k),
+                       "stria: entries.entries[0] = -1000000000000: counts must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::reschedule(empty, topology::hierarchical_ring(1, 2)),
+                       "stria: reschedule: workload.entries.size() = 0: must be world_size x num_steps = 4", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_one_gpu(-1000000000000, shape_of(1024), k), "stria: total_entries = -1000000000000: must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_one_gpu(1000, shape_of(1024), k, -1), "stria: vertical_padding = -1: must be >= 0", invalid_argument);
+}
+
 TEST_CASE("cost model: more bandwidth never predicts a slower layer") {
   const global_selection g = vs_input(16384);
   for (const auto streams : {cost::transfer_streams::one_per_rank, cost::transfer_streams::one_per_link}) {
@@ -343,6 +365,41 @@ TEST_CASE("cost model: the solver's two stages") {
     CHECK(l.forward.seconds >= l.forward.busiest_compute_seconds());
     before = l.seconds();
   }
+}
+
+TEST_CASE("cost model: the solver's prediction refuses a plan, shape or selection of another problem") {
+  // predict_solver read the plan unchecked: a task of chunk 7 of 2 read past task_rows, a move to
+  // rank 99 wrote past the per-rank tables (ASan heap-buffer-overflow); a layer_shape of 1M tokens
+  // was priced with the problem's 128-token chunks; solver_task_rows counted a selection of another
+  // length for the problem's chunks.
+  const global_selection g = vs_input(1024);
+  const solver::problem p = solver::problem_from_selection(g, 2, 1, 2);
+  const solver::plan x = solver::solve(p);
+  const std::vector<std::int64_t> rows = cost::solver_task_rows(g, p);
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  const cost::cluster two{.nodes = 1, .gpus_per_node = 2};
+  CHECK_NOTHROW(cost::predict_solver(p, x, rows, shape_of(1024), k, two));
+  solver::plan bad_task = x;
+  bad_task.local_tasks[0].push_back({7, 9, 5});
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, bad_task, rows, shape_of(1024), k, two),
+                       doctest::Contains("].query_chunk = 7: must be a chunk in [0, 2)"), invalid_argument);
+  solver::plan bad_move = x;
+  bad_move.moves.push_back({solver::chunk_move::kind::qo, 0, 99});
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, bad_move, rows, shape_of(1024), k, two),
+                       doctest::Contains(".to = 99: must be a rank in [0, 2) other than the chunk's owner 0"), invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, rows, shape_of(1 << 20), k, two),
+                       "stria: layer_shape.seq_len = 1048576: must equal the problem's chunks x chunk tokens = 1024", invalid_argument);
+  cost::layer_shape other_heads = shape_of(1024);
+  other_heads.heads_q = 64;
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, rows, other_heads, k, two), doctest::Contains("layer_shape.heads_q = 64: must equal the problem's heads_q = 8"),
+                       invalid_argument);
+  std::vector<std::int64_t> negative = rows;
+  negative[0] = -5;
+  CHECK_THROWS_WITH_AS(cost::predict_solver(p, x, negative, shape_of(1024), k, two), "stria: task_rows = -5: counts must be >= 0", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::solver_task_rows(vs_input(2048), p),
+                       "stria: selection.seq_len = 2048: must equal the problem's chunks x chunk tokens = 1024 (a problem of another selection?)",
+                       invalid_argument);
+  CHECK_THROWS_AS(cost::solver_task_vertical_padding(vs_input(2048), p), invalid_argument);
 }
 
 TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLOPs, on a ring, a shared GPU and the solver") {

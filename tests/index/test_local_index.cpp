@@ -3,9 +3,11 @@
 // (query token, key token) entry appears exactly once, nothing else appears, and everything is causal.
 #include <doctest/doctest.h>
 
+#include <utility>
 #include <vector>
 
 #include "stria/index/local_index.hpp"
+#include "stria/sharding/placed_stripes.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
@@ -158,4 +160,20 @@ TEST_CASE("complete indices: every allowed tile in every row") {
   CHECK(allowed_tiles(q_sparse, kv, true, 3) == 3 * (2 + 4));
   CHECK_FALSE(holds_every_allowed_tile(20, 20, 1));
   CHECK(holds_every_allowed_tile(20, 20, 0));
+}
+
+TEST_CASE("build_local_index refuses a selection that breaks its rules, before indexing with it") {
+  // It read the selection unchecked: an explicit block (-1, -1) wrote before a row of its table
+  // (heap-buffer-overflow), a vertical token past seq_len read past placed_stripes' owner table, and
+  // under sequential sharding such a token, or a causal head without diagonal 0, passed silently.
+  const auto one_head = [](head_selection h) { return global_selection{256, true, {std::move(h)}}; };
+  CHECK_THROWS_WITH_AS(build_local_index(one_head({{}, {0}, {{-1, -1}}}), sharding::sequential{}, 2, 0, 0),
+                       "stria: global_selection.heads[0].blocks[0] = (-1, -1): both blocks must lie in [0, seq_len / 64)", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(build_local_index(one_head({{100000}, {0}, {}}), sharding::placed_stripes({0, 1, 0, 1}, 2), 2, 0, 0),
+                       "stria: global_selection.heads[0].vertical_tokens[0] = 100000: must lie in [0, 255]", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(build_local_index(one_head({{100000}, {0}, {}}), sharding::sequential{}, 2, 0, 0),
+                       doctest::Contains("vertical_tokens[0] = 100000: must lie in [0, 255]"), stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(build_local_index(one_head({{}, {1}, {}}), sharding::sequential{}, 1, 0, 0),
+                       doctest::Contains("slash_deltas = (no 0): must contain block diagonal 0"), stria::invalid_argument);
+  CHECK_THROWS_AS(build_ring_indices(one_head({{70, 5}, {0}, {}}), sharding::striped<64>{}, topology::flat_ring(2), 0), stria::invalid_argument);
 }

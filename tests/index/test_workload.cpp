@@ -70,6 +70,15 @@ TEST_CASE("imbalance degrees follow their definitions") {
   CHECK(backward_flops(10, 128) == 12800.0);
 }
 
+TEST_CASE("measure_imbalance refuses a workload whose counts do not fill world_size x num_steps") {
+  // It indexed entries unchecked: 2 x 2 with one count read past the vector (ASan heap-buffer-overflow),
+  // and an empty workload reported imbalance 0 where 1.0 is perfect.
+  CHECK_THROWS_WITH_AS(measure_imbalance(ring_workload{2, 2, {1}}), "stria: workload.entries.size() = 1: must be world_size x num_steps = 4",
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(measure_imbalance(ring_workload{}), "stria: workload.world_size = 0: must be at least 1", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(measure_imbalance(ring_workload{1, 2, {3, -1}}), "stria: workload.entries[1] = -1: counts must be >= 0", stria::invalid_argument);
+}
+
 TEST_CASE("on Vertical-Slash inputs striped is better balanced than zigzag and sequential") {
   host::synthetic_vs_options o;
   o.seq_len = 32768;

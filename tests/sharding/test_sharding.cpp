@@ -163,3 +163,27 @@ TEST_CASE("dispatch then undispatch returns the global tensor, and shards hold t
                                           std::span<const tensor_view<float, 3>>(two)),
                        doctest::Contains("shards[1].extent(0) = 320: must be 384 (the global extent / world_size)"), stria::invalid_argument);
 }
+
+TEST_CASE("split and join refuse vectors that do not hold their extents, and a token_dim past the rank") {
+  // They laid views of `extents` over the vectors unchecked: a global vector shorter than its
+  // extents was read past its end, shards of unequal sizes were written past theirs (ASan
+  // heap-buffer-overflow), and token_dim 5 of a rank-2 tensor indexed an std::array out of bounds
+  // before dispatch's own check.
+  const std::vector<float> ten(10), global(256 * 2);
+  const std::array<index_t, 2> extents{256, 2};
+  CHECK_THROWS_WITH_AS(sharding::split(sharding::sequential{}, std::span<const float>(ten), extents, 2),
+                       "stria: global.size() = 10: must equal the elements of extents [256, 2] = 512", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(sharding::split(sharding::sequential{}, std::span<const float>(global), extents, 2, 5),
+                       "stria: token_dim = 5: must name a dimension of the tensor (rank 2)", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(sharding::split(sharding::sequential{}, std::span<const float>(global), std::array<index_t, 2>{-256, -2}, 2),
+                       "stria: extents = [-256, -2]: must not be negative", stria::invalid_argument);
+  const std::vector<std::vector<float>> unequal{std::vector<float>(256), std::vector<float>(10)};
+  CHECK_THROWS_WITH_AS(sharding::join(sharding::sequential{}, unequal, extents),
+                       "stria: shards[1].size() = 10: must be 1/2 (one per shard) of the elements of extents [256, 2] = 512", stria::invalid_argument);
+  const std::vector<std::vector<float>> halves{std::vector<float>(256), std::vector<float>(256)};
+  CHECK_THROWS_WITH_AS(sharding::join(sharding::sequential{}, halves, std::array<index_t, 2>{512, 2}),
+                       doctest::Contains("shards[0].size() = 256: must be 1/2 (one per shard) of the elements of extents [512, 2] = 1024"),
+                       stria::invalid_argument);
+  CHECK_THROWS_AS(sharding::join(sharding::sequential{}, halves, extents, 2), stria::invalid_argument);
+  CHECK(sharding::join(sharding::sequential{}, sharding::split(sharding::sequential{}, std::span<const float>(global), extents, 2), extents) == global);
+}

@@ -226,4 +226,28 @@ TEST_CASE("the solver refuses bad problems with the field, the value and the rul
   CHECK_THROWS_WITH_AS(solver::solve(p), doctest::Contains("problem.heads_kv = 3: must be >= 1 and divide heads_q = 4"), stria::invalid_argument);
   const global_selection g = test::band_selection(64 * 6, 2, 0, 5, true);
   CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 4, 1, 1), doctest::Contains("must divide seq_len / 64 = 6"), stria::invalid_argument);
+  // Past the index widths: 65536 x 65536 chunks wrapped to 0 in index_t, so an empty area matched
+  // the wrapped (0)^2 and the problem was accepted; problem_from_selection reported "= 0".
+  CHECK_THROWS_WITH_AS(solver::problem({65536, 65536, 64, 1, 1, {}}).validate(),
+                       "stria: problem world_size x chunks_per_rank x chunk_tokens = 274877906944: must be at most 2147483647 (the sequence "
+                       "length is an index_t)",
+                       stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 65536, 65536, 1),
+                       "stria: world_size x chunks_per_rank = 4294967296: must divide seq_len / 64 = 6 (whole blocks per chunk)",
+                       stria::invalid_argument);
+}
+
+TEST_CASE("a volume cap past int64's range is no cap") {
+  // volume_cap x the ring's volume was converted to int64 unchecked (undefined; it read as a
+  // negative cap): --volume-cap 1e17 gave an infeasible plan that moved less than --volume-cap 1e6's.
+  const index_t world = 4, m = 2, seq_len = world * m * block_tokens * 4, nb = seq_len / block_tokens;
+  const solver::problem p = solver::problem_from_selection(test::band_selection(seq_len, 8, 0, nb - 1, true), world, m, 1);
+  const solver::plan bounded = solver::solve(p, {1.10, 1e6});
+  REQUIRE(bounded.feasible);
+  for (const double cap : {1e17, 1e300}) {
+    CAPTURE(cap);
+    const solver::plan x = solver::solve(p, {1.10, cap});
+    CHECK(x.feasible);
+    CHECK(same_plan(x, bounded));
+  }
 }

@@ -226,6 +226,14 @@ TEST_CASE("topology::solver refuses bad sizes, naming the argument and the rule"
   CHECK_THROWS_WITH_AS(topology::solver(4, 0), doctest::Contains("chunks_per_rank = 0: must be at least 1"), invalid_argument);
   CHECK_THROWS_WITH_AS(topology::solver(4, 2, {0.9}), doctest::Contains("options.mu = 0.9: must be >= 1"), invalid_argument);
   CHECK_THROWS_WITH_AS(topology::solver(4, 2, {1.1, -1.0}), doctest::Contains("options.volume_cap = -1: must be positive and finite"), invalid_argument);
+  // Past the index widths: 65536 x 1024 chunks of 64 tokens wrapped to 0 in check_seq_len's index_t
+  // product, which then divided by zero (SIGFPE).
+  CHECK_THROWS_WITH_AS(topology::solver(65536, 1024),
+                       "stria: world_size x chunks_per_rank x 64 = 4294967296: must be at most 2147483647 (the shortest seq_len, one block per "
+                       "chunk, is an index_t)",
+                       invalid_argument);
+  CHECK_THROWS_WITH_AS(topology::solver(max_world_size + 1), "stria: world_size = 65537: must be at most 65536 ranks", invalid_argument);
+  CHECK_NOTHROW(topology::solver(max_world_size, 511).check_seq_len(max_world_size * 511 * 64));
   const topology::solver t(4, 2);
   CHECK(t.world_size() == 4);
   CHECK(t.chunks_per_rank() == 2);

@@ -162,6 +162,9 @@ class host_world {
  private:
   static index_t check_world(index_t world_size) {
     if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
+    // A thread and per-rank state each: unbounded, 2^30 ranks asked for an 80 GB table (std::bad_alloc).
+    if (world_size > max_world_size)
+      throw invalid_argument("world_size", world_size, "must be at most " + std::to_string(max_world_size) + " ranks (a thread each)");
     return world_size;
   }
   static std::chrono::milliseconds check_timeout(std::chrono::milliseconds timeout) {

@@ -131,6 +131,12 @@ inline void check_statistics(const vs_statistics& s, const char* estimator) {
       s.window_mass.size() != static_cast<std::size_t>(s.num_heads))
     throw invalid_argument("statistics", "(incomplete)",
                            std::string(estimator) + " needs the window statistics of every head (see request())");
+  // The candidates' tokens index the per-diagonal masses and the token bitmap.
+  for (std::size_t h = 0; h < s.vertical.size(); ++h)
+    for (std::size_t i = 0; i < s.vertical[h].size(); ++i)
+      if (const index_t token = s.vertical[h][i].token; token < 0 || token >= s.seq_len)
+        throw invalid_argument("statistics.vertical[" + std::to_string(h) + "][" + std::to_string(i) + "].token", token,
+                               "must lie in [0, seq_len = " + std::to_string(s.seq_len) + ")");
 }
 
 /// Adds the safeguards (sink tokens; the local diagonals, which include 0) and puts both lists in

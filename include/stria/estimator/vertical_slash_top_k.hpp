@@ -32,6 +32,7 @@ struct vertical_slash_top_k {
   [[nodiscard]] top_p_rule rule(index_t seq_len) const { return to_top_p(seq_len).rule(seq_len); }
 
   [[nodiscard]] global_selection select(const vs_statistics& s) const {
+    validate(s.seq_len, s.num_heads);  // its own counts first: to_top_p's checks would name the budgets it made
     detail::check_statistics(s, "vertical_slash_top_k");
     return to_top_p(s.seq_len).select(s);
   }

@@ -80,6 +80,7 @@ struct vertical_slash_top_p {
   }
 
   [[nodiscard]] global_selection select(const vs_statistics& s) const {
+    validate(s.seq_len, s.num_heads);  // unchecked, a sink past seq_len wrote past the token bitmap
     detail::check_statistics(s, "vertical_slash_top_p");
     if (s.local_blocks != local_diagonals_at(s.seq_len))
       throw invalid_argument("statistics.local_blocks", s.local_blocks,

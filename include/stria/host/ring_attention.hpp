@@ -85,6 +85,12 @@ struct ring_backend {
   tensor_view<const float, 3> v(int slot) const { return {slots[static_cast<std::size_t>(slot)].data() + half, kv_extents}; }
 };
 
+/// Every step's index is read by the tile loops as it stands: check its invariants (a hand-built or
+/// corrupted step_index read and wrote past its arrays and the tensors).
+inline void check_indices(std::span<const step_index> indices) {
+  for (const step_index& index : indices) index.validate();
+}
+
 }  // namespace detail
 
 /// This rank's ring forward (`tensors`: q, k, v in, out, lse out). q [Sq, Hq, D], k, v [Sk, Hkv, D] are the
@@ -97,6 +103,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const step_ind
   static_assert(check_host_communicator<Comm>());
   const auto [q, k, v, out, lse] = tensors;
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  detail::check_indices(indices);
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
   check_extents(lse, {s.heads_q, s.query_tokens}, "lse");
 
@@ -137,6 +144,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const step_in
   static_assert(check_host_communicator<Comm>());
   const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
+  detail::check_indices(indices);
   detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 
   const std::vector<float> q32 = detail::to_float(q), out32 = detail::to_float(out), d_out32 = detail::to_float(d_out);

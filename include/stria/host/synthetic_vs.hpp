@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <numbers>
 #include <numeric>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -73,18 +74,24 @@ struct synthetic_vs_options {
     if (heads_q <= 0 || heads_q % heads_kv != 0)
       throw invalid_argument("heads_q", heads_q, "must be a positive multiple of heads_kv = " + std::to_string(heads_kv));
     if (head_dim != 64 && head_dim != 128) throw invalid_argument("head_dim", head_dim, "unsupported head dim: stria supports 64 and 128");
+    // The model's per-head tables ([Hq, D]) are indexed in index_t: past it they wrapped (to an empty table).
+    if (const std::int64_t elements = std::int64_t{heads_q} * head_dim; elements > std::numeric_limits<index_t>::max())
+      throw invalid_argument("heads_q x head_dim", elements, "must be at most " + std::to_string(std::numeric_limits<index_t>::max()));
     if (!(density > 0.0 && density <= 1.0)) throw invalid_argument("density", density, "must lie in (0, 1]");
     if (!(slash_share >= 0.0 && slash_share <= 1.0)) throw invalid_argument("slash_share", slash_share, "must lie in [0, 1]");
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
-    if (extra_slashes < 1) throw invalid_argument("extra_slashes", extra_slashes, "must be at least 1");
+    // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
+    // slash_power kept the power-law loop going for every one of 2^31 lines).
+    if (extra_slashes < 1 || extra_slashes > seq_len) throw invalid_argument("extra_slashes", extra_slashes, "must lie in [1, seq_len]");
     if (!(slash_power > 0.0 && slash_power <= 8.0)) throw invalid_argument("slash_power", slash_power, "must lie in (0, 8]");
     if (!(slash_peak_logit > 0.0 && slash_peak_logit <= 12.0))
       throw invalid_argument("slash_peak_logit", slash_peak_logit, "must lie in (0, 12]");
     if (period_blocks < 1 || period_blocks >= seq_len / block_tokens)
       throw invalid_argument("period_blocks", period_blocks, "must lie in [1, seq_len / 64)");
-    if (vertical_clusters < 1) throw invalid_argument("vertical_clusters", vertical_clusters, "must be at least 1");
+    if (vertical_clusters < 1 || vertical_clusters > seq_len)  // a centre per cluster is drawn: bounded by the tokens
+      throw invalid_argument("vertical_clusters", vertical_clusters, "must lie in [1, seq_len]");
     if (cluster_tokens < 1 || cluster_tokens > seq_len)
       throw invalid_argument("cluster_tokens", cluster_tokens, "must lie in [1, seq_len]");
   }
@@ -142,7 +149,7 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
     for (index_t j = 1; j <= o.extra_slashes; ++j) {
       double delta = 0, height = o.slash_peak_logit;
       if (p == vs_pattern::periodic_slash) {
-        delta = double(j * o.period_blocks * block_tokens);
+        delta = double(j) * o.period_blocks * block_tokens;  // in index_t it wraps past 2^31 tokens
         if (delta >= double(o.seq_len)) break;
       } else {
         delta = 2.0 * block_tokens + uniform(rng) * double(o.seq_len - 2 * block_tokens);

@@ -45,6 +45,7 @@
 #include "stria/index/workload.hpp"
 #include "stria/sharding/sequential.hpp"
 #include "stria/solver/dynamic_solver.hpp"
+#include "stria/solver/execution.hpp"
 #include "stria/topology/flat_ring.hpp"
 
 namespace stria::cost {
@@ -470,6 +471,7 @@ ring_workload count_ring_vertical_padding(const global_selection& selection, con
 /// same ranks: what a rank computes with one KV chunk does not depend on when it meets it.
 template <ring_topology Topology>
 ring_workload reschedule(const ring_workload& flat, const Topology& topology) {
+  flat.validate("reschedule: workload");
   const index_t w = topology.world_size();
   if (flat.world_size != w || flat.num_steps != w)
     throw invalid_argument("reschedule: workload world_size", flat.world_size, "must be a flat ring's counts over the topology's " + std::to_string(w) + " ranks");
@@ -534,6 +536,9 @@ struct ring_counts {
 
   ring_counts(const ring_workload& e, const ring_workload& r, const ring_workload& p, index_t world, index_t steps)
       : entries(e), rows(r), padding(p) {
+    entries.validate("entries");
+    rows.validate("rows");
+    if (!padding.entries.empty()) padding.validate("vertical_padding");
     if (entries.world_size != world || entries.num_steps != steps || rows.world_size != world || rows.num_steps != steps)
       throw invalid_argument("workload world_size", entries.world_size, "the entries and rows must be counted for this topology");
     if (!padding.entries.empty() && (padding.world_size != world || padding.num_steps != steps))
@@ -680,6 +685,8 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
                                         std::int64_t vertical_padding = 0) {
   shape.validate();
   kernel.validate();
+  if (total_entries < 0) throw invalid_argument("total_entries", total_entries, "must be >= 0");
+  if (vertical_padding < 0) throw invalid_argument("vertical_padding", vertical_padding, "must be >= 0");
   const double rows = double(shape.seq_len / block_tokens) * shape.heads_q;
   layer_prediction p;
   for (const bool backward : {false, true}) {
@@ -717,15 +724,32 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
   return p;
 }
 
+namespace detail {
+
+/// Throws unless `p` could have been made from `g` (solver::problem_from_selection): the same
+/// sequence, split into p's chunks, and the same query heads.
+inline void check_problem_of(const global_selection& g, const solver::problem& p) {
+  p.validate();
+  if (g.seq_len != p.num_chunks() * p.chunk_tokens)
+    throw invalid_argument("selection.seq_len", g.seq_len,
+                           "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens) + " (a problem of another selection?)");
+  if (g.num_heads() != p.heads_q)
+    throw invalid_argument("selection.heads.size()", g.num_heads(), "must equal the problem's heads_q = " + std::to_string(p.heads_q));
+}
+
+}  // namespace detail
+
 /// Active rows of every solver task (query chunk i, KV chunk j) of `p`, laid out [C, C] like
 /// p.area: the rows of a sequential ring over the C chunks (as solver::problem_from_selection counts
 /// the areas).
 inline std::vector<std::int64_t> solver_task_rows(const global_selection& g, const solver::problem& p) {
+  detail::check_problem_of(g, p);
   return solver::detail::per_task(count_ring_rows(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())));
 }
 
 /// The gathered vertical tiles' padding of every solver task, laid out like solver_task_rows.
 inline std::vector<std::int64_t> solver_task_vertical_padding(const global_selection& g, const solver::problem& p) {
+  detail::check_problem_of(g, p);
   return solver::detail::per_task(count_ring_vertical_padding(g, sharding::sequential{}, topology::flat_ring(p.num_chunks())));
 }
 
@@ -752,6 +776,21 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
     throw invalid_argument("task_rows.size()", task_rows.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
   if (!task_padding.empty() && task_padding.size() != p.area.size())
     throw invalid_argument("task_padding.size()", task_padding.size(), "must be 0 or (world_size x chunks_per_rank)^2 = " + std::to_string(p.area.size()));
+  // The plan's tasks and moves index the rows, the padding and the ranks: a plan of another problem
+  // read and wrote outside them.
+  solver::check_plan_of(p, x);
+  for (index_t r = 0; r < w; ++r) solver::check_rank_tasks(p, x, r);
+  if (shape.seq_len != p.num_chunks() * p.chunk_tokens)
+    throw invalid_argument("layer_shape.seq_len", shape.seq_len,
+                           "must equal the problem's chunks x chunk tokens = " + std::to_string(p.num_chunks() * p.chunk_tokens));
+  if (shape.heads_q != p.heads_q || shape.heads_kv != p.heads_kv)
+    throw invalid_argument("layer_shape.heads_q", shape.heads_q,
+                           "must equal the problem's heads_q = " + std::to_string(p.heads_q) + ", with heads_kv = " + std::to_string(p.heads_kv) +
+                               " (layer_shape.heads_kv = " + std::to_string(shape.heads_kv) + ")");
+  for (const std::int64_t count : task_rows)
+    if (count < 0) throw invalid_argument("task_rows", count, "counts must be >= 0");
+  for (const std::int64_t count : task_padding)
+    if (count < 0) throw invalid_argument("task_padding", count, "counts must be >= 0");
   const std::int64_t tokens = p.chunk_tokens;
 
   auto run = [&](bool backward) {

@@ -34,6 +34,7 @@ inline void check_index_ranks(index_t world_size, index_t query_rank, index_t kv
 template <sharding_policy Sharding>
 step_index build_local_index(const global_selection& selection, const Sharding& sharding, index_t world_size,
                              index_t query_rank, index_t kv_rank, step_index_origin origin = {}) {
+  selection.validate();  // its tokens and blocks index the sharding's tables: one out of range wrote outside them
   const index_t nb = selection.num_blocks();
   const shard_layout layout{nb, world_size};
   sharding.validate(layout);

@@ -35,6 +35,17 @@ struct ring_workload {
     for (index_t r = 0; r < world_size; ++r) most = std::max(most, rank_total(r));
     return most;
   }
+
+  /// Throws unless `entries` holds world_size x num_steps counts, none negative (what the readers of
+  /// a workload index and add up). `name` names the workload in the message.
+  void validate(const std::string& name) const {
+    if (world_size < 1) throw invalid_argument(name + ".world_size", world_size, "must be at least 1");
+    if (num_steps < 1) throw invalid_argument(name + ".num_steps", num_steps, "must be at least 1");
+    if (const std::size_t want = static_cast<std::size_t>(world_size) * static_cast<std::size_t>(num_steps); entries.size() != want)
+      throw invalid_argument(name + ".entries.size()", entries.size(), "must be world_size x num_steps = " + std::to_string(want));
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      if (entries[i] < 0) throw invalid_argument(name + ".entries[" + std::to_string(i) + "]", entries[i], "counts must be >= 0");
+  }
 };
 
 /// FLOPs of `entries` active entries: 4 * D per entry forward (QK^T and PV), 2.5x that backward.
@@ -53,6 +64,7 @@ struct imbalance_degrees {
 };
 
 inline imbalance_degrees measure_imbalance(const ring_workload& w) {
+  w.validate("workload");
   auto ratio = [](const std::vector<double>& x) {
     const double mean = std::accumulate(x.begin(), x.end(), 0.0) / double(x.size());
     return mean > 0 ? *std::max_element(x.begin(), x.end()) / mean : 1.0;

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
+#include <limits>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,6 +86,30 @@ void copy_blocks(const P& policy, const tensor_view<G, Rank>& global, std::span<
   }
 }
 
+template <std::size_t Rank>
+std::string extents_text(const std::array<index_t, Rank>& extents) {
+  std::ostringstream text;  // (not "[" + std::to_string(...): GCC 12 warns falsely on that, PR 105329)
+  for (std::size_t d = 0; d < Rank; ++d) text << (d > 0 ? ", " : "[") << extents[d];
+  text << "]";
+  return text.str();
+}
+
+/// The elements of a row-major tensor of `extents`, for split and join, which lay views over vectors
+/// and must not read or write past them; throws for a negative extent or a count past memory.
+template <std::size_t Rank>
+std::size_t element_count(const std::array<index_t, Rank>& extents, std::size_t token_dim) {
+  if (token_dim >= Rank)
+    throw invalid_argument("token_dim", token_dim, "must name a dimension of the tensor (rank " + std::to_string(Rank) + ")");
+  std::size_t n = 1;
+  for (std::size_t d = 0; d < Rank; ++d) {
+    if (extents[d] < 0) throw invalid_argument("extents", extents_text(extents), "must not be negative");
+    if (extents[d] > 0 && n > (std::numeric_limits<std::size_t>::max() >> 1) / static_cast<std::size_t>(extents[d]))
+      throw invalid_argument("extents", extents_text(extents), "hold more elements than memory can");
+    n *= static_cast<std::size_t>(extents[d]);
+  }
+  return n;
+}
+
 }  // namespace detail
 
 /// Copies `global` into one shard per rank along `token_dim` (0 for [S, H, D] tensors, 1 for [H, S] LSE).
@@ -105,6 +132,9 @@ template <sharding_policy P, class T, std::size_t Rank>
 std::vector<std::vector<T>> split(const P& policy, std::span<const T> global, std::array<index_t, Rank> extents, index_t world_size,
                                   std::size_t token_dim = 0) {
   if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
+  if (const std::size_t elements = detail::element_count(extents, token_dim); global.size() != elements)
+    throw invalid_argument("global.size()", global.size(),
+                           "must equal the elements of extents " + detail::extents_text(extents) + " = " + std::to_string(elements));
   std::array<index_t, Rank> local = extents;
   local[token_dim] /= world_size;
   std::vector<std::vector<T>> shards(static_cast<std::size_t>(world_size), std::vector<T>(global.size() / static_cast<std::size_t>(world_size)));
@@ -118,6 +148,12 @@ std::vector<std::vector<T>> split(const P& policy, std::span<const T> global, st
 template <sharding_policy P, class T, std::size_t Rank>
 std::vector<T> join(const P& policy, const std::vector<std::vector<T>>& shards, std::array<index_t, Rank> extents, std::size_t token_dim = 0) {
   if (shards.empty()) throw invalid_argument("shards.size()", 0, "must be at least 1 (one shard per rank)");
+  const std::size_t elements = detail::element_count(extents, token_dim);
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    if (shards[r].size() * shards.size() != elements)
+      throw invalid_argument("shards[" + std::to_string(r) + "].size()", shards[r].size(),
+                             "must be 1/" + std::to_string(shards.size()) + " (one per shard) of the elements of extents " +
+                                 detail::extents_text(extents) + " = " + std::to_string(elements));
   std::array<index_t, Rank> local = extents;
   local[token_dim] /= static_cast<index_t>(shards.size());
   std::vector<T> global(shards[0].size() * shards.size());

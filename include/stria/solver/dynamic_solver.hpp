@@ -89,6 +89,10 @@ struct problem {
     if (world_size < 1) throw invalid_argument("problem.world_size", world_size, "must be at least 1");
     if (chunks_per_rank < 1) throw invalid_argument("problem.chunks_per_rank", chunks_per_rank, "must be at least 1");
     if (chunk_tokens < 1) throw invalid_argument("problem.chunk_tokens", chunk_tokens, "must be at least 1");
+    // Checked in 64 bits: num_chunks() and the sequence it covers are index_t products that would wrap.
+    if (const std::int64_t tokens = std::int64_t{world_size} * chunks_per_rank * chunk_tokens; tokens > std::numeric_limits<index_t>::max())
+      throw invalid_argument("problem world_size x chunks_per_rank x chunk_tokens", tokens,
+                             "must be at most " + std::to_string(std::numeric_limits<index_t>::max()) + " (the sequence length is an index_t)");
     if (heads_q < 1 || heads_kv < 1 || heads_q % heads_kv != 0)
       throw invalid_argument("problem.heads_kv", heads_kv, "must be >= 1 and divide heads_q = " + std::to_string(heads_q));
     const auto c = static_cast<std::size_t>(num_chunks());
@@ -115,10 +119,12 @@ inline std::vector<std::int64_t> per_task(const ring_workload& counts) {
 
 /// The task areas of a global selection with `chunks_per_rank` chunks per rank (sequential sharding).
 inline problem problem_from_selection(const global_selection& g, index_t world_size, index_t chunks_per_rank, index_t heads_kv) {
-  const index_t chunks = world_size * chunks_per_rank;
-  if (chunks < 1 || g.seq_len % (chunks * block_tokens) != 0)
-    throw invalid_argument("world_size x chunks_per_rank", chunks,
+  // In 64 bits: the product in index_t wraps (65536 x 65536 chunks read as 0).
+  const std::int64_t wide_chunks = std::int64_t{world_size} * chunks_per_rank;
+  if (wide_chunks < 1 || g.seq_len % (wide_chunks * block_tokens) != 0)
+    throw invalid_argument("world_size x chunks_per_rank", wide_chunks,
                            "must divide seq_len / 64 = " + std::to_string(g.seq_len / block_tokens) + " (whole blocks per chunk)");
+  const auto chunks = static_cast<index_t>(wide_chunks);  // at most seq_len / 64
   // Chunk c is rank c of a sequential ring over all chunks: the workload counter gives every pair.
   problem p{world_size, chunks_per_rank, g.seq_len / chunks, g.num_heads(), heads_kv,
             detail::per_task(count_ring_workload(g, sharding::sequential{}, topology::flat_ring(chunks)))};
@@ -404,7 +410,9 @@ inline plan solve(const problem& p, const options& o = {}) {
   detail::placement x(p);
   x.place_on_query_owners();  // 1.
   const std::int64_t total = std::accumulate(x.loads().begin(), x.loads().end(), std::int64_t{0});
-  const auto cap = static_cast<std::int64_t>(o.volume_cap * double(p.ring_volume()));
+  // A cap past int64 is no cap: converting it would be undefined (it read as a negative cap).
+  const double cap_volume = o.volume_cap * double(p.ring_volume());
+  const std::int64_t cap = cap_volume < 0x1p63 ? static_cast<std::int64_t>(cap_volume) : std::numeric_limits<std::int64_t>::max();
   const double mean = double(total) / double(p.world_size), limit = o.mu * mean;
   detail::shed(p, x, mean * (1 + (o.mu - 1) / 2), cap);  // 2. to halfway between the mean and the limit
   const auto above = [&] { return std::any_of(x.loads().begin(), x.loads().end(), [&](std::int64_t l) { return double(l) > limit * (1 + 1e-12); }); };

@@ -5,6 +5,8 @@
 // `chunks_per_rank` chunks per rank.
 #pragma once
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -24,7 +26,12 @@ class solver {
   explicit solver(index_t world_size, index_t chunks_per_rank = 1, stria::solver::options options = {})
       : world_(world_size), chunks_per_rank_(chunks_per_rank), options_(options) {
     if (world_size < 1) throw invalid_argument("world_size", world_size, "must be at least 1");
+    if (world_size > max_world_size) throw invalid_argument("world_size", world_size, "must be at most " + std::to_string(max_world_size) + " ranks");
     if (chunks_per_rank < 1) throw invalid_argument("chunks_per_rank", chunks_per_rank, "must be at least 1");
+    // Checked in 64 bits: check_seq_len's product in index_t is what would overflow.
+    if (const std::int64_t tokens = std::int64_t{world_size} * chunks_per_rank * block_tokens; tokens > std::numeric_limits<index_t>::max())
+      throw invalid_argument("world_size x chunks_per_rank x 64", tokens,
+                             "must be at most " + std::to_string(std::numeric_limits<index_t>::max()) + " (the shortest seq_len, one block per chunk, is an index_t)");
     options.validate();
   }
 
