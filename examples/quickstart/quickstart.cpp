@@ -21,6 +21,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__unix__)
+#include <unistd.h>
+#endif
+
 namespace {
 
 using clock_type = std::chrono::steady_clock;
@@ -36,6 +40,28 @@ double relative_error(const std::vector<float>& got, const std::vector<double>& 
   return std::sqrt(num / den);
 }
 
+/// The host path's memory: the fp32 tensors (inputs, the ranks' shards, outputs, gradients, the
+/// joined results) and the fp64 reference's, about 64 bytes per element of Q and of K and V
+/// together. A sequence past the machine's memory is refused up front with the figure, rather
+/// than failing in an allocation (std::bad_alloc) or swapping for hours.
+void check_host_memory(const quickstart::options& o) {
+  const double need = 64.0 * double(o.seq_len) * double(o.head_dim) * (double(o.heads_q) + 2.0 * double(o.heads_kv));
+#if defined(__unix__)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  const double have = pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+#else
+  const double have = 0.0;  // unknown: not checked
+#endif
+  if (have > 0 && need > have) {
+    char rule[256];
+    std::snprintf(rule, sizeof rule,
+                  "needs about %.1f GB of host memory at heads %d/%d and head dim %d (the host backend's fp32 tensors and the fp64 "
+                  "reference); this machine has %.1f GB: use a GPU or a shorter sequence",
+                  need / 1e9, o.heads_q, o.heads_kv, o.head_dim, have / 1e9);
+    throw stria::invalid_argument("--seq-len", o.seq_len, rule);
+  }
+}
+
 template <class Topology>
 int run_host(const quickstart::options& o, const Topology& topology, const std::string& topology_name) {
   using namespace stria;
@@ -49,6 +75,8 @@ int run_host(const quickstart::options& o, const Topology& topology, const std::
   input.head_dim = o.head_dim;
   input.density = 1.0 - o.sparsity;
   input.seed = o.seed;
+  input.validate();  // the shapes' own rules first, then what they cost in memory
+  check_host_memory(o);
   const host::synthetic_vs data = host::make_synthetic_vs(input);
   const global_selection& selection = data.planted;
   const sharding::striped<64> sharding;

@@ -223,6 +223,13 @@ TEST_CASE("cost model: message sizes and link times") {
   CHECK_THROWS_AS((cost::cluster{.nodes = 0}.validate()), invalid_argument);
   CHECK_THROWS_AS((cost::cluster{.nodes = 300, .gpus_per_node = 300}.validate()), invalid_argument);
   CHECK_THROWS_AS((cost::link{.gbytes_per_s = 0.0}.validate("l")), invalid_argument);
+  // Links whose times are not finite numbers (a bad-input hunt's leftovers): 1e-300 GB/s made every
+  // transfer infinite, and a latency past 1e9 us is no link either.
+  CHECK_THROWS_WITH_AS((cost::link{.gbytes_per_s = 1e-300}.validate("l")), doctest::Contains("l.gbytes_per_s = 1e-300: must be finite and at least 1e-6 (1 kB/s)"),
+                       invalid_argument);
+  CHECK_THROWS_WITH_AS((cost::link{.gbytes_per_s = 1.0, .latency_us = 1e300}.validate("l")), doctest::Contains("l.latency_us = 1e+300: must lie in [0, 1e9]"),
+                       invalid_argument);
+  CHECK_NOTHROW((cost::link{.gbytes_per_s = 1e-6, .latency_us = 1e9}.validate("l")));
 }
 
 TEST_CASE("cost model: two ranks worked by hand, forward and backward") {

@@ -232,6 +232,12 @@ TEST_CASE("the solver refuses bad problems with the field, the value and the rul
                        "stria: problem world_size x chunks_per_rank x chunk_tokens = 274877906944: must be at most 2147483647 (the sequence "
                        "length is an index_t)",
                        stria::invalid_argument);
+  // Volumes past int64 (a bad-input hunt's leftover): 1024 ranks of 2^20 tokens at 2^22 KV heads,
+  // whose flat-ring volume W (W - 1) x tokens x 2 Hkv wrapped negative in ring_volume().
+  CHECK_THROWS_WITH_AS(solver::problem({1024, 1, 1 << 20, 1 << 22, 1 << 22, {}}).validate(),
+                       doctest::Contains("problem world_size x chunks_per_rank x chunk_tokens x heads = 9.21436e+18: the volumes moved"),
+                       stria::invalid_argument);
+  CHECK_NOTHROW(solver::problem({4, 1, 1 << 20, 1 << 22, 1 << 22, std::vector<std::int64_t>(16, 1)}).validate());
   CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 65536, 65536, 1),
                        "stria: world_size x chunks_per_rank = 4294967296: must divide seq_len / 64 = 6 (whole blocks per chunk)",
                        stria::invalid_argument);

@@ -242,8 +242,11 @@ struct link {
 
   [[nodiscard]] double seconds(double bytes) const { return latency_us * 1e-6 + bytes / (gbytes_per_s * 1e9); }
   void validate(const char* what) const {
-    if (!(gbytes_per_s > 0) || !std::isfinite(gbytes_per_s)) throw invalid_argument(std::string(what) + ".gbytes_per_s", gbytes_per_s, "must be positive and finite");
-    if (!(latency_us >= 0) || !std::isfinite(latency_us)) throw invalid_argument(std::string(what) + ".latency_us", latency_us, "must be >= 0 and finite");
+    // Bounded so that a layer's times stay finite: 1e-300 GB/s made every transfer infinite.
+    if (!(gbytes_per_s >= 1e-6) || !std::isfinite(gbytes_per_s))
+      throw invalid_argument(std::string(what) + ".gbytes_per_s", gbytes_per_s, "must be finite and at least 1e-6 (1 kB/s)");
+    if (!(latency_us >= 0) || !(latency_us <= 1e9))
+      throw invalid_argument(std::string(what) + ".latency_us", latency_us, "must lie in [0, 1e9] (1000 s)");
   }
 };
 

@@ -95,6 +95,15 @@ struct problem {
                              "must be at most " + std::to_string(std::numeric_limits<index_t>::max()) + " (the sequence length is an index_t)");
     if (heads_q < 1 || heads_kv < 1 || heads_q % heads_kv != 0)
       throw invalid_argument("problem.heads_kv", heads_kv, "must be >= 1 and divide heads_q = " + std::to_string(heads_q));
+    // The volumes the solver sums are int64 element counts: the flat ring's (every KV chunk to every
+    // other rank) and every chunk moved once each way as Q and O. Counted in double, exact far past
+    // the limit's order, so that a product that would wrap is refused rather than read as negative.
+    const double chunks = double(world_size) * double(chunks_per_rank);
+    const double most = std::max(double(world_size - 1) * 2.0 * double(heads_kv), 2.0 * double(heads_q)) * chunks * double(chunk_tokens);
+    if (most > 0x1p62)
+      throw invalid_argument("problem world_size x chunks_per_rank x chunk_tokens x heads", most,
+                             "the volumes moved (elements: the ring's every chunk to every other rank, or every chunk's Q and O) must be at "
+                             "most 2^62");
     const auto c = static_cast<std::size_t>(num_chunks());
     if (area.size() != c * c) throw invalid_argument("problem.area.size()", area.size(), "must be (world_size x chunks_per_rank)^2 = " + std::to_string(c * c));
     for (const std::int64_t a : area)
