@@ -79,6 +79,7 @@ if [ "$mode" != quick ]; then
   # SANITIZER_PARTS=N takes the four sweeps that outlast a call under racecheck (random and ring-step
   # indices, both element types; the 300-block backward; the paired forward) out of the shards and
   # runs each as N processes per tool, process i with STRIA_TEST_PART=i/N (every N-th configuration).
+  # SANITIZER_ONLY_PARTS=1 runs those parts alone: no shards, no fault case.
   # (A template case's name ends in its type: "...indices<__nv_bfloat16>".)
   sweeps=("*random?step?indices*" "*more?than?256?query?blocks*" "*ring-step?indices*" "the?paired?Hopper?forward*")
   shard_excluded="*local_device fault*"
@@ -101,9 +102,10 @@ if [ "$mode" != quick ]; then
   per=${SANITIZER_SHARD_CASES:-4}
   {
     for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
+      [ "${SANITIZER_ONLY_PARTS:-0}" = 1 ] && break  # the sweeps' parts alone (the shards ran clean in an earlier call)
       for ((first = 1; first <= ${all_cases:-64}; first += per)); do echo "$tool $first $((first + per - 1))"; done
     done
-    for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
+    [ "${SANITIZER_ONLY_PARTS:-0}" = 1 ] || for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
     for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
       for ((i = 0; i < ${SANITIZER_PARTS:-0}; ++i)); do
         for sweep in "${sweeps[@]}"; do echo "$tool part $sweep $i/$SANITIZER_PARTS"; done
