@@ -9,7 +9,8 @@
 // rank (comm::local_device): the layer a user runs, with its output cast, delta and gradient casts, timed in turns with the bare
 // kernels (row `_front_w1_bare`), so that both are measured at the same clocks. --host-times prints the host side of one forward and
 // one backward call (checks, allocations, launches), an upper bound on what a timed single call holds the GPU idle for (only the
-// part before its first launch does), and the runtime calls that side is made of.
+// part before its first launch does), and the runtime calls that side is made of. Each pattern's row is followed by the forward's
+// K and V tile loads (bytes its CTAs draw from L2 and the rate at the forward's time: compare l2_bench's ceiling).
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
 //                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
@@ -267,7 +268,20 @@ int main(int argc, char** argv) try {
       const device_step_index index = build_local_index_device(selection, sharding::sequential{}, 1, 0, 0, {});
       STRIA_CUDA_CHECK(cudaDeviceSynchronize());
       const double index_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - build_start).count();
-      const std::int64_t entries = index.to_host().active_entries();
+      const step_index host_index = index.to_host();
+      const std::int64_t entries = host_index.active_entries();
+      // The forward's K and V tiles as its CTAs load them (one query block per CTA: every row loads
+      // its own; the paired kernel, on complete indices, loads the later row of each pair for both).
+      std::int64_t row_tiles = 0, paired_tiles = 0;
+      for (index_t r = 0; r < host_index.shape.num_rows(); ++r) {
+        const index_t tiles = host_index.block_ptr[r + 1] - host_index.block_ptr[r] +
+                              (host_index.col_ptr[r + 1] - host_index.col_ptr[r] + block_tokens - 1) / block_tokens;
+        row_tiles += tiles;
+        const index_t q = r % host_index.shape.num_query_blocks;
+        if (q % 2 == 1 || q + 1 == host_index.shape.num_query_blocks) paired_tiles += tiles;
+      }
+      const std::int64_t loaded_tiles = index.complete && dim == 128 && device::hopper_kernels_available() ? paired_tiles : row_tiles;
+      const double load_bytes = double(loaded_tiles) * 2.0 * block_tokens * dim * sizeof(T);
       const double causal_entries = double(s) * (double(s) + 1) / 2 * hq;
       if (!pattern_dir.empty()) write_pattern(pattern_dir + "/" + name + "_" + length + ".json", g, entries);
 
@@ -323,6 +337,8 @@ int main(int argc, char** argv) try {
       std::printf("%-8d %-6s %7.2f%% %10.3f %9.1f %9.3f %10.1f %9.3f %10.1f %9.3f %9.1f %9.3f %9.1f %9.2f %s\n", s, name.c_str(),
                   100.0 * density, fwd_ms, fwd_flops / fwd_ms * 1e-9, bwd_ms, bwd_flops / bwd_ms * 1e-9, det_ms, bwd_flops / det_ms * 1e-9,
                   mma_ms, fwd_flops / mma_ms * 1e-9, mma_bwd_ms, bwd_flops / mma_bwd_ms * 1e-9, index_ms, bad == 0 ? "ok" : "NON-FINITE");
+      std::printf("%-8d %-6s forward K/V tile loads: %lld tiles of K and of V, %.1f GB, %.2f TB/s from L2 at the forward's time\n", s,
+                  name.c_str(), static_cast<long long>(loaded_tiles), load_bytes * 1e-9, load_bytes / (fwd_ms * 1e-3) * 1e-12);
       std::fflush(stdout);
       rows.push_back({name, s, dim, hq, hkv, density, fwd_ms, bwd_ms, entries});
       rows.push_back({name + "_deterministic", s, dim, hq, hkv, density, fwd_ms, det_ms, entries});
