@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#if defined(__unix__)
+#if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
 
@@ -40,13 +40,14 @@ double relative_error(const std::vector<float>& got, const std::vector<double>& 
   return std::sqrt(num / den);
 }
 
-/// The host path's memory: the fp32 tensors (inputs, the ranks' shards, outputs, gradients, the
-/// joined results) and the fp64 reference's, about 64 bytes per element of Q and of K and V
-/// together. A sequence past the machine's memory is refused up front with the figure, rather
-/// than failing in an allocation (std::bad_alloc) or swapping for hours.
+/// The host path's memory at its peak: about 60 bytes per element of Q (fp32: the input, dO, the
+/// ranks' shards of both, O, dQ, a joined result; fp64: the reference's Q, dO, O, dQ) and 40 per
+/// element of K and of V (fp32: the input, shards, gradients, a joined result; fp64: the reference's
+/// input and gradient), rounded up to 64 and 40. A sequence past the machine's memory is refused up
+/// front with the figure, rather than failing in an allocation (std::bad_alloc) or swapping for hours.
 void check_host_memory(const quickstart::options& o) {
-  const double need = 64.0 * double(o.seq_len) * double(o.head_dim) * (double(o.heads_q) + 2.0 * double(o.heads_kv));
-#if defined(__unix__)
+  const double need = double(o.seq_len) * double(o.head_dim) * (64.0 * double(o.heads_q) + 2.0 * 40.0 * double(o.heads_kv));
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGE_SIZE)
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   const double have = pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
 #else

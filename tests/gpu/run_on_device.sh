@@ -95,6 +95,10 @@ if [ "$mode" != quick ]; then
     echo "$1 cases $2 $3${4:+ part $4}: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
     [ $rc = 0 ] && rm -f "$log"  # the others come back packed in one file (at most 8 files do)
   }
+  if [ "${SANITIZER_ONLY_PARTS:-0}" = 1 ] && [ "${SANITIZER_PARTS:-0}" -lt 1 ]; then
+    echo "SANITIZER_ONLY_PARTS=1 needs SANITIZER_PARTS >= 1 (the parts are all it runs)" >&2
+    exit 2
+  fi
   export -f sanitize_shard; export OUT bin shard_excluded
   start=$(date +%s)
   # The binary's count of test cases (doctest's listing), so that a new case is not left out of every shard.
@@ -111,7 +115,7 @@ if [ "$mode" != quick ]; then
         for sweep in "${sweeps[@]}"; do echo "$tool part $sweep $i/$SANITIZER_PARTS"; done
       done
     done
-  } | xargs -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2" "$3"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
+  } | xargs -r -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2" "$3"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
   # What racecheck reports on the stage rings' hand-over (tests/gpu/racecheck_probe.cu): every lane
   # reading a stage that lane 0 releases (the forward's K ring), lane 0 alone reading, and the control.
   if [[ " ${SANITIZERS-racecheck} " == *" racecheck "* ]] && [ -x "$bin/stria_racecheck_probe" ]; then

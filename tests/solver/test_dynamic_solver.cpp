@@ -232,12 +232,16 @@ TEST_CASE("the solver refuses bad problems with the field, the value and the rul
                        "stria: problem world_size x chunks_per_rank x chunk_tokens = 274877906944: must be at most 2147483647 (the sequence "
                        "length is an index_t)",
                        stria::invalid_argument);
-  // Volumes past int64 (a bad-input hunt's leftover): 1024 ranks of 2^20 tokens at 2^22 KV heads,
-  // whose flat-ring volume W (W - 1) x tokens x 2 Hkv wrapped negative in ring_volume().
-  CHECK_THROWS_WITH_AS(solver::problem({1024, 1, 1 << 20, 1 << 22, 1 << 22, {}}).validate(),
-                       doctest::Contains("problem world_size x chunks_per_rank x chunk_tokens x heads = 9.21436e+18: the volumes moved"),
+  // Volumes past int64 (a bad-input hunt's leftover): 1024 ranks of 2^20 tokens at 2^23 KV heads,
+  // whose flat-ring volume W (W - 1) x tokens x 2 Hkv (1.8e19) wrapped negative in ring_volume();
+  // the bound is 2^62, which leaves the solver's sums a factor of two.
+  CHECK_THROWS_WITH_AS(solver::problem({1024, 1, 1 << 20, 1 << 23, 1 << 23, {}}).validate(),
+                       doctest::Contains("problem volume (elements: world_size x chunks_per_rank x chunk_tokens x heads) = 1.84287e+19: the "
+                                         "volumes moved"),
                        stria::invalid_argument);
-  CHECK_NOTHROW(solver::problem({4, 1, 1 << 20, 1 << 22, 1 << 22, std::vector<std::int64_t>(16, 1)}).validate());
+  // Either side of the bound: 2^22 KV heads give 1023 x 2^53 (past 2^62), 2^21 give 1023 x 2^52 (within).
+  CHECK_THROWS_AS(solver::problem({1024, 1, 1 << 20, 1 << 22, 1 << 22, {}}).validate(), stria::invalid_argument);
+  CHECK_NOTHROW(solver::problem({1024, 1, 1 << 20, 1 << 21, 1 << 21, std::vector<std::int64_t>(1024 * 1024, 1)}).validate());
   CHECK_THROWS_WITH_AS(solver::problem_from_selection(g, 65536, 65536, 1),
                        "stria: world_size x chunks_per_rank = 4294967296: must divide seq_len / 64 = 6 (whole blocks per chunk)",
                        stria::invalid_argument);

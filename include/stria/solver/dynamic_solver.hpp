@@ -101,7 +101,7 @@ struct problem {
     const double chunks = double(world_size) * double(chunks_per_rank);
     const double most = std::max(double(world_size - 1) * 2.0 * double(heads_kv), 2.0 * double(heads_q)) * chunks * double(chunk_tokens);
     if (most > 0x1p62)
-      throw invalid_argument("problem world_size x chunks_per_rank x chunk_tokens x heads", most,
+      throw invalid_argument("problem volume (elements: world_size x chunks_per_rank x chunk_tokens x heads)", most,
                              "the volumes moved (elements: the ring's every chunk to every other rank, or every chunk's Q and O) must be at "
                              "most 2^62");
     const auto c = static_cast<std::size_t>(num_chunks());
@@ -420,7 +420,9 @@ inline plan solve(const problem& p, const options& o = {}) {
   x.place_on_query_owners();  // 1.
   const std::int64_t total = std::accumulate(x.loads().begin(), x.loads().end(), std::int64_t{0});
   // A cap past int64 is no cap: converting it would be undefined (it read as a negative cap).
-  const double cap_volume = o.volume_cap * double(p.ring_volume());
+  // At most 2^62 (validate bounds the ring's volume there): a cap above 1 on a ring near that bound
+  // would otherwise let a plan's volume, summed in int64, pass 2^63 (a query chunk may go to many ranks).
+  const double cap_volume = std::min(o.volume_cap * double(p.ring_volume()), 0x1p62);
   const std::int64_t cap = cap_volume < 0x1p63 ? static_cast<std::int64_t>(cap_volume) : std::numeric_limits<std::int64_t>::max();
   const double mean = double(total) / double(p.world_size), limit = o.mu * mean;
   detail::shed(p, x, mean * (1 + (o.mu - 1) / 2), cap);  // 2. to halfway between the mean and the limit
