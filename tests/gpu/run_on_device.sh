@@ -13,7 +13,7 @@
 #   rows at 128K for D 128 and 64 (dense, vs95, deterministic, front template) and vs95 at 32K and 512K,
 #   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
 #   the commit measured; estimator_bench writes $OUT/estimator_h200.json the same way. TESTS picks
-#   doctest cases of stria_gpu_tests (-tc), all by default. RING_ARGS are passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
+#   doctest cases of stria_gpu_tests (-tc), all by default; GPU_TESTS=0 skips the GPU tests (a call for the sanitizers or benchmarks). RING_ARGS are passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
 #   installing and testing the PyTorch package.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,10 +48,12 @@ run() {  # run NAME COMMAND...: logs to $OUT/NAME.log, records pass/fail and tim
   return $rc
 }
 
-run gpu_tests "$bin/stria_gpu_tests" ${TESTS:+-tc="$TESTS"}
-# comm::nccl's timeout and abort on one GPU (a world-1 communicator held behind a gate kernel).
-if [ -x "$bin/stria_nccl_gpu_tests" ]; then run nccl_gpu_tests "$bin/stria_nccl_gpu_tests"
-else note "nccl_gpu_tests: no $bin/stria_nccl_gpu_tests (it is built where NCCL is found)"; fi
+if [ "${GPU_TESTS:-1}" = 1 ]; then  # GPU_TESTS=0: a call for the sanitizers or benchmarks alone
+  run gpu_tests "$bin/stria_gpu_tests" ${TESTS:+-tc="$TESTS"}
+  # comm::nccl's timeout and abort on one GPU (a world-1 communicator held behind a gate kernel).
+  if [ -x "$bin/stria_nccl_gpu_tests" ]; then run nccl_gpu_tests "$bin/stria_nccl_gpu_tests"
+  else note "nccl_gpu_tests: no $bin/stria_nccl_gpu_tests (it is built where NCCL is found)"; fi
+fi
 # With two or more GPUs: the multi-GPU tests, one process driving every GPU and one process per GPU
 # (NVLink multicast stays off).
 if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_tests" ]; then
