@@ -11,11 +11,16 @@
 //   bulk_rows  one warp per CTA issues a tile as 64 cp.async.bulk row copies of 256 bytes that
 //              complete the stage's mbarrier by bytes (a TMA-style bulk path for a block tile);
 //   bulk_tile  one warp issues each tile as one contiguous 16 KiB cp.async.bulk (the bulk path's
-//              upper bound: a tile that were contiguous in memory).
+//              upper bound: a tile that were contiguous in memory);
+//   tma        one thread issues each tile as two TMA copies (cp.async.bulk.tensor, a tensor map over
+//              [tokens, 2 heads, 128] with boxes of 64 tokens x 64 elements and the 128-byte swizzle:
+//              exactly the forward's swizzled slabs), completing the stage's mbarrier by bytes.
 // Time: CUDA events, median of --repeats after a warm-up; bytes are the tiles' bytes (16 KiB each).
 // Every copy lands in shared memory and the last tile's first word is checked against the buffer.
 //   l2_bench [--repeats 5] [--json FILE --commit SHA]
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include <cuda_bf16.h>
 
@@ -45,8 +50,10 @@ constexpr int row_stride = 512;       // two KV heads per token
 constexpr int tile_bytes = tile_rows * row_bytes;
 constexpr int block_bytes = tile_rows * row_stride;  // a 64-token block of both heads: two tiles
 
-enum class method { cp_async, bulk_rows, bulk_tile };
-const char* name_of(method m) { return m == method::cp_async ? "cp_async" : m == method::bulk_rows ? "bulk_rows" : "bulk_tile"; }
+enum class method { cp_async, bulk_rows, bulk_tile, tma };
+const char* name_of(method m) {
+  return m == method::cp_async ? "cp_async" : m == method::bulk_rows ? "bulk_rows" : m == method::bulk_tile ? "bulk_tile" : "tma";
+}
 
 /// Tile i of CTA c's walk: a block of the buffer and one of its two heads (a multiplicative hash of (c, i), two mixing rounds).
 __device__ inline std::int64_t tile_offset(std::uint64_t cta, std::uint64_t i, std::int64_t blocks, bool contiguous) {
@@ -72,10 +79,25 @@ __device__ inline void bulk_copy(void* shared, const void* global, unsigned byte
 #endif
 }
 
+/// A TMA copy of one box (64 elements x 1 head x 64 tokens) at element `column`, head `head`, token `token`.
+__device__ inline void tma_copy(void* shared, const CUtensorMap* map, int column, int head, int token, std::uint64_t* barrier) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          kd::shared_address(shared)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(column), "r"(head), "r"(token), "r"(kd::shared_address(barrier))
+      : "memory");
+#endif
+}
+
 template <method M, int Stages>
-__global__ void __launch_bounds__(128) copy_tiles(const unsigned char* buffer, std::int64_t blocks, int tiles, unsigned* first_words) {
-  extern __shared__ __align__(128) unsigned char stages[];
-  __shared__ std::uint64_t full[Stages];
+__global__ void __launch_bounds__(128) copy_tiles(const unsigned char* buffer, std::int64_t blocks, int tiles, unsigned* first_words,
+                                                  const __grid_constant__ CUtensorMap map) {
+  // The stages, then their barriers; no static shared memory, so the block starts 1024-byte aligned
+  // (the 128-byte swizzle's period, which the TMA copies' layout assumes; checked).
+  extern __shared__ __align__(1024) unsigned char stages[];
+  auto* full = reinterpret_cast<std::uint64_t*>(stages + Stages * tile_bytes);
+  if (kd::shared_address(stages) % 1024 != 0) __trap();
   const auto cta = static_cast<std::uint64_t>(blockIdx.x);
   if constexpr (M == method::cp_async) {
     const int r = static_cast<int>(threadIdx.x) / 16, c = static_cast<int>(threadIdx.x) % 16;  // 8 rows of 16 chunks per pass
@@ -107,7 +129,14 @@ __global__ void __launch_bounds__(128) copy_tiles(const unsigned char* buffer, s
         unsigned char* to = stages + s * tile_bytes;
         if (lane == 0) expect_bytes(&full[s], tile_bytes);
         __syncwarp();
-        if constexpr (M == method::bulk_rows) {
+        if constexpr (M == method::tma) {
+          if (lane == 0) {  // the tile's block and head from its byte offset; two 64-element slabs of 8 KiB
+            const std::int64_t offset = tile_offset(cta, static_cast<std::uint64_t>(t), blocks, false);
+            const int token = static_cast<int>(offset / block_bytes) * tile_rows, head = static_cast<int>(offset % block_bytes) / row_bytes;
+            tma_copy(to, &map, 0, head, token, &full[s]);
+            tma_copy(to + tile_bytes / 2, &map, 64, head, token, &full[s]);
+          }
+        } else if constexpr (M == method::bulk_rows) {
           bulk_copy(to + lane * row_bytes, from + lane * row_stride, row_bytes, &full[s]);
           bulk_copy(to + (lane + 32) * row_bytes, from + (lane + 32) * row_stride, row_bytes, &full[s]);
         } else if (lane == 0) {
@@ -122,6 +151,26 @@ __global__ void __launch_bounds__(128) copy_tiles(const unsigned char* buffer, s
   if (threadIdx.x == 0 && tiles > 0) first_words[blockIdx.x] = *reinterpret_cast<const unsigned*>(stages + ((tiles - 1) % Stages) * tile_bytes);
 }
 
+/// The buffer as a tensor [tokens][2 heads][128 elements] of 2-byte elements, boxes of 64 elements x
+/// 1 head x 64 tokens with the 128-byte swizzle (cuTensorMapEncodeTiled through the runtime's driver
+/// entry point: no link against libcuda).
+CUtensorMap tensor_map(const void* base, std::size_t bytes) {
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  STRIA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || entry == nullptr) throw std::runtime_error("cuTensorMapEncodeTiled: not found in the driver");
+  const auto encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {row_bytes / 2, row_stride / row_bytes, bytes / row_stride};
+  const cuuint64_t strides[2] = {row_bytes, row_stride};  // bytes, of dims 1 and 2
+  const cuuint32_t box[3] = {64, 1, tile_rows}, element_strides[3] = {1, 1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) throw std::runtime_error("cuTensorMapEncodeTiled failed: CUresult " + std::to_string(static_cast<int>(r)));
+  return map;
+}
+
 struct row {
   method how;
   int ctas_per_sm, stages;
@@ -129,10 +178,10 @@ struct row {
 };
 
 template <method M, int Stages>
-bool run(std::vector<row>& rows, const device_buffer<unsigned char>& buffer, const std::vector<unsigned char>& host, int ctas_per_sm, int sms,
-         int repeats) {
+bool run(std::vector<row>& rows, const device_buffer<unsigned char>& buffer, const std::vector<unsigned char>& host, const CUtensorMap& map,
+         int ctas_per_sm, int sms, int repeats) {
   const std::size_t bytes = host.size();
-  const std::size_t shared = static_cast<std::size_t>(Stages) * tile_bytes;
+  const std::size_t shared = static_cast<std::size_t>(Stages) * (tile_bytes + sizeof(std::uint64_t));
   auto kernel = copy_tiles<M, Stages>;
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   int fit = 0;
@@ -145,7 +194,7 @@ bool run(std::vector<row>& rows, const device_buffer<unsigned char>& buffer, con
   const auto blocks = static_cast<std::int64_t>(bytes / block_bytes);
   device_buffer<unsigned> words(static_cast<std::size_t>(grid));
   const double ms = bench::median_ms(repeats, [&] {
-    kernel<<<grid, 128, shared>>>(buffer.data(), blocks, tiles, words.data());
+    kernel<<<grid, 128, shared>>>(buffer.data(), blocks, tiles, words.data(), map);
     STRIA_CUDA_CHECK_LAUNCH("copy_tiles");
   });
   // Check: each CTA's last tile landed (its first word equals the buffer's at that tile).
@@ -201,14 +250,17 @@ int main(int argc, char** argv) try {
     STRIA_CUDA_CHECK_LAUNCH("fill_random");
     std::vector<unsigned char> host(bytes);  // what every tile must land as
     STRIA_CUDA_CHECK(cudaMemcpy(host.data(), buffer.data(), bytes, cudaMemcpyDeviceToHost));
+    const CUtensorMap map = tensor_map(buffer.data(), bytes);
     const int sms = prop.multiProcessorCount;
     for (const int ctas : {1, 2, 3}) {
-      run<method::cp_async, 4>(rows, buffer, host, ctas, sms, repeats);
-      run<method::cp_async, 7>(rows, buffer, host, ctas, sms, repeats);
-      run<method::bulk_rows, 4>(rows, buffer, host, ctas, sms, repeats);
-      run<method::bulk_rows, 7>(rows, buffer, host, ctas, sms, repeats);
-      run<method::bulk_tile, 4>(rows, buffer, host, ctas, sms, repeats);
-      run<method::bulk_tile, 7>(rows, buffer, host, ctas, sms, repeats);
+      run<method::cp_async, 4>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::cp_async, 7>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::bulk_rows, 4>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::bulk_rows, 7>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::bulk_tile, 4>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::bulk_tile, 7>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::tma, 4>(rows, buffer, host, map, ctas, sms, repeats);
+      run<method::tma, 7>(rows, buffer, host, map, ctas, sms, repeats);
     }
   }
   if (!json_path.empty()) {
