@@ -56,7 +56,7 @@ const char* name_of(method m) {
 }
 
 /// Tile i of CTA c's walk: a block of the buffer and one of its two heads (a multiplicative hash of (c, i), two mixing rounds).
-__device__ inline std::int64_t tile_offset(std::uint64_t cta, std::uint64_t i, std::int64_t blocks, bool contiguous) {
+__host__ __device__ inline std::int64_t tile_offset(std::uint64_t cta, std::uint64_t i, std::int64_t blocks, bool contiguous) {
   std::uint64_t h = (cta * 0x100000001b3ULL + i + 1) * 0x9e3779b97f4a7c15ULL;
   h ^= h >> 31;
   h *= 0xbf58476d1ce4e5b9ULL;
@@ -201,11 +201,7 @@ bool run(std::vector<row>& rows, const device_buffer<unsigned char>& buffer, con
   std::vector<unsigned> got(static_cast<std::size_t>(grid));
   STRIA_CUDA_CHECK(cudaMemcpy(got.data(), words.data(), got.size() * sizeof(unsigned), cudaMemcpyDeviceToHost));
   for (int c = 0; c < grid; ++c) {
-    std::uint64_t h = (static_cast<std::uint64_t>(c) * 0x100000001b3ULL + static_cast<std::uint64_t>(tiles - 1) + 1) * 0x9e3779b97f4a7c15ULL;
-    h ^= h >> 31;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 29;
-    const std::uint64_t offset = (h % static_cast<std::uint64_t>(blocks)) * block_bytes + (M == method::bulk_tile ? 0 : ((h >> 40) & 1) * row_bytes);
+    const std::int64_t offset = tile_offset(static_cast<std::uint64_t>(c), static_cast<std::uint64_t>(tiles - 1), blocks, M == method::bulk_tile);
     unsigned want = 0;
     std::memcpy(&want, host.data() + offset, sizeof want);
     if (got[static_cast<std::size_t>(c)] != want) {

@@ -419,11 +419,10 @@ inline plan solve(const problem& p, const options& o = {}) {
   detail::placement x(p);
   x.place_on_query_owners();  // 1.
   const std::int64_t total = std::accumulate(x.loads().begin(), x.loads().end(), std::int64_t{0});
-  // A cap past int64 is no cap: converting it would be undefined (it read as a negative cap).
-  // At most 2^62 (validate bounds the ring's volume there): a cap above 1 on a ring near that bound
-  // would otherwise let a plan's volume, summed in int64, pass 2^63 (a query chunk may go to many ranks).
-  const double cap_volume = std::min(o.volume_cap * double(p.ring_volume()), 0x1p62);
-  const std::int64_t cap = cap_volume < 0x1p63 ? static_cast<std::int64_t>(cap_volume) : std::numeric_limits<std::int64_t>::max();
+  // The cap at most 2^62, where validate bounds the ring's volume: a larger cap is no cap (converted
+  // unclamped it was undefined and read as negative), and near the bound a cap above 1 would let a
+  // plan's volume, summed in int64, pass 2^63 (a query chunk may go to many ranks).
+  const auto cap = static_cast<std::int64_t>(std::min(o.volume_cap * double(p.ring_volume()), 0x1p62));
   const double mean = double(total) / double(p.world_size), limit = o.mu * mean;
   detail::shed(p, x, mean * (1 + (o.mu - 1) / 2), cap);  // 2. to halfway between the mean and the limit
   const auto above = [&] { return std::any_of(x.loads().begin(), x.loads().end(), [&](std::int64_t l) { return double(l) > limit * (1 + 1e-12); }); };
