@@ -147,3 +147,44 @@ TEST_CASE("local_device fault: a rank that throws makes the others raise at once
     else CHECK(errors[r].find("rank 1 failed: injected failure") != std::string::npos);
   }
 }
+
+// The wait under every device communicator's wait() (core/bounded_wait.cuh). The gate's kernel holds
+// the stream, so this case is left out of the sanitizer runs (they serialize launches: the hold
+// would return only once open_after opened it).
+TEST_CASE("held stream: poll_event asks its check while it spins, keeps its timeout, and returns once the work is done") {
+  using namespace std::chrono_literals;
+  gate g;
+  const test::open_after safety(g, 20s);  // never a hang, whatever goes wrong below
+  const cuda_stream stream;
+  g.hold(stream.get());
+  const cuda_event held;
+  held.record(stream.get());
+
+  // The check runs at least every 100 us while the poll spins (here for 2 s), not once per sleep:
+  // a failed peer is noticed at once even when the wait has just begun.
+  std::vector<double> checks;
+  CHECK_THROWS_WITH_AS(detail::poll_event(
+                           held.get(), 60000ms,
+                           [&](std::chrono::duration<double> elapsed) {
+                             checks.push_back(elapsed.count());
+                             if (elapsed >= 5ms) throw comm_error("a peer failed");
+                           },
+                           2s),
+                       "a peer failed", comm_error);
+  REQUIRE(checks.size() >= 2);
+  CHECK(checks.back() >= 0.005);
+  CHECK(checks.back() < 2.0);  // thrown while spinning
+  for (std::size_t i = 1; i < checks.size(); ++i) CHECK(checks[i] - checks[i - 1] >= 100e-6);  // rate-limited, so peers' locks stay free
+
+  // Past the spin, the timeout holds: not completed, after at least the timeout and well before a hang.
+  const detail::poll_result late = detail::poll_event(held.get(), 150ms, [](auto) {}, 20ms);
+  CHECK_FALSE(late.completed);
+  CHECK(late.elapsed.count() >= 0.150);
+  CHECK(late.elapsed.count() < 5.0);
+  CHECK_FALSE(safety.opened());
+
+  // Opened, the work completes and the wait says so.
+  g.open();
+  const detail::poll_result done = detail::poll_event(held.get(), 10000ms, [](auto) {});
+  CHECK(done.completed);
+}
