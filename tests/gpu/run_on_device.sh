@@ -70,7 +70,7 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
 fi
 if [ "$mode" != quick ]; then
   # The tools of SANITIZERS (default: memcheck, synccheck, initcheck, racecheck) over every test case
-  # but the fault cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases (doctest's -f/-l
+  # but the fault and held-stream cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases (doctest's -f/-l
   # ranges, 1-based, inclusive, up to the binary's own count of cases), SANITIZER_PROCS (12) processes
   # at once on the one GPU: one after another they outlast a 10-minute device call (racecheck alone
   # ran 4 of its 8 shards past 470 s: pick tools per call). The fault case of a rank that throws runs

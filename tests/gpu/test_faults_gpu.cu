@@ -160,18 +160,18 @@ TEST_CASE("held stream: poll_event asks its check while it spins, keeps its time
   const cuda_event held;
   held.record(stream.get());
 
-  // The check runs at least every 100 us while the poll spins (here for 2 s), not once per sleep:
+  // The check runs while the poll spins (here for 2 s), at most every 100 us, not once per sleep:
   // a failed peer is noticed at once even when the wait has just begun.
   std::vector<double> checks;
   CHECK_THROWS_WITH_AS(detail::poll_event(
                            held.get(), 60000ms,
                            [&](std::chrono::duration<double> elapsed) {
                              checks.push_back(elapsed.count());
-                             if (elapsed >= 5ms) throw comm_error("a peer failed");
+                             if (checks.size() >= 3 && elapsed >= 5ms) throw comm_error("a peer failed");
                            },
                            2s),
-                       "a peer failed", comm_error);
-  REQUIRE(checks.size() >= 2);
+                       "stria: a peer failed", comm_error);
+  REQUIRE(checks.size() >= 3);
   CHECK(checks.back() >= 0.005);
   CHECK(checks.back() < 2.0);  // thrown while spinning
   for (std::size_t i = 1; i < checks.size(); ++i) CHECK(checks[i] - checks[i - 1] >= 100e-6);  // rate-limited, so peers' locks stay free

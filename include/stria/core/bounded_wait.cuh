@@ -22,12 +22,13 @@ struct poll_result {
 };
 
 /// Polls `done` until the work it captured has completed (completed: true) or `timeout` has passed
-/// (completed: false), calling check(elapsed) between polls, which may throw: every 100 us while
-/// spinning (it may take a lock the peers share), then at every poll. For the first `spin` a poll
-/// only yields the core, as CUDA's spinning synchronisation does: a ring step's confirmation is due
-/// microseconds after the copy it waits for, and a sleep may overshoot by far more than it asks
-/// where the host's timers are coarse, leaving the GPU idle meanwhile. Past `spin` (a peer slow or
-/// gone) the polls sleep from 10 us up to 1 ms, so a long wait costs little host time.
+/// (completed: false), calling check(elapsed) between polls, which may throw: at most every 100 us
+/// while spinning (it may take a lock the peers share), then at every poll, and always before giving
+/// up. For the first `spin` a poll only yields the core (as cudaDeviceScheduleYield does): a ring
+/// step's confirmation is due microseconds after the copy it waits for, and a sleep may overshoot
+/// by far more than it asks where the host's timers are coarse, leaving the GPU idle meanwhile. Past
+/// `spin` (a peer slow or gone) the polls sleep from 10 us up to 1 ms, so a long wait costs little
+/// host time.
 template <class Check>
 poll_result poll_event(cudaEvent_t done, std::chrono::milliseconds timeout, const Check& check,
                        std::chrono::microseconds spin = std::chrono::milliseconds(20)) {
@@ -40,7 +41,7 @@ poll_result poll_event(cudaEvent_t done, std::chrono::milliseconds timeout, cons
     const std::chrono::duration<double> elapsed = clock::now() - start;
     if (state == cudaSuccess) return {true, elapsed};
     if (state != cudaErrorNotReady) STRIA_CUDA_CHECK(state);
-    if (elapsed >= spin || elapsed - checked >= std::chrono::microseconds(100)) {
+    if (elapsed >= spin || elapsed >= timeout || elapsed - checked >= std::chrono::microseconds(100)) {
       check(elapsed);
       checked = elapsed;
     }
