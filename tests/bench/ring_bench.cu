@@ -32,7 +32,7 @@
 //     Printed: a table per phase, then per phase a summary (wall, summed compute spans against alone,
 //     how long the GPU ran any step, host time in group_end / waits, the compute streams' gaps by what
 //     came last, the largest whole-GPU idle gaps with each host's state). --trace-spin adds a traced
-//     layer whose confirm waits poll in a plain spin; --trace-json FILE writes everything as JSON.
+//     layer whose confirm waits poll without backing off; --trace-json FILE writes everything as JSON.
 //     Run with CUDA_DEVICE_MAX_CONNECTIONS unset and =32 (the header prints it) to test the hardware
 //     queues (16 streams share 8 by default).
 //   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
@@ -197,7 +197,7 @@ ring_times time_ring(const global_selection& g, const Sharding& sharding, index_
 /// Part 6 (--trace): one traced layer of the striped ring (after a warm-up layer on the same path).
 struct trace_run {
   index_t seq_len = 0;
-  std::string kernel, waits;  // the forward kernel; "library" (comm.wait: poll_event) or "spin"
+  std::string kernel, waits;  // the forward kernel; "library" (comm.wait's backoff) or "spin"
   ring_times untraced;
   bench::trace::phase_trace forward, backward;
 };

@@ -204,8 +204,7 @@ class recorder {
 
 /// A device communicator that forwards to `Comm` (comm::local_device) and records what its calls cost.
 /// With `spin`, wait() polls the event without backing off (then asks Comm's wait, which returns at
-/// once, for its checks), to tell the library's waits (poll_event: a yielding spin, then sleeps) from
-/// a plain spin.
+/// once, for its checks), to tell the library's polling backoff from the rest.
 template <class Comm>
 class traced_comm {
  public:

@@ -70,14 +70,13 @@ if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ] && [ -x "$bin/stria_multi_gpu_t
 fi
 if [ "$mode" != quick ]; then
   # The tools of SANITIZERS (default: memcheck, synccheck, initcheck, racecheck) over every test case
-  # but the fault and held-stream cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases (doctest's -f/-l
+  # but the fault cases, each tool in shards of SANITIZER_SHARD_CASES (4) cases (doctest's -f/-l
   # ranges, 1-based, inclusive, up to the binary's own count of cases), SANITIZER_PROCS (12) processes
   # at once on the one GPU: one after another they outlast a 10-minute device call (racecheck alone
   # ran 4 of its 8 shards past 470 s: pick tools per call). The fault case of a rank that throws runs
   # alone under the tools of SANITIZE_FAULTS (default memcheck); the other one holds a rank's stream
   # behind a gate kernel that the host opens only after every rank has raised, and compute-sanitizer
-  # serializes kernel launches: it cannot finish under a sanitizer (2026-12-04) and is left out, as is
-  # the held-stream case of poll_event (its gate holds the stream the same way). doctest's summary counts the cases outside a shard's range as
+  # serializes kernel launches: it cannot finish under a sanitizer (2026-12-04) and is left out. doctest's summary counts the cases outside a shard's range as
   # passed; the sanitizer's own ERROR SUMMARY is what counts. SANITIZER_TIMEOUT (400 s) bounds each.
   # SANITIZER_PARTS=N takes the four sweeps that outlast a call under racecheck (random and ring-step
   # indices, both element types; the 300-block backward; the paired forward) out of the shards and
@@ -85,7 +84,7 @@ if [ "$mode" != quick ]; then
   # SANITIZER_ONLY_PARTS=1 runs those parts alone: no shards, no fault case.
   # (A template case's name ends in its type: "...indices<__nv_bfloat16>".)
   sweeps=("*random?step?indices*" "*more?than?256?query?blocks*" "*ring-step?indices*" "the?paired?Hopper?forward*")
-  shard_excluded="*local_device fault*,*held stream*"
+  shard_excluded="*local_device fault*"
   [ "${SANITIZER_PARTS:-0}" -gt 0 ] && shard_excluded+=",$(IFS=,; echo "${sweeps[*]}")"
   sanitize_shard() {  # TOOL FIRST LAST | TOOL fault PATTERN | TOOL part PATTERN I/N
     local log="$OUT/sanitize_$1_$2_${3//[^a-z0-9]/}${4:+_${4//\//of}}.log" start=$(date +%s) cases

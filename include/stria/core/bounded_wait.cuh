@@ -22,36 +22,24 @@ struct poll_result {
 };
 
 /// Polls `done` until the work it captured has completed (completed: true) or `timeout` has passed
-/// (completed: false), calling check(elapsed) between polls, which may throw: at most every 100 us
-/// while spinning (it may take a lock the peers share), then at every poll, and always before giving
-/// up. For the first `spin` a poll only yields the core (as cudaDeviceScheduleYield does): a ring
-/// step's confirmation is due microseconds after the copy it waits for, and a sleep may overshoot
-/// by far more than it asks where the host's timers are coarse, leaving the GPU idle meanwhile. Past
-/// `spin` (a peer slow or gone) the polls sleep from 10 us up to 1 ms, so a long wait costs little
-/// host time.
+/// (completed: false). Between polls calls check(elapsed), which may throw. Polls back off from a
+/// yield to 1 ms, so a wait costs little host time and adds at most about 1 ms after completion.
 template <class Check>
-poll_result poll_event(cudaEvent_t done, std::chrono::milliseconds timeout, const Check& check,
-                       std::chrono::microseconds spin = std::chrono::milliseconds(20)) {
+poll_result poll_event(cudaEvent_t done, std::chrono::milliseconds timeout, const Check& check) {
   using clock = std::chrono::steady_clock;
   const clock::time_point start = clock::now();
   std::chrono::microseconds pause(0);
-  std::chrono::duration<double> checked(-1.0);  // when check() last ran: while spinning, every 100 us
   while (true) {
     const cudaError_t state = cudaEventQuery(done);
     const std::chrono::duration<double> elapsed = clock::now() - start;
     if (state == cudaSuccess) return {true, elapsed};
     if (state != cudaErrorNotReady) STRIA_CUDA_CHECK(state);
-    if (elapsed >= spin || elapsed >= timeout || elapsed - checked >= std::chrono::microseconds(100)) {
-      check(elapsed);
-      checked = elapsed;
-    }
+    check(elapsed);
     if (elapsed >= timeout) return {false, elapsed};
-    if (elapsed < spin) {
-      std::this_thread::yield();
-      continue;
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::clamp<std::chrono::microseconds>(2 * pause, std::chrono::microseconds(10), std::chrono::milliseconds(1));
+    if (pause.count() == 0) std::this_thread::yield();
+    else std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(std::max<std::chrono::microseconds>(2 * pause, std::chrono::microseconds(10)),
+                                                std::chrono::milliseconds(1));
   }
 }
 
