@@ -10,9 +10,11 @@
 // kernels (row `_front_w1_bare`), so that both are measured at the same clocks. --host-times prints the host side of one forward and
 // one backward call (checks, allocations, launches), an upper bound on what a timed single call holds the GPU idle for (only the
 // part before its first launch does), and the runtime calls that side is made of. Each pattern's row is followed by the forward's
-// K and V tile loads (bytes its CTAs draw from L2 and the rate at the forward's time: compare l2_bench's ceiling).
+// K and V tile loads (bytes its CTAs draw from L2 and the rate at the forward's time: compare l2_bench's ceiling). --ring-steps
+// also times the same forward call as a ring's later steps make it: merging into the fp32 running state (a middle step) and merging
+// with the output written in T (the last step), against the first step's overwrite in the row above.
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--ring-steps] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
@@ -182,13 +184,14 @@ int main(int argc, char** argv) try {
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
   index_t dim = 128, hkv = 2;
-  bool with_backward = true, with_front = false, host_times = false;
+  bool with_backward = true, with_front = false, host_times = false, ring_steps = false;
   device::dq_source main_source = device::dq_source::automatic;  // of every backward row but the recomputed one
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--forward-only" || flag == "--front" || flag == "--host-times") {  // flags without a value
+    if (flag == "--forward-only" || flag == "--front" || flag == "--host-times" || flag == "--ring-steps") {  // flags without a value
       if (flag == "--front") with_front = true;
       else if (flag == "--host-times") host_times = true;
+      else if (flag == "--ring-steps") ring_steps = true;
       else with_backward = false;
       --i;
       continue;
@@ -339,6 +342,17 @@ int main(int argc, char** argv) try {
                   mma_ms, fwd_flops / mma_ms * 1e-9, mma_bwd_ms, bwd_flops / mma_bwd_ms * 1e-9, index_ms, bad == 0 ? "ok" : "NON-FINITE");
       std::printf("%-8d %-6s forward K/V tile loads: %lld tiles of K and of V, %.1f GB, %.2f TB/s from L2 at the forward's time\n", s,
                   name.c_str(), static_cast<long long>(loaded_tiles), load_bytes * 1e-9, load_bytes / (fwd_ms * 1e-3) * 1e-12);
+      if (ring_steps) {  // the running state as step 0 left it; each timed call merges this step in again
+        const device::step_forward_tensors<T> last_step{.q = qv, .k = kv, .v = vv, .out = out_view, .lse = lse_view,
+                                                        .final_out = tensor_view<T, 3>(out_t.data(), {s, hq, dim})};
+        auto merged = [&](const device::step_forward_tensors<T>& tensors) {
+          forward(device::forward_kernel::automatic)();
+          return median_ms(repeats, [&] { device::sparse_forward<T>(index, tensors, scale, nullptr, {.state = device::running_state::merge}); });
+        };
+        const double middle_ms = merged(operands), last_ms = merged(last_step);
+        std::printf("%-8d %-6s forward as a ring step: first (overwrite) %.3f ms, middle (merge into fp32) %.3f ms, last (merge, out in T) %.3f ms\n", s,
+                    name.c_str(), fwd_ms, middle_ms, last_ms);
+      }
       std::fflush(stdout);
       rows.push_back({name, s, dim, hq, hkv, density, fwd_ms, bwd_ms, entries});
       rows.push_back({name + "_deterministic", s, dim, hq, hkv, density, fwd_ms, det_ms, entries});
