@@ -136,28 +136,32 @@ __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, 
       lse = m.lse;
     }
     __syncwarp();  // every lane of the quad has read the old LSE before lane 0 replaces it
-    // The row's old running output, every load before the first store. Loading each 32-byte piece
-    // right after storing the one before it, in the same cache lines, made a ring's middle step 15x
-    // slower than its first (H100, 16K vs95: 3.75 against 0.24 ms for 17% more DRAM traffic; the
-    // last step, storing elsewhere, 0.41; RESULTS 2026-12-05, fifth). A zero weight drops the old
-    // side, so an empty row cannot give 0 * inf.
+    // The row's old running output, every load before the first store, and one store loop per
+    // destination (no branch per piece). A ring's middle step, which merges into this buffer, ran
+    // 15.7x slower than its first at 16K on an H100 (3.75 against 0.24 ms) and 3.9x at 128K, while the
+    // last step, storing the output in T elsewhere, ran 1.7x / 1.06x (RESULTS 2026-12-05, fifth).
+    // The suspected cause, not yet confirmed: each 32-byte piece was loaded right after the store
+    // of the piece before it in the same lines, with a branch between them. A zero weight drops
+    // the old side, so an empty row cannot give 0 * inf.
     float2 old[D / 8];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
       old[j] = weight_old != 0.0f ? *reinterpret_cast<const float2*>(out_row + fragment_col(j, 0)) : make_float2(0.0f, 0.0f);
-    asm volatile("" ::: "memory");  // the compiler keeps the loads above the stores
+    asm volatile("" ::: "memory");  // keeps the loads above the stores in NVVM (ptxas may still reorder)
+    const auto merged = [&](int j) {
+      return make_float2(o[j][2 * half] * inverse * weight_new + weight_old * old[j].x,
+                         o[j][2 * half + 1] * inverse * weight_new + weight_old * old[j].y);
+    };
+    if (p.final_out) {
+      T* final_row = p.final_out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      float2* at = reinterpret_cast<float2*>(out_row + fragment_col(j, 0));
-      float2 value = make_float2(o[j][2 * half] * inverse * weight_new, o[j][2 * half + 1] * inverse * weight_new);
-      value.x += weight_old * old[j].x;
-      value.y += weight_old * old[j].y;
-      if (p.final_out) {
-        T* final_at = p.final_out + (static_cast<std::int64_t>(token) * p.heads_q + h) * D + fragment_col(j, 0);
-        *reinterpret_cast<unsigned*>(final_at) = pack_pair<T>(value.x, value.y);
-      } else {
-        *at = value;
+      for (int j = 0; j < D / 8; ++j) {
+        const float2 value = merged(j);
+        *reinterpret_cast<unsigned*>(final_row + fragment_col(j, 0)) = pack_pair<T>(value.x, value.y);
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) *reinterpret_cast<float2*>(out_row + fragment_col(j, 0)) = merged(j);
     }
     if (lane % 4 == 0) *lse_at = lse;
   }
