@@ -349,9 +349,11 @@ int main(int argc, char** argv) try {
           forward(device::forward_kernel::automatic)();
           return median_ms(repeats, [&] { device::sparse_forward<T>(index, tensors, scale, nullptr, {.state = device::running_state::merge}); });
         };
-        const double middle_ms = merged(operands), last_ms = merged(last_step);
-        std::printf("%-8d %-6s forward as a ring step: first (overwrite) %.3f ms, middle (merge into fp32) %.3f ms, last (merge, out in T) %.3f ms\n", s,
-                    name.c_str(), fwd_ms, middle_ms, last_ms);
+        const double middle_ms = merged(operands);
+        const std::uint64_t merged_bad = non_finite(out, false) + non_finite(lse, true);  // the running state after the middle steps
+        const double last_ms = merged(last_step);
+        std::printf("%-8d %-6s forward as a ring step: first (overwrite) %.3f ms, middle (merge into fp32) %.3f ms, last (merge, out in T) %.3f ms %s\n",
+                    s, name.c_str(), fwd_ms, middle_ms, last_ms, merged_bad == 0 ? "ok" : "NON-FINITE");
       }
       std::fflush(stdout);
       rows.push_back({name, s, dim, hq, hkv, density, fwd_ms, bwd_ms, entries});
