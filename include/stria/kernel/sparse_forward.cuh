@@ -137,12 +137,9 @@ __device__ void write_forward_rows(const forward_params<T>& p, index_t q_block, 
     }
     __syncwarp();  // every lane of the quad has read the old LSE before lane 0 replaces it
     // The row's old running output, every load before the first store, and one store loop per
-    // destination (no branch per piece). A ring's middle step, which merges into this buffer, ran
-    // 15.7x slower than its first at 16K on an H100 (3.75 against 0.24 ms) and 3.9x at 128K, while the
-    // last step, storing the output in T elsewhere, ran 1.7x / 1.06x (RESULTS 2026-12-05, fifth).
-    // The suspected cause, not yet confirmed: each 32-byte piece was loaded right after the store
-    // of the piece before it in the same lines, with a branch between them. A zero weight drops
-    // the old side, so an empty row cannot give 0 * inf.
+    // destination: with each piece loaded right after the store of the one before it, in the same
+    // lines, a ring's middle step ran 15.7x slower than its first (the suspected cause; RESULTS
+    // 2026-12-05, fifth). A zero weight drops the old side, so an empty row cannot give 0 * inf.
     float2 old[D / 8];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
