@@ -213,6 +213,7 @@ int run_cluster(const options& o) {
       k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
       for (stria::cost::speed_point& point : k->curve) point.row_ns /= o.kernel_scale;
     }
+    kernel.memory_gbytes_per_s *= o.kernel_scale;
     std::ostringstream note;
     note << "; scaled by " << o.kernel_scale;
     kernel_source += note.str();
@@ -238,7 +239,8 @@ int run_cluster(const options& o) {
         {"kernel", {{"source", kernel_source}, {"scale", o.kernel_scale},
                     {"forward_tflops", kernel.forward.tflops}, {"forward_row_ns", kernel.forward.row_ns}, {"forward_call_us", kernel.forward.call_us},
                     {"backward_tflops", kernel.backward.tflops}, {"backward_row_ns", kernel.backward.row_ns}, {"backward_call_us", kernel.backward.call_us},
-                    {"forward_curve", curve(kernel.forward, false)}, {"backward_curve", curve(kernel.backward, true)}}},
+                    {"forward_curve", curve(kernel.forward, false)}, {"backward_curve", curve(kernel.backward, true)},
+                    {"memory_gbytes_per_s", kernel.memory_gbytes_per_s}}},
         {"intra_node", {{"gbps", o.intra_gbps}, {"latency_us", o.intra_latency_us}}},
         {"inter_node", {{"gbps", o.inter_gbps}, {"latency_us", o.inter_latency_us}}},
         {"transfer_streams", o.outer_stream ? "one_per_link" : "one_per_rank"},
@@ -286,7 +288,8 @@ int run_cluster(const options& o) {
     std::printf("\n");
   }
   std::printf("  (executed entries: the active ones and the gathered vertical tiles' padding; a row's time linear in its work\n"
-              "  between the measured rows, the end segments extended beyond them)\n");
+              "  between the measured rows, the end segments extended beyond them; a ring's forward also reads its fp32 running\n"
+              "  state at %.0f GB/s)\n", kernel.memory_gbytes_per_s);
   std::printf("links: intra-node %.0f Gb/s + %.0f us, inter-node %.0f Gb/s + %.0f us per message; %s\n", o.intra_gbps, o.intra_latency_us,
               o.inter_gbps, o.inter_latency_us, streams);
   std::printf("efficiency = one GPU's time for the whole layer / (GPUs x time); comm-bound: steps whose message took longer than the compute it could hide behind\n");

@@ -78,7 +78,7 @@ inline constexpr const char* usage =
     "                   attention_h200.json): their vs95 rows fitted, and each row's speed kept as a\n"
     "                   point of the speed curve by tiles per row (default, built in: the fit of\n"
     "                   attention_lengths_h200.json,attention_h200.json)\n"
-    "  --kernel-scale X kernel speed relative to the table: throughput x X, row times / X, call cost kept (e.g. an\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput and memory speed x X, row times / X, call cost kept (e.g. an\n"
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
     "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
     "                   the device engine of this version puts each rank's transfers on one stream)\n"

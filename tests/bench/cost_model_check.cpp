@@ -85,6 +85,22 @@ double ms_from_tf(std::int64_t entries, bool backward, index_t gpus, double tf_p
   return cost::entry_flops(dim, backward) * double(entries) / (double(gpus) * tf_per_gpu * 1e12) * 1e3;
 }
 
+/// The (rank, step) calls of a ring of `c`'s shape timed alone, one after another, summed over both
+/// phases: as the ring runs them (`as_ring`: the forward's first step writes the fp32 running state,
+/// its middle steps merge into it, its last writes T), or each as a first step (ring_bench's part 1
+/// times every forward overwriting).
+double calls_alone_ms(const counts& c, index_t seq_len, const cost::kernel_throughput& k, bool as_ring, bool backward) {
+  const index_t w = c.entries.world_size, steps = c.entries.num_steps;
+  const cost::detail::ring_counts calls(c.entries, c.rows, c.padding, w, steps);
+  double seconds = 0;
+  for (index_t r = 0; r < w; ++r)
+    for (index_t s = 0; s < steps; ++s) {
+      seconds += calls.seconds(backward ? k.backward : k.forward, cost::entry_flops(dim, backward), r, s);
+      if (!backward) seconds += cost::running_state_bytes(shape_of(seq_len), seq_len / w, as_ring ? s : 0, steps) / (k.memory_gbytes_per_s * 1e9);
+    }
+  return seconds * 1e3;
+}
+
 /// A recorded plan as a solver::plan over problem `p`: tasks take their areas from p, loads their sums.
 solver::plan plan_of(const bench::recorded_solver_plan& r, const solver::problem& p) {
   solver::plan x;
@@ -127,42 +143,69 @@ int main() {
     row(what, "bwd", p.backward.seconds * 1e3, bwd, today_run);
   }
   // ring_bench, 8 ranks: "ring ms" (per step the slowest rank's isolated fwd + bwd kernels, summed:
-  // a ring whose transfers cost nothing), "work ms" (all 64 steps' kernels summed) and the whole
-  // ring over comm::local_device on one GPU.
+  // a ring whose transfers cost nothing) and "work ms" (all 64 steps' kernels summed), every forward
+  // call overwriting. Its third column, the whole ring over comm::local_device on one GPU, is left
+  // out: those runs (201.91, 208.85, 1182.48, 1145.26 ms) had the forward's merge defect of bac4116
+  // (a middle step 15.7x a first at 16K; fixed in b8dd92f: RESULTS 2026-12-05, sixth), which no
+  // model of these kernels should predict. Part 2 below has the ring on one GPU with the fix.
   struct ring_bench_row {
     index_t seq_len;
     bool striped;
-    double ring_ms, work_ms, local_device_ms;
+    double ring_ms, work_ms;
   };
-  for (const ring_bench_row& m : {ring_bench_row{131072, false, 9.83, 69.48, 201.91}, ring_bench_row{131072, true, 9.20, 72.83, 208.85},
-                                  ring_bench_row{524288, false, 85.64, 631.40, 1182.48}, ring_bench_row{524288, true, 81.85, 637.55, 1145.26}}) {
+  for (const ring_bench_row& m : {ring_bench_row{131072, false, 9.83, 69.48}, ring_bench_row{131072, true, 9.20, 72.83},
+                                  ring_bench_row{524288, false, 85.64, 631.40}, ring_bench_row{524288, true, 81.85, 637.55}}) {
     const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
-    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), today, c.padding);
     const cost::detail::ring_counts step(c.entries, c.rows, c.padding, 8, 8);  // each (rank, step)'s calls, as the model times them
+    const double first_state = cost::running_state_bytes(shape_of(m.seq_len), m.seq_len / 8, 0, 8) / (today.memory_gbytes_per_s * 1e9);
     double ring = 0;
     for (index_t st = 0; st < 8; ++st) {
       double slowest = 0;
       for (index_t r = 0; r < 8; ++r)
-        slowest = std::max(slowest, step.seconds(today.forward, cost::entry_flops(dim, false), r, st) + step.seconds(today.backward, cost::entry_flops(dim, true), r, st));
+        slowest = std::max(slowest, step.seconds(today.forward, cost::entry_flops(dim, false), r, st) + first_state +
+                                        step.seconds(today.backward, cost::entry_flops(dim, true), r, st));
       ring += slowest;
     }
     const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K";
     row(what + ": slowest rank per step, summed", "fwd+bwd", ring * 1e3, m.ring_ms, today_run);
-    row(what + ": all steps' kernels", "fwd+bwd", shared.seconds() * 1e3, m.work_ms, today_run);
-    row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, today_run);
+    row(what + ": all steps' kernels", "fwd+bwd", calls_alone_ms(c, m.seq_len, today, false, false) + calls_alone_ms(c, m.seq_len, today, false, true),
+        m.work_ms, today_run);
   }
 
   // 2. Today's kernels (89a7cd3, as f0cca9d's): the built-in speed, fitted to whole-sequence runs of
-  // 4K to 512K on one GPU (attention_lengths_h200.json, attention_h200.json), against ring_bench's
-  // 8 ranks at 128K, each (rank, step)'s forward and backward timed alone and summed, which that
-  // fit did not see. A striped step there holds 6.4 tiles per row, as a whole 16K run does.
+  // 4K to 512K on one GPU (attention_lengths_h200.json, attention_h200.json), against 8 ranks, which
+  // that fit did not see (a striped step there holds 6.4 tiles per row at 128K, as a whole 16K run
+  // does): ring_bench's calls alone, each overwriting, summed ("work ms"); with --trace, the calls
+  // alone as the ring runs them (merging) and the ring on one GPU, per phase; the ring on one GPU
+  // (comm::local_device, all ranks' calls at once: predict_shared_gpu), from ring_bench's table.
   std::printf("\n| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
   const cost::kernel_throughput builtin = cost::h200_kernel_throughput(dim);
+  const char* second = "RESULTS 2026-12-05 (second), 89a7cd3";
+  const char* sixth = "RESULTS 2026-12-05 (sixth), abab19c";
   for (const auto& [striped, measured] : {std::pair{true, 63.0}, std::pair{false, 58.9}}) {
     const counts c = striped ? flat_counts<sharding::striped<64>>(131072, 8) : flat_counts<sharding::zigzag>(131072, 8);
-    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(131072), builtin, c.padding);
-    row(std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 128K, today's kernels: all steps' kernels", "fwd+bwd", shared.seconds() * 1e3,
-        measured, "RESULTS 2026-12-05 (second), 89a7cd3");
+    row(std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 128K, today's kernels: all steps' kernels", "fwd+bwd",
+        calls_alone_ms(c, 131072, builtin, false, false) + calls_alone_ms(c, 131072, builtin, false, true), measured, second);
+  }
+  struct shared_row {
+    index_t seq_len;
+    bool striped;
+    double work_ms, local_device_ms;                         // ring_bench's table (fwd+bwd)
+    double alone_fwd, alone_bwd, together_fwd, together_bwd;  // ring_bench --trace (striped); 0: not run
+  };
+  for (const shared_row& m : {shared_row{131072, true, 63.45, 51.42, 15.77, 51.79, 16.49, 35.83}, shared_row{131072, false, 59.51, 48.27, 0, 0, 0, 0}}) {
+    const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
+    const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K, today's kernels";
+    const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), builtin, c.padding);
+    row(what + ": all steps' kernels", "fwd+bwd",
+        calls_alone_ms(c, m.seq_len, builtin, false, false) + calls_alone_ms(c, m.seq_len, builtin, false, true), m.work_ms, sixth);
+    if (m.alone_fwd > 0) {
+      row(what + ": the calls alone as the ring runs them", "fwd", calls_alone_ms(c, m.seq_len, builtin, true, false), m.alone_fwd, sixth);
+      row(what + ": the calls alone as the ring runs them", "bwd", calls_alone_ms(c, m.seq_len, builtin, true, true), m.alone_bwd, sixth);
+      row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, m.together_fwd, sixth);
+      row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, m.together_bwd, sixth);
+    }
+    row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, sixth);
   }
 
   // 3. The 2026-11-29 kernels: their speed fitted to the same bench's one-GPU rows (128K: 183 / 151

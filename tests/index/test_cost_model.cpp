@@ -464,3 +464,59 @@ TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLO
   CHECK_THROWS_WITH_AS(cost::predict_ring(entries, rows, flat, shape_of(8192), k, c, other),
                        "stria: vertical_padding world_size = 2: must be counted for this topology, as the entries are", invalid_argument);
 }
+
+TEST_CASE("cost model: a ring's forward streams the fp32 running state, a shared GPU's ranks overlap their calls") {
+  // The running state beyond an overwriting call: none on the first step, the old output read on a
+  // middle step (+4 bytes an element), read and written in T on the last (+4 - 2); none in a
+  // one-step ring.
+  const cost::layer_shape shape = shape_of(8192);
+  const double elements = 2048.0 * 8 * 128;  // 2048 tokens of a rank, Hq 8, D 128
+  CHECK(cost::running_state_bytes(shape, 2048, 0, 1) == 0);
+  CHECK(cost::running_state_bytes(shape, 2048, 0, 4) == 0);
+  CHECK(cost::running_state_bytes(shape, 2048, 1, 4) == 4 * elements);
+  CHECK(cost::running_state_bytes(shape, 2048, 2, 4) == 4 * elements);
+  CHECK(cost::running_state_bytes(shape, 2048, 3, 4) == 2 * elements);
+
+  const global_selection g = vs_input(8192);
+  const topology::flat_ring flat(4);
+  const ring_workload entries = count_ring_workload(g, sharding::striped<64>{}, flat), rows = cost::count_ring_rows(g, sharding::striped<64>{}, flat);
+  const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
+  cost::kernel_throughput fast_memory = k;
+  fast_memory.memory_gbytes_per_s = 1e12;  // the state's traffic all but free
+  const cost::link instant{.gbytes_per_s = 1e9, .latency_us = 0};
+  const cost::cluster c{.nodes = 1, .gpus_per_node = 4, .intra_node = instant, .inter_node = instant};
+  const cost::layer_prediction ring = cost::predict_ring(entries, rows, flat, shape, k, c);
+  const cost::layer_prediction ring_free = cost::predict_ring(entries, rows, flat, shape, fast_memory, c);
+  const double state_seconds = (0 + 4 + 4 + 2) * elements / (k.memory_gbytes_per_s * 1e9);  // each rank's four steps
+  for (std::size_t r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    CHECK(ring.forward.rank_compute_seconds[r] - ring_free.forward.rank_compute_seconds[r] == doctest::Approx(state_seconds).epsilon(1e-6));
+    CHECK(ring.backward.rank_compute_seconds[r] == ring_free.backward.rank_compute_seconds[r]);
+  }
+
+  // Sharing one GPU: a forward step is its calls one after another, state included; a backward
+  // step takes the ranks' work at the long-run rates with one call's cost, or its slowest call
+  // alone where that is longer, and never more than its calls one after another.
+  const cost::layer_prediction shared = cost::predict_shared_gpu(entries, rows, shape, k);
+  for (const bool backward : {false, true}) {
+    CAPTURE(backward);
+    const cost::kernel_speed& speed = backward ? k.backward : k.forward;
+    const cost::kernel_speed long_run{.tflops = speed.tflops, .row_ns = speed.row_ns, .call_us = 0};
+    const cost::phase_prediction& phase = backward ? shared.backward : shared.forward;
+    const double per_entry = cost::entry_flops(128, backward);
+    for (index_t s = 0; s < 4; ++s) {
+      CAPTURE(s);
+      const double state = backward ? 0.0 : cost::running_state_bytes(shape, 2048, s, 4) / (k.memory_gbytes_per_s * 1e9);
+      double at_long_run = speed.call_us * 1e-6, slowest = 0, one_after_another = 0;
+      for (index_t r = 0; r < 4; ++r) {
+        const double alone = speed.seconds(per_entry * double(entries.at(r, s)), double(rows.at(r, s))) + state;
+        at_long_run += long_run.seconds(per_entry * double(entries.at(r, s)), double(rows.at(r, s)));
+        slowest = std::max(slowest, alone);
+        one_after_another += alone;
+      }
+      const double t = phase.steps[static_cast<std::size_t>(s)].compute_seconds;
+      CHECK(t == doctest::Approx(backward ? std::max(at_long_run, slowest) : one_after_another).epsilon(1e-9));
+      CHECK(t <= one_after_another * (1 + 1e-9));
+    }
+  }
+}

@@ -13,6 +13,10 @@
 //    empty, which the active entries alone do not show. The per-row and per-call costs are why a
 //    step of 1/W of the work is not 1/W of the time (RESULTS.md, 2026-11-29, four GPUs, and
 //    2026-12-05);
+//  - a ring's forward also streams its fp32 running state: a middle step reads the old output
+//    before merging, the last reads it and writes T (running_state_bytes, at device memory speed);
+//  - ranks sharing one GPU (predict_shared_gpu): the forward's calls take turns, the backward's
+//    fill each other's idle SMs (measured: RESULTS.md, 2026-12-05, sixth);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
 //    intra-node: NVLink; across nodes: the network);
 //  - the schedule is simulated rank by rank as engine/ring_engine.hpp runs it on device/ring_attention.cuh:
@@ -111,9 +115,14 @@ struct kernel_throughput {
   index_t head_dim = 128;
   kernel_speed forward;
   kernel_speed backward;
+  /// Device memory bandwidth (1e9 bytes per second) at which a ring's forward streams its fp32
+  /// running state (running_state_bytes): the H200's copy ceiling, 4.2 TB/s (ANCHORS.md).
+  double memory_gbytes_per_s = 4200;
 
   void validate() const {
     if (head_dim != 64 && head_dim != 128) throw invalid_argument("kernel_throughput.head_dim", head_dim, "must be 64 or 128");
+    if (!(memory_gbytes_per_s >= 1e-6) || !std::isfinite(memory_gbytes_per_s))
+      throw invalid_argument("kernel_throughput.memory_gbytes_per_s", memory_gbytes_per_s, "must be finite and at least 1e-6");
     forward.validate("kernel_throughput.forward");
     backward.validate("kernel_throughput.backward");
   }
@@ -528,6 +537,18 @@ inline double entry_flops(index_t head_dim, bool backward) { return (backward ? 
 /// against 34.16% at 4K), so both directions count that padding.
 inline double executed_entries(std::int64_t active, std::int64_t vertical_padding) { return double(active) + double(vertical_padding); }
 
+/// Bytes a ring's forward call moves to and from the fp32 running output beyond what an overwriting
+/// call moves (the kernel speeds are fitted on those: attention_bench's runs write the fp32 output and
+/// the LSE once): of `steps` > 1, the first step overwrites (nothing more), a middle step also reads
+/// the old output (+4 bytes an element), the last reads it and writes T in place of fp32 (+4 - 2).
+/// Every row of the rank counts, active or not: the forward's grid covers them all. The LSE (1 / D
+/// of it) is left out.
+inline double running_state_bytes(const layer_shape& shape, std::int64_t local_tokens, index_t step, index_t steps) {
+  if (steps <= 1 || step == 0) return 0;
+  const double extra = step + 1 == steps ? 4.0 - shape.element_bytes : 4.0;
+  return extra * double(local_tokens) * double(shape.heads_q) * double(shape.head_dim);
+}
+
 namespace detail {
 
 /// A ring's counts per (rank, step) as the predictions read them: entries, rows and padding (empty:
@@ -655,7 +676,8 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
       for (index_t r = 0; r < w; ++r) {
         const auto i = static_cast<std::size_t>(r);
         const double start = std::max(step_end[i], kv_due.at[kv_due.slot(r, s)]);
-        const double t = counts.seconds(speed, flops_per_entry, r, s);
+        const double state = backward ? 0.0 : running_state_bytes(shape, local_tokens, s, steps) / (kernel.memory_gbytes_per_s * 1e9);
+        const double t = counts.seconds(speed, flops_per_entry, r, s) + state;
         out.wait_seconds = std::max(out.wait_seconds, start - step_end[i]);
         out.compute_seconds = std::max(out.compute_seconds, t);
         p.rank_compute_seconds[i] += t;
@@ -703,26 +725,47 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
   return p;
 }
 
-/// W ranks sharing one GPU (comm::local_device): their kernels take turns on the one device, so a
-/// phase is every rank's kernels summed; the device copies overlap them and are not counted (1.95 /
-/// 3.73 ms per layer at 128K over 8 ranks: RESULTS.md, 2026-11-29, two GPUs).
+/// W ranks sharing one GPU (comm::local_device): a step's W calls run at once on the device. The
+/// forward's calls take turns: each fills the GPU alone (a CTA per query block and head, many waves),
+/// so a step is its calls one after another, each with its running-state traffic
+/// (running_state_bytes). The backward's calls fill the SMs each other leave idle (its passes run a
+/// CTA per KV block, a few waves with long and short columns), so the device is as busy as in one
+/// long call: a step takes the larger of the ranks' work at the long-run rates plus one call's fixed
+/// cost (FLOPs over the throughput and active rows x a row's fixed cost: the three terms without
+/// the curve, whose extra time for short rows is then filled) and the slowest rank's call alone.
+/// Measured at 128K over 8 ranks (RESULTS.md, 2026-12-05, sixth): the forward's calls alone sum to
+/// 15.8 ms and run in 16.5 together, the backward's 51.8 and 35.8. The device copies overlap the
+/// calls and are not counted (1.95 / 3.73 ms per layer at 128K over 8 ranks: RESULTS.md,
+/// 2026-11-29, two GPUs).
 inline layer_prediction predict_shared_gpu(const ring_workload& entries, const ring_workload& rows, const layer_shape& shape,
                                            const kernel_throughput& kernel, const ring_workload& vertical_padding = {}) {
   shape.validate();
   kernel.validate();
-  const detail::ring_counts counts(entries, rows, vertical_padding, entries.world_size, entries.num_steps);
+  const index_t w = entries.world_size, steps = entries.num_steps;
+  const detail::ring_counts counts(entries, rows, vertical_padding, w, steps);
+  if (shape.seq_len % w != 0) throw invalid_argument("layer_shape.seq_len", shape.seq_len, "must be divisible by the world size " + std::to_string(w));
   layer_prediction p;
   for (const bool backward : {false, true}) {
+    const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
+    const kernel_speed long_run{.tflops = speed.tflops, .row_ns = speed.row_ns, .call_us = 0};
+    const double flops_per_entry = entry_flops(shape.head_dim, backward);
     phase_prediction& phase = backward ? p.backward : p.forward;
-    phase.steps.resize(static_cast<std::size_t>(entries.num_steps));
-    phase.rank_compute_seconds.assign(static_cast<std::size_t>(entries.world_size), 0.0);
-    for (index_t r = 0; r < entries.world_size; ++r)
-      for (index_t s = 0; s < entries.num_steps; ++s) {
-        const double t = counts.seconds(backward ? kernel.backward : kernel.forward, entry_flops(shape.head_dim, backward), r, s);
-        phase.rank_compute_seconds[static_cast<std::size_t>(r)] += t;
-        phase.steps[static_cast<std::size_t>(s)].compute_seconds += t;
-        phase.seconds += t;
+    phase.steps.resize(static_cast<std::size_t>(steps));
+    phase.rank_compute_seconds.assign(static_cast<std::size_t>(w), 0.0);
+    for (index_t s = 0; s < steps; ++s) {
+      const double state = backward ? 0.0 : running_state_bytes(shape, shape.seq_len / w, s, steps) / (kernel.memory_gbytes_per_s * 1e9);
+      double together = speed.call_us * 1e-6, slowest = 0, in_turn = 0;
+      for (index_t r = 0; r < w; ++r) {
+        const double alone = counts.seconds(speed, flops_per_entry, r, s) + state;
+        together += counts.seconds(long_run, flops_per_entry, r, s);
+        slowest = std::max(slowest, alone);
+        in_turn += alone;
+        phase.rank_compute_seconds[static_cast<std::size_t>(r)] += alone;
       }
+      const double t = backward ? std::max(together, slowest) : in_turn;
+      phase.steps[static_cast<std::size_t>(s)].compute_seconds = t;
+      phase.seconds += t;
+    }
   }
   return p;
 }
