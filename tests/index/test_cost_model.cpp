@@ -354,10 +354,12 @@ TEST_CASE("cost model: the solver's two stages") {
     const solver::plan x = solver::solve(p);
     const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
     const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(16384), k, cost::cluster{.nodes = 1, .gpus_per_node = 1});
-    double seconds = 0;  // one call per task: a (query chunk, KV chunk) pair with work
+    // One call per task, a (query chunk, KV chunk) pair with work, merging into the chunk's output.
+    double seconds = 0;
     const std::vector<std::int64_t> task_rows = cost::solver_task_rows(g, p);
+    const double merge = cost::running_state_read_bytes(shape_of(16384), p.chunk_tokens) / (k.memory_gbytes_per_s * 1e9);
     for (std::size_t i = 0; i < p.area.size(); ++i)
-      if (p.area[i] > 0) seconds += k.forward.seconds(cost::entry_flops(128, false) * double(p.area[i]), double(task_rows[i]));
+      if (p.area[i] > 0) seconds += k.forward.seconds(cost::entry_flops(128, false) * double(p.area[i]), double(task_rows[i])) + merge;
     CHECK(l.forward.seconds == doctest::Approx(seconds));
     CHECK_FALSE(l.forward.steps[0].communication_bound);
   }
@@ -492,6 +494,21 @@ TEST_CASE("cost model: a ring's forward streams the fp32 running state, a shared
     CAPTURE(r);
     CHECK(ring.forward.rank_compute_seconds[r] - ring_free.forward.rank_compute_seconds[r] == doctest::Approx(state_seconds).epsilon(1e-6));
     CHECK(ring.backward.rank_compute_seconds[r] == ring_free.backward.rank_compute_seconds[r]);
+  }
+
+  // The solver's forward tasks all merge into their query chunk's running output.
+  const solver::problem sp = solver::problem_from_selection(g, 2, 2, 2);
+  const solver::plan plan = solver::solve(sp);
+  const cost::cluster two{.nodes = 1, .gpus_per_node = 2, .intra_node = instant, .inter_node = instant};
+  const std::vector<std::int64_t> task_rows = cost::solver_task_rows(g, sp);
+  const cost::layer_prediction solved = cost::predict_solver(sp, plan, task_rows, shape, k, two);
+  const cost::layer_prediction solved_free = cost::predict_solver(sp, plan, task_rows, shape, fast_memory, two);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const double tasks = double(plan.local_tasks[r].size() + plan.remote_tasks[r].size());
+    CHECK(solved.forward.rank_compute_seconds[r] - solved_free.forward.rank_compute_seconds[r] ==
+          doctest::Approx(tasks * cost::running_state_read_bytes(shape, sp.chunk_tokens) / (k.memory_gbytes_per_s * 1e9)).epsilon(1e-6));
+    CHECK(solved.backward.rank_compute_seconds[r] == solved_free.backward.rank_compute_seconds[r]);
   }
 
   // Sharing one GPU: a forward step is its calls one after another, state included; a backward

@@ -15,6 +15,7 @@
 //    2026-12-05);
 //  - a ring's forward also streams its fp32 running state: a middle step reads the old output
 //    before merging, the last reads it and writes T (running_state_bytes, at device memory speed);
+//    the solver's forward tasks all merge;
 //  - ranks sharing one GPU (predict_shared_gpu): the forward's calls take turns, the backward's
 //    fill each other's idle SMs (measured: RESULTS.md, 2026-12-05, sixth);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
@@ -537,16 +538,21 @@ inline double entry_flops(index_t head_dim, bool backward) { return (backward ? 
 /// against 34.16% at 4K), so both directions count that padding.
 inline double executed_entries(std::int64_t active, std::int64_t vertical_padding) { return double(active) + double(vertical_padding); }
 
-/// Bytes a ring's forward call moves to and from the fp32 running output beyond what an overwriting
-/// call moves (the kernel speeds are fitted on those: attention_bench's runs write the fp32 output and
-/// the LSE once): of `steps` > 1, the first step overwrites (nothing more), a middle step also reads
-/// the old output (+4 bytes an element), the last reads it and writes T in place of fp32 (+4 - 2).
-/// Every row of the rank counts, active or not: the forward's grid covers them all. The LSE (1 / D
-/// of it) is left out.
+/// Bytes of the fp32 running output of `tokens` query tokens that a merging forward call reads
+/// beyond what an overwriting call moves (the kernel speeds are fitted on those: attention_bench's
+/// runs write the fp32 output and the LSE once). The LSE (1 / D of it) is left out.
+inline double running_state_read_bytes(const layer_shape& shape, std::int64_t tokens) {
+  return 4.0 * double(tokens) * double(shape.heads_q) * double(shape.head_dim);
+}
+
+/// Bytes a ring's forward call at `step` of `steps` moves to and from the fp32 running output beyond
+/// an overwriting call: the first step overwrites (nothing more), a middle step reads the old output
+/// (running_state_read_bytes), the last reads it and writes T in place of fp32 (4 - 2 bytes an
+/// element fewer). Every row of the rank counts, active or not: the forward's grid covers them all.
 inline double running_state_bytes(const layer_shape& shape, std::int64_t local_tokens, index_t step, index_t steps) {
   if (steps <= 1 || step == 0) return 0;
-  const double extra = step + 1 == steps ? 4.0 - shape.element_bytes : 4.0;
-  return extra * double(local_tokens) * double(shape.heads_q) * double(shape.head_dim);
+  const double read = running_state_read_bytes(shape, local_tokens);
+  return step + 1 == steps ? read * (1.0 - (4.0 - shape.element_bytes) / 4.0) : read;
 }
 
 namespace detail {
@@ -842,11 +848,13 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
   auto run = [&](bool backward) {
     const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
     const double flops_per_entry = entry_flops(shape.head_dim, backward);
-    auto stage_seconds = [&](const std::vector<solver::task>& tasks) {  // a call per task
+    // A call per task; the forward's calls merge into their query chunk's fp32 running output.
+    const double merge = backward ? 0.0 : running_state_read_bytes(shape, p.chunk_tokens) / (kernel.memory_gbytes_per_s * 1e9);
+    auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
       double seconds = 0;
       for (const solver::task& t : tasks) {
         const std::size_t at = static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) + static_cast<std::size_t>(t.kv_chunk);
-        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at]), double(task_rows[at]));
+        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at]), double(task_rows[at])) + merge;
       }
       return seconds;
     };
