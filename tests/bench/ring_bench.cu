@@ -35,8 +35,13 @@
 //     layer whose confirm waits poll without backing off; --trace-json FILE writes everything as JSON.
 //     Run with CUDA_DEVICE_MAX_CONNECTIONS unset and =32 (the header prints it) to test the hardware
 //     queues (16 streams share 8 by default).
+//  7. with --solver-tasks M[,M...]: instead of 1-6, per --seq-len and M, the dynamic solver's plan
+//     (solver::solve, default options) of W ranks with M chunks per rank: every rank's tasks, local
+//     and remote, each timed alone (median), the forward merging into the running state as
+//     device::solver_forward calls it, and the backward; per rank the sums (the cost model's
+//     per-rank compute of predict_solver, which tests/bench/cost_model_check compares).
 //   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
-//              [--trace] [--trace-spin] [--trace-json FILE]
+//              [--trace] [--trace-spin] [--trace-json FILE] [--solver-tasks LIST]
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -51,6 +56,7 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/finite_check.hpp"
 #include "stria/device/ring_attention.cuh"
+#include "stria/device/solver_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/host/synthetic_vs.hpp"
 #include "stria/index/local_index.cuh"
@@ -58,6 +64,7 @@
 #include "stria/sharding/sequential.hpp"
 #include "stria/sharding/striped.hpp"
 #include "stria/sharding/zigzag.hpp"
+#include "stria/solver/dynamic_solver.hpp"
 #include "stria/topology/flat_ring.hpp"
 #include "ring_trace.cuh"
 #include "step_times.cuh"
@@ -107,6 +114,29 @@ global_selection vs95(index_t seq_len) {
   o.head_dim = dim;
   o.density = 0.05;
   return host::plant_vs_selection(o);
+}
+
+/// Part 7: every solver task of every rank alone; per rank its tasks' count and forward / backward ms.
+void time_solver_tasks(const global_selection& g, index_t world, index_t chunks_per_rank, int repeats) {
+  const solver::problem p = solver::problem_from_selection(g, world, chunks_per_rank, hkv);
+  const solver::plan plan = solver::solve(p);
+  const device_selection selection(g);
+  bench::call_timer calls(p.chunk_tokens, {hq, hkv, dim});
+  std::printf("%d tokens, solver of %d ranks x %d chunks (plan: max load / mean %.3f, %zu moves), each task alone, median of %d:\n", g.seq_len,
+              world, chunks_per_rank, plan.max_load_over_mean(), plan.moves.size(), repeats);
+  double forward = 0, backward = 0;
+  for (index_t r = 0; r < world; ++r) {
+    const device::solver_task_indices indices = device::build_solver_indices(selection, p, plan, r, nullptr);
+    double f = 0, b = 0;
+    for (const auto* tasks : {&indices.local, &indices.remote})
+      for (const device_step_index& index : *tasks) {
+        const auto [fwd, bwd] = calls.ms(index, device::running_state::merge, repeats);
+        f += fwd, b += bwd;
+      }
+    std::printf("  rank %d: %zu local + %zu remote tasks, forward %.3f ms, backward %.3f ms\n", r, indices.local.size(), indices.remote.size(), f, b);
+    forward += f, backward += b;
+  }
+  std::printf("  all ranks: forward %.3f ms, backward %.3f ms\n", forward, backward);
 }
 
 /// One rank's layer on its compute stream `st`: random inputs (seeded by rank), outputs, its ring
@@ -333,6 +363,7 @@ int main(int argc, char** argv) try {
   bool checked = false, pool_dependencies = false, trace = false, trace_spin = false;
   std::string trace_json;
   std::vector<std::pair<std::string, device::forward_kernel>> forward_kernels;  // --forward-kernels
+  std::vector<index_t> solver_tasks;                                               // --solver-tasks
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--checked" || flag == "--pool-dependencies") {
@@ -357,14 +388,23 @@ int main(int argc, char** argv) try {
         else throw invalid_argument(flag, value, "must be a comma-separated list of automatic, mma_sync and wgmma (\"" + name + "\" is none of them)");
       }
       if (forward_kernels.empty()) throw invalid_argument(flag, value, "must name at least one of automatic, mma_sync and wgmma");
+    } else if (flag == "--solver-tasks") {
+      for (const std::string& m : bench::split_list(value)) solver_tasks.push_back(cli::parse_integer<index_t>(flag, m, 1));
+      if (solver_tasks.empty()) throw invalid_argument(flag, value, "must name at least one count of chunks per rank");
     } else if (flag == "--trace-json") {
       if (value.empty()) throw invalid_argument(flag, value, "must name a file");
       trace_json = value;
       trace = true;
     } else
       throw invalid_argument("flag", flag,
-                             "must be --seq-len, --world, --repeats, --checked, --pool-dependencies, --forward-kernels, --trace, --trace-spin or "
-                             "--trace-json");
+                             "must be --seq-len, --world, --repeats, --checked, --pool-dependencies, --forward-kernels, --trace, --trace-spin, "
+                             "--trace-json or --solver-tasks");
+  }
+  if (!solver_tasks.empty()) {
+    if (trace || checked || pool_dependencies) throw invalid_argument("--solver-tasks", "with --trace, --checked or --pool-dependencies", "runs alone");
+    for (const index_t s : seq_lens)
+      for (const index_t m : solver_tasks) time_solver_tasks(vs95(s), world, m, repeats);
+    return 0;
   }
   if (trace) {
     if (checked || pool_dependencies) throw invalid_argument("--trace", "with --checked or --pool-dependencies", "runs alone (parts 1-5 are skipped)");

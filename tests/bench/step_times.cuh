@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Shared by ring_bench and multi_gpu_bench: one rank's forward + backward kernel time at every ring
-// step with that step's index alone on the GPU (CUDA events, median after warm-up), and the measured
+// Shared by ring_bench and multi_gpu_bench: one call's forward and backward kernel time on an index
+// alone on the GPU (CUDA events, median after warm-up), one rank's at every ring step, and the measured
 // imbalance degrees of a (rank, step) time matrix (MTraining 4.1: worker = max / mean over the ranks
 // of a step, step = max / mean over the steps of a rank).
 #pragma once
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "stria/core/device_buffer.cuh"
@@ -23,32 +24,41 @@ struct head_shape {
   index_t hq = 16, hkv = 2, dim = 128;
 };
 
-/// Milliseconds of forward + backward kernels at each of the topology's steps for `rank`, on the
-/// current device. Inputs are random: kernel time depends on the index, not on the values.
-template <class Sharding, class Topology>
-std::vector<double> rank_step_ms(const device_selection& selection, const Sharding& sharding, const Topology& topology, index_t rank,
-                                 head_shape h, int repeats) {
+/// Random inputs and zeroed fp32 outputs of one call over `tokens` query and as many key tokens, and
+/// the time of its forward (into the running state as `state` says) and backward on an index alone
+/// on the current device (median of `repeats`). Inputs are random: kernel time depends on the index,
+/// not on the values.
+struct call_timer {
   using T = __nv_bfloat16;
-  const index_t world = topology.world_size(), local = selection.seq_len() / world;
-  const double scale = 1.0 / std::sqrt(double(h.dim));
-  const auto q = random_buffer(std::size_t(local) * h.hq * h.dim, 1, 2.0f), k = random_buffer(std::size_t(local) * h.hkv * h.dim, 2, 2.0f),
-             v = random_buffer(std::size_t(local) * h.hkv * h.dim, 3, 1.0f), d_out = random_buffer(q.size(), 4, 1.0f);
-  device_buffer<float> out(q.size()), lse(std::size_t(h.hq) * local), delta(lse.size()), dq(q.size()), dk(k.size()), dv(v.size());
-  for (auto* b : {&out, &lse, &delta, &dq, &dk, &dv}) b->fill_bytes(0);
-  const tensor_view<const T, 3> qv(q.data(), {local, h.hq, h.dim}), kv(k.data(), {local, h.hkv, h.dim}), vv(v.data(), {local, h.hkv, h.dim}),
-      dov(d_out.data(), {local, h.hq, h.dim});
-  std::vector<double> ms;
-  for (index_t step = 0; step < topology.num_steps(); ++step) {
-    const device_step_index index =
-        build_local_index_device(selection, sharding, world, rank, topology.kv_source_rank(rank, step), {0, 0, 0, step, 0});
+  index_t tokens;
+  head_shape h;
+  device_buffer<T> q, k, v, d_out;
+  device_buffer<float> out, lse, delta, dq, dk, dv;
+
+  call_timer(index_t tokens_, head_shape shape)
+      : tokens(tokens_),
+        h(shape),
+        q(random_buffer(std::size_t(tokens) * h.hq * h.dim, 1, 2.0f)),
+        k(random_buffer(std::size_t(tokens) * h.hkv * h.dim, 2, 2.0f)),
+        v(random_buffer(std::size_t(tokens) * h.hkv * h.dim, 3, 1.0f)),
+        d_out(random_buffer(q.size(), 4, 1.0f)),
+        out(q.size()), lse(std::size_t(h.hq) * tokens), delta(lse.size()), dq(q.size()), dk(k.size()), dv(v.size()) {
+    for (auto* b : {&out, &lse, &delta, &dq, &dk, &dv}) b->fill_bytes(0);
+  }
+
+  /// Forward and backward milliseconds of `index`.
+  std::pair<double, double> ms(const device_step_index& index, device::running_state state, int repeats) {
+    const double scale = 1.0 / std::sqrt(double(h.dim));
+    const tensor_view<const T, 3> qv(q.data(), {tokens, h.hq, h.dim}), kv(k.data(), {tokens, h.hkv, h.dim}), vv(v.data(), {tokens, h.hkv, h.dim}),
+        dov(d_out.data(), {tokens, h.hq, h.dim});
     const double fwd = median_ms(repeats, [&] {
       device::sparse_forward<T>(index,
                                 {.q = qv,
                                  .k = kv,
                                  .v = vv,
-                                 .out = tensor_view<float, 3>(out.data(), {local, h.hq, h.dim}),
-                                 .lse = tensor_view<float, 2>(lse.data(), {h.hq, local})},
-                                scale, nullptr, {.state = device::running_state::overwrite});
+                                 .out = tensor_view<float, 3>(out.data(), {tokens, h.hq, h.dim}),
+                                 .lse = tensor_view<float, 2>(lse.data(), {h.hq, tokens})},
+                                scale, nullptr, {.state = state});
     });
     const double bwd = median_ms(repeats, [&] {
       device::sparse_backward<T>(index,
@@ -56,13 +66,29 @@ std::vector<double> rank_step_ms(const device_selection& selection, const Shardi
                                   .k = kv,
                                   .v = vv,
                                   .d_out = dov,
-                                  .lse = tensor_view<const float, 2>(lse.data(), {h.hq, local}),
-                                  .delta = tensor_view<const float, 2>(delta.data(), {h.hq, local}),
-                                  .dq = tensor_view<float, 3>(dq.data(), {local, h.hq, h.dim}),
-                                  .dk = tensor_view<float, 3>(dk.data(), {local, h.hkv, h.dim}),
-                                  .dv = tensor_view<float, 3>(dv.data(), {local, h.hkv, h.dim})},
+                                  .lse = tensor_view<const float, 2>(lse.data(), {h.hq, tokens}),
+                                  .delta = tensor_view<const float, 2>(delta.data(), {h.hq, tokens}),
+                                  .dq = tensor_view<float, 3>(dq.data(), {tokens, h.hq, h.dim}),
+                                  .dk = tensor_view<float, 3>(dk.data(), {tokens, h.hkv, h.dim}),
+                                  .dv = tensor_view<float, 3>(dv.data(), {tokens, h.hkv, h.dim})},
                                  scale, nullptr);
     });
+    return {fwd, bwd};
+  }
+};
+
+/// Milliseconds of forward + backward kernels at each of the topology's steps for `rank`, on the
+/// current device, each forward overwriting the running state.
+template <class Sharding, class Topology>
+std::vector<double> rank_step_ms(const device_selection& selection, const Sharding& sharding, const Topology& topology, index_t rank,
+                                 head_shape h, int repeats) {
+  const index_t world = topology.world_size();
+  call_timer calls(selection.seq_len() / world, h);
+  std::vector<double> ms;
+  for (index_t step = 0; step < topology.num_steps(); ++step) {
+    const device_step_index index =
+        build_local_index_device(selection, sharding, world, rank, topology.kv_source_rank(rank, step), {0, 0, 0, step, 0});
+    const auto [fwd, bwd] = calls.ms(index, device::running_state::overwrite, repeats);
     ms.push_back(fwd + bwd);
   }
   return ms;
