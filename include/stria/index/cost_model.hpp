@@ -547,12 +547,13 @@ inline double running_state_read_bytes(const layer_shape& shape, std::int64_t to
 
 /// Bytes a ring's forward call at `step` of `steps` moves to and from the fp32 running output beyond
 /// an overwriting call: the first step overwrites (nothing more), a middle step reads the old output
-/// (running_state_read_bytes), the last reads it and writes T in place of fp32 (4 - 2 bytes an
-/// element fewer). Every row of the rank counts, active or not: the forward's grid covers them all.
+/// (running_state_read_bytes: 4 bytes an element), the last reads it and writes T in place of fp32
+/// (4 - (4 - element_bytes)). Every row of the rank counts, active or not: the forward's grid covers
+/// them all.
 inline double running_state_bytes(const layer_shape& shape, std::int64_t local_tokens, index_t step, index_t steps) {
   if (steps <= 1 || step == 0) return 0;
   const double read = running_state_read_bytes(shape, local_tokens);
-  return step + 1 == steps ? read * (1.0 - (4.0 - shape.element_bytes) / 4.0) : read;
+  return step + 1 == steps ? read / 4.0 * double(shape.element_bytes) : read;
 }
 
 namespace detail {
