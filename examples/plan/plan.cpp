@@ -213,11 +213,11 @@ int run_cluster(const options& o) {
       k->tflops *= o.kernel_scale, k->row_ns /= o.kernel_scale;
       for (stria::cost::speed_point& point : k->curve) point.row_ns /= o.kernel_scale;
     }
-    kernel.memory_gbytes_per_s *= o.kernel_scale;
     std::ostringstream note;
     note << "; scaled by " << o.kernel_scale;
     kernel_source += note.str();
   }
+  kernel.memory_gbytes_per_s = o.memory_gbs;
   const char* streams = o.outer_stream ? "inner and outer ring on a stream each (DESIGN 5)" : "one transfer stream per rank (the device engine)";
   std::vector<cluster_result> results;
   for (const auto& [nodes, gpus] : o.clusters)

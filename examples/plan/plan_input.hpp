@@ -78,8 +78,10 @@ inline constexpr const char* usage =
     "                   attention_h200.json): their vs95 rows fitted, and each row's speed kept as a\n"
     "                   point of the speed curve by tiles per row (default, built in: the fit of\n"
     "                   attention_lengths_h200.json,attention_h200.json)\n"
-    "  --kernel-scale X kernel speed relative to the table: throughput and memory speed x X, row times / X, call cost kept (e.g. an\n"
+    "  --kernel-scale X kernel speed relative to the table: throughput x X, row times / X, call cost kept (e.g. an\n"
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
+    "  --memory-gbs X   device memory bandwidth, GB/s, at which a ring's forward reads its fp32 running\n"
+    "                   state (default 4200: the H200's copy ceiling; an A100 80GB about 1900)\n"
     "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
     "                   the device engine of this version puts each rank's transfers on one stream)\n"
     "  --help           this text\n";
@@ -116,6 +118,7 @@ struct options {
   std::string throughput_file;  // --throughput: one or more paths, comma-separated
   bool outer_stream = false;
   double kernel_scale = 1.0;
+  double memory_gbs = stria::cost::kernel_throughput{}.memory_gbytes_per_s;
   bool world_given = false;  // --world or --nodes on the command line
 };
 
@@ -160,6 +163,7 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--throughput") o.throughput_file = next();
     else if (arg == "--outer-stream") o.outer_stream = true;
     else if (arg == "--kernel-scale") o.kernel_scale = stria::cli::parse_real(arg, next(), 1e-3, 1e3);
+    else if (arg == "--memory-gbs") o.memory_gbs = stria::cli::parse_real(arg, next(), 1.0, 1e6);
     else if (arg == "--world") o.world = size(), o.world_given = true;
     else if (arg == "--nodes") o.nodes = size(), o.world_given = true;
     else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0 - 1e-9);

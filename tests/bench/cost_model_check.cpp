@@ -85,8 +85,8 @@ double ms_from_tf(std::int64_t entries, bool backward, index_t gpus, double tf_p
   return cost::entry_flops(dim, backward) * double(entries) / (double(gpus) * tf_per_gpu * 1e12) * 1e3;
 }
 
-/// The (rank, step) calls of a ring of `c`'s shape timed alone, one after another, summed over both
-/// phases: as the ring runs them (`as_ring`: the forward's first step writes the fp32 running state,
+/// One phase's (rank, step) calls of a ring of `c`'s shape timed alone, one after another, summed:
+/// as the ring runs them (`as_ring`: the forward's first step writes the fp32 running state,
 /// its middle steps merge into it, its last writes T), or each as a first step (ring_bench's part 1
 /// times every forward overwriting).
 double calls_alone_ms(const counts& c, index_t seq_len, const cost::kernel_throughput& k, bool as_ring, bool backward) {
@@ -145,8 +145,8 @@ int main() {
   // ring_bench, 8 ranks: "ring ms" (per step the slowest rank's isolated fwd + bwd kernels, summed:
   // a ring whose transfers cost nothing) and "work ms" (all 64 steps' kernels summed), every forward
   // call overwriting. Its third column, the whole ring over comm::local_device on one GPU, is left
-  // out: those runs (201.91, 208.85, 1182.48, 1145.26 ms) had the forward's merge defect of bac4116
-  // (a middle step 15.7x a first at 16K; fixed in b8dd92f: RESULTS 2026-12-05, sixth), which no
+  // out: those runs (201.91, 208.85, 1182.48, 1145.26 ms) had the forward's slow merge (a middle
+  // step 15.7x a first at 16K, gone with b8dd92f: RESULTS 2026-12-05, fifth and sixth), which no
   // model of these kernels should predict. Part 2 below has the ring on one GPU with the fix.
   struct ring_bench_row {
     index_t seq_len;
@@ -157,12 +157,11 @@ int main() {
                                   ring_bench_row{524288, false, 85.64, 631.40}, ring_bench_row{524288, true, 81.85, 637.55}}) {
     const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
     const cost::detail::ring_counts step(c.entries, c.rows, c.padding, 8, 8);  // each (rank, step)'s calls, as the model times them
-    const double first_state = cost::running_state_bytes(shape_of(m.seq_len), m.seq_len / 8, 0, 8) / (today.memory_gbytes_per_s * 1e9);
     double ring = 0;
     for (index_t st = 0; st < 8; ++st) {
       double slowest = 0;
       for (index_t r = 0; r < 8; ++r)
-        slowest = std::max(slowest, step.seconds(today.forward, cost::entry_flops(dim, false), r, st) + first_state +
+        slowest = std::max(slowest, step.seconds(today.forward, cost::entry_flops(dim, false), r, st) +
                                         step.seconds(today.backward, cost::entry_flops(dim, true), r, st));
       ring += slowest;
     }

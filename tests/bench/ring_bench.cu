@@ -3,13 +3,14 @@
 // shape (Hq 16, Hkv 2, D 128), bf16, causal, the generator's Vertical-Slash selection at 95%
 // sparsity, W ranks on a flat ring, for sequential, zigzag and striped<64> sharding:
 //  1. every (rank, step) alone on the GPU: forward + backward kernel time of that rank's step index
-//     (CUDA events, median of repeats after warm-up). Worker-level imbalance = max / mean over the
-//     ranks of one step (averaged over steps); step-level = max / mean over one rank's steps
-//     (averaged over ranks); the ring's time = sum over steps of the slowest rank (a synchronous
-//     ring waits for it); the busiest rank's time = the largest per-rank sum.
+//     (CUDA events, median of repeats after warm-up; every forward overwriting the running state).
+//     Worker-level imbalance = max / mean over the ranks of one step (averaged over steps);
+//     step-level = max / mean over one rank's steps (averaged over ranks); the ring's time = sum
+//     over steps of the slowest rank (a synchronous ring waits for it); the busiest rank's time =
+//     the largest per-rank sum.
 //  2. the whole ring through comm::local_device (all W ranks at once, sharing the GPU): wall time of
 //     device::ring_forward + ring_backward per layer, against the sum of all (rank, step) kernel
-//     times (the work a shared GPU must do anyway), i.e. what the ring engine adds.
+//     times: what the ring engine adds, or (below 1) what the ranks' calls gain by running together.
 //  3. with --checked: part 2 again in checked mode (finite_check::every_step: every step's O, LSE,
 //     dQ, dK/dV checked on the device, one host synchronisation per step), and its cost over part 2.
 //  4. with --pool-dependencies: part 2 split into forward and backward (a barrier between them),
@@ -37,9 +38,10 @@
 //     queues (16 streams share 8 by default).
 //  7. with --solver-tasks M[,M...]: instead of 1-6, per --seq-len and M, the dynamic solver's plan
 //     (solver::solve, default options) of W ranks with M chunks per rank: every rank's tasks, local
-//     and remote, each timed alone (median), the forward merging into the running state as
-//     device::solver_forward calls it, and the backward; per rank the sums (the cost model's
-//     per-rank compute of predict_solver, which tests/bench/cost_model_check compares).
+//     and remote, each timed alone (median), the forward as device::solver_forward runs it (a query
+//     chunk's first task on the rank finds its running output empty and reads none of it, later ones
+//     merge into it), and the backward; per rank the sums, which predict_solver's per-rank compute
+//     predicts.
 //   ring_bench [--seq-len 131072,524288] [--world 8] [--repeats 5] [--checked] [--pool-dependencies] [--forward-kernels LIST]
 //              [--trace] [--trace-spin] [--trace-json FILE] [--solver-tasks LIST]
 #include <cuda_bf16.h>
@@ -128,9 +130,13 @@ void time_solver_tasks(const global_selection& g, index_t world, index_t chunks_
   for (index_t r = 0; r < world; ++r) {
     const device::solver_task_indices indices = device::build_solver_indices(selection, p, plan, r, nullptr);
     double f = 0, b = 0;
-    for (const auto* tasks : {&indices.local, &indices.remote})
-      for (const device_step_index& index : *tasks) {
-        const auto [fwd, bwd] = calls.ms(index, device::running_state::merge, repeats);
+    std::vector<char> seen(static_cast<std::size_t>(p.num_chunks()), 0);  // query chunks computed here so far
+    for (const auto& [tasks, built] : {std::pair{&plan.local_tasks[static_cast<std::size_t>(r)], &indices.local},
+                                       std::pair{&plan.remote_tasks[static_cast<std::size_t>(r)], &indices.remote}})
+      for (std::size_t i = 0; i < tasks->size(); ++i) {
+        char& first = seen[static_cast<std::size_t>((*tasks)[i].query_chunk)];
+        const auto [fwd, bwd] = calls.ms((*built)[i], first ? device::running_state::merge : device::running_state::overwrite, repeats);
+        first = 1;
         f += fwd, b += bwd;
       }
     std::printf("  rank %d: %zu local + %zu remote tasks, forward %.3f ms, backward %.3f ms\n", r, indices.local.size(), indices.remote.size(), f, b);
@@ -401,7 +407,8 @@ int main(int argc, char** argv) try {
                              "--trace-json or --solver-tasks");
   }
   if (!solver_tasks.empty()) {
-    if (trace || checked || pool_dependencies) throw invalid_argument("--solver-tasks", "with --trace, --checked or --pool-dependencies", "runs alone");
+    if (trace || checked || pool_dependencies || !forward_kernels.empty())
+      throw invalid_argument("--solver-tasks", "with --trace, --checked, --pool-dependencies or --forward-kernels", "runs alone");
     for (const index_t s : seq_lens)
       for (const index_t m : solver_tasks) time_solver_tasks(vs95(s), world, m, repeats);
     return 0;

@@ -6,6 +6,7 @@
 
 #include <limits>
 #include <numeric>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -354,12 +355,12 @@ TEST_CASE("cost model: the solver's two stages") {
     const solver::plan x = solver::solve(p);
     const cost::kernel_throughput k = cost::h200_kernel_throughput(128);
     const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(16384), k, cost::cluster{.nodes = 1, .gpus_per_node = 1});
-    // One call per task, a (query chunk, KV chunk) pair with work, merging into the chunk's output.
-    double seconds = 0;
+    // One call per task, a (query chunk, KV chunk) pair with work; all but a chunk's first read its
+    // running output (chunk 0: one task, chunk 1: two).
+    double seconds = cost::running_state_read_bytes(shape_of(16384), p.chunk_tokens) / (k.memory_gbytes_per_s * 1e9);
     const std::vector<std::int64_t> task_rows = cost::solver_task_rows(g, p);
-    const double merge = cost::running_state_read_bytes(shape_of(16384), p.chunk_tokens) / (k.memory_gbytes_per_s * 1e9);
     for (std::size_t i = 0; i < p.area.size(); ++i)
-      if (p.area[i] > 0) seconds += k.forward.seconds(cost::entry_flops(128, false) * double(p.area[i]), double(task_rows[i])) + merge;
+      if (p.area[i] > 0) seconds += k.forward.seconds(cost::entry_flops(128, false) * double(p.area[i]), double(task_rows[i]));
     CHECK(l.forward.seconds == doctest::Approx(seconds));
     CHECK_FALSE(l.forward.steps[0].communication_bound);
   }
@@ -468,16 +469,15 @@ TEST_CASE("cost model: the gathered tiles' padding costs both directions its FLO
 }
 
 TEST_CASE("cost model: a ring's forward streams the fp32 running state, a shared GPU's ranks overlap their calls") {
-  // The running state beyond an overwriting call: none on the first step, the old output read on a
-  // middle step (+4 bytes an element), read and written in T on the last (+4 - 2); none in a
-  // one-step ring.
+  // The running state beyond an overwriting call: none on the first step, the old output read on
+  // every later one (4 bytes an element); none in a one-step ring.
   const cost::layer_shape shape = shape_of(8192);
   const double elements = 2048.0 * 8 * 128;  // 2048 tokens of a rank, Hq 8, D 128
   CHECK(cost::running_state_bytes(shape, 2048, 0, 1) == 0);
   CHECK(cost::running_state_bytes(shape, 2048, 0, 4) == 0);
   CHECK(cost::running_state_bytes(shape, 2048, 1, 4) == 4 * elements);
   CHECK(cost::running_state_bytes(shape, 2048, 2, 4) == 4 * elements);
-  CHECK(cost::running_state_bytes(shape, 2048, 3, 4) == 2 * elements);
+  CHECK(cost::running_state_bytes(shape, 2048, 3, 4) == 4 * elements);
 
   const global_selection g = vs_input(8192);
   const topology::flat_ring flat(4);
@@ -489,14 +489,15 @@ TEST_CASE("cost model: a ring's forward streams the fp32 running state, a shared
   const cost::cluster c{.nodes = 1, .gpus_per_node = 4, .intra_node = instant, .inter_node = instant};
   const cost::layer_prediction ring = cost::predict_ring(entries, rows, flat, shape, k, c);
   const cost::layer_prediction ring_free = cost::predict_ring(entries, rows, flat, shape, fast_memory, c);
-  const double state_seconds = (0 + 4 + 4 + 2) * elements / (k.memory_gbytes_per_s * 1e9);  // each rank's four steps
+  const double state_seconds = (0 + 4 + 4 + 4) * elements / (k.memory_gbytes_per_s * 1e9);  // each rank's four steps
   for (std::size_t r = 0; r < 4; ++r) {
     CAPTURE(r);
     CHECK(ring.forward.rank_compute_seconds[r] - ring_free.forward.rank_compute_seconds[r] == doctest::Approx(state_seconds).epsilon(1e-6));
     CHECK(ring.backward.rank_compute_seconds[r] == ring_free.backward.rank_compute_seconds[r]);
   }
 
-  // The solver's forward tasks all merge into their query chunk's running output.
+  // The solver's forward tasks merge into their query chunk's running output on the rank, which
+  // starts empty: every task but a chunk's first there reads the old output.
   const solver::problem sp = solver::problem_from_selection(g, 2, 2, 2);
   const solver::plan plan = solver::solve(sp);
   const cost::cluster two{.nodes = 1, .gpus_per_node = 2, .intra_node = instant, .inter_node = instant};
@@ -505,15 +506,29 @@ TEST_CASE("cost model: a ring's forward streams the fp32 running state, a shared
   const cost::layer_prediction solved_free = cost::predict_solver(sp, plan, task_rows, shape, fast_memory, two);
   for (std::size_t r = 0; r < 2; ++r) {
     CAPTURE(r);
-    const double tasks = double(plan.local_tasks[r].size() + plan.remote_tasks[r].size());
+    std::set<index_t> chunks;
+    for (const auto* tasks : {&plan.local_tasks[r], &plan.remote_tasks[r]})
+      for (const solver::task& t : *tasks) chunks.insert(t.query_chunk);
+    const double merges = double(plan.local_tasks[r].size() + plan.remote_tasks[r].size() - chunks.size());
+    REQUIRE(merges > 0);
     CHECK(solved.forward.rank_compute_seconds[r] - solved_free.forward.rank_compute_seconds[r] ==
-          doctest::Approx(tasks * cost::running_state_read_bytes(shape, sp.chunk_tokens) / (k.memory_gbytes_per_s * 1e9)).epsilon(1e-6));
+          doctest::Approx(merges * cost::running_state_read_bytes(shape, sp.chunk_tokens) / (k.memory_gbytes_per_s * 1e9)).epsilon(1e-6));
     CHECK(solved.backward.rank_compute_seconds[r] == solved_free.backward.rank_compute_seconds[r]);
   }
 
   // Sharing one GPU: a forward step is its calls one after another, state included; a backward
   // step takes the ranks' work at the long-run rates with one call's cost, or its slowest call
   // alone where that is longer, and never more than its calls one after another.
+  // The memory speed, the head dim and the world size are checked.
+  cost::kernel_throughput no_memory = k;
+  no_memory.memory_gbytes_per_s = 0;
+  CHECK_THROWS_WITH_AS(cost::predict_ring(entries, rows, flat, shape, no_memory, c),
+                       "stria: kernel_throughput.memory_gbytes_per_s = 0: must be finite and at least 1e-6", invalid_argument);
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(entries, rows, shape, cost::h200_kernel_throughput(64)),
+                       "stria: kernel_throughput.head_dim = 64: must equal the layer's head_dim 128", invalid_argument);
+  const ring_workload three{3, 3, std::vector<std::int64_t>(9, 1)};
+  CHECK_THROWS_WITH_AS(cost::predict_shared_gpu(three, three, shape, k), "stria: layer_shape.seq_len = 8192: must be divisible by the world size 3",
+                       invalid_argument);
   const cost::layer_prediction shared = cost::predict_shared_gpu(entries, rows, shape, k);
   for (const bool backward : {false, true}) {
     CAPTURE(backward);

@@ -13,9 +13,9 @@
 //    empty, which the active entries alone do not show. The per-row and per-call costs are why a
 //    step of 1/W of the work is not 1/W of the time (RESULTS.md, 2026-11-29, four GPUs, and
 //    2026-12-05);
-//  - a ring's forward also streams its fp32 running state: a middle step reads the old output
-//    before merging, the last reads it and writes T (running_state_bytes, at device memory speed);
-//    the solver's forward tasks all merge;
+//  - a ring's forward also streams its fp32 running state: every step after the first reads the
+//    old output before merging (running_state_bytes, at device memory speed), as do the solver's
+//    forward tasks after a query chunk's first on a rank;
 //  - ranks sharing one GPU (predict_shared_gpu): the forward's calls take turns, the backward's
 //    fill each other's idle SMs (measured: RESULTS.md, 2026-12-05, sixth);
 //  - a message takes latency + bytes / bandwidth on the link between its two GPUs (inner ring and
@@ -71,7 +71,7 @@ struct speed_point {
 /// curve, else flops / (tflops x 1e12) + active_rows x row_ns x 1e-9 + call_us x 1e-6.
 struct kernel_speed {
   double tflops = 0;   // effective: FLOPs of the executed entries (active + gathered tiles' padding), 4 D forward, 10 D backward
-  double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), merging the running state
+  double row_ns = 0;   // per active (query block, head) row and step: loading Q (and dO), writing the row
   double call_us = 0;  // per call: its launches (5 backward), their ramp and tail, the host's work between them
   /// A row's time by its work, ascending in flops_per_row and never falling (fit_kernel_speed):
   /// linear in the work between points, the end segments extended beyond them, and no faster per
@@ -546,14 +546,13 @@ inline double running_state_read_bytes(const layer_shape& shape, std::int64_t to
 }
 
 /// Bytes a ring's forward call at `step` of `steps` moves to and from the fp32 running output beyond
-/// an overwriting call: the first step overwrites (nothing more), a middle step reads the old output
-/// (running_state_read_bytes: 4 bytes an element), the last reads it and writes T in place of fp32
-/// (4 - (4 - element_bytes)). Every row of the rank counts, active or not: the forward's grid covers
-/// them all.
+/// an overwriting call: the first step overwrites (nothing more); every later step reads the old
+/// output (running_state_read_bytes). The last step writes T in place of fp32, 2 bytes an element
+/// fewer, but ran as long as a middle step (attention_bench --ring-steps, RESULTS.md 2026-12-05,
+/// sixth), so that saving is not counted; nor is a one-step ring's (its output goes out in T).
+/// Every row of the rank counts, active or not: the forward's grid covers them all.
 inline double running_state_bytes(const layer_shape& shape, std::int64_t local_tokens, index_t step, index_t steps) {
-  if (steps <= 1 || step == 0) return 0;
-  const double read = running_state_read_bytes(shape, local_tokens);
-  return step + 1 == steps ? read / 4.0 * double(shape.element_bytes) : read;
+  return steps <= 1 || step == 0 ? 0.0 : running_state_read_bytes(shape, local_tokens);
 }
 
 namespace detail {
@@ -739,7 +738,9 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
 /// CTA per KV block, a few waves with long and short columns), so the device is as busy as in one
 /// long call: a step takes the larger of the ranks' work at the long-run rates plus one call's fixed
 /// cost (FLOPs over the throughput and active rows x a row's fixed cost: the three terms without
-/// the curve, whose extra time for short rows is then filled) and the slowest rank's call alone.
+/// the curve, whose extra time for short rows is then filled) and the slowest rank's call alone,
+/// and never more than the calls one after another (the three terms exceed the curve at some row
+/// works).
 /// Measured at 128K over 8 ranks (RESULTS.md, 2026-12-05, sixth): the forward's calls alone sum to
 /// 15.8 ms and run in 16.5 together, the backward's 51.8 and 35.8. The device copies overlap the
 /// calls and are not counted (1.95 / 3.73 ms per layer at 128K over 8 ranks: RESULTS.md,
@@ -750,6 +751,8 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
   kernel.validate();
   const index_t w = entries.world_size, steps = entries.num_steps;
   const detail::ring_counts counts(entries, rows, vertical_padding, w, steps);
+  if (kernel.head_dim != shape.head_dim)
+    throw invalid_argument("kernel_throughput.head_dim", kernel.head_dim, "must equal the layer's head_dim " + std::to_string(shape.head_dim));
   if (shape.seq_len % w != 0) throw invalid_argument("layer_shape.seq_len", shape.seq_len, "must be divisible by the world size " + std::to_string(w));
   layer_prediction p;
   for (const bool backward : {false, true}) {
@@ -769,7 +772,7 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
         in_turn += alone;
         phase.rank_compute_seconds[static_cast<std::size_t>(r)] += alone;
       }
-      const double t = backward ? std::max(together, slowest) : in_turn;
+      const double t = backward ? std::min(std::max(together, slowest), in_turn) : in_turn;
       phase.steps[static_cast<std::size_t>(s)].compute_seconds = t;
       phase.seconds += t;
     }
@@ -849,13 +852,19 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
   auto run = [&](bool backward) {
     const kernel_speed& speed = backward ? kernel.backward : kernel.forward;
     const double flops_per_entry = entry_flops(shape.head_dim, backward);
-    // A call per task; the forward's calls merge into their query chunk's fp32 running output.
+    // A call per task. The forward's calls merge into their query chunk's fp32 running output on
+    // the rank, which starts empty (LSE -inf: nothing to read): every task but a chunk's first there
+    // reads the old output. The partial outputs' merges at home and the last pass that writes T are
+    // not counted.
     const double merge = backward ? 0.0 : running_state_read_bytes(shape, p.chunk_tokens) / (kernel.memory_gbytes_per_s * 1e9);
+    std::vector<char> seen;  // query chunks computed on the rank so far (its local tasks, then its remote ones)
     auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
       double seconds = 0;
       for (const solver::task& t : tasks) {
         const std::size_t at = static_cast<std::size_t>(t.query_chunk) * static_cast<std::size_t>(p.num_chunks()) + static_cast<std::size_t>(t.kv_chunk);
-        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at]), double(task_rows[at])) + merge;
+        seconds += speed.seconds(flops_per_entry * executed_entries(t.area, task_padding.empty() ? 0 : task_padding[at]), double(task_rows[at]));
+        if (seen[static_cast<std::size_t>(t.query_chunk)]) seconds += merge;
+        seen[static_cast<std::size_t>(t.query_chunk)] = 1;
       }
       return seconds;
     };
@@ -885,7 +894,9 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
     std::vector<double> stage_end(n, 0.0);
     for (index_t r = 0; r < w; ++r) {
       const auto i = static_cast<std::size_t>(r);
-      const double local = stage_seconds(x.local_tasks[i]), remote = stage_seconds(x.remote_tasks[i]);
+      seen.assign(static_cast<std::size_t>(p.num_chunks()), 0);
+      const double local = stage_seconds(x.local_tasks[i]);
+      const double remote = stage_seconds(x.remote_tasks[i]);
       double arrived = receive_in[i];
       for (const index_t s : senders[i]) arrived = std::max(arrived, send_out[static_cast<std::size_t>(s)]);
       const double start = std::max(local, arrived);
