@@ -207,6 +207,54 @@ int main() {
     row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, sixth);
   }
 
+  // 2b. Today's kernels on an H100 (the device tool lent one for the call of RESULTS 2026-12-05,
+  // sixth): their speed fitted here as plan --throughput fits attention_bench's rows (4K-512K, one
+  // rank, results/attention_lengths_h100.json), then runs the fit did not see: 8 ranks sharing the
+  // GPU at 512K (ring_bench --trace: calls alone and the ring, per phase, striped; ring_bench's
+  // table, fwd+bwd), and the solver's tasks alone (ring_bench --solver-tasks, 4 ranks, all ranks
+  // summed). The shared-GPU rules were chosen on the H200's 128K runs above.
+  {
+    const char* h100_run = "RESULTS 2026-12-05 (sixth), H100";
+    std::vector<cost::kernel_sample> fs, bs;
+    for (const auto& [s, fwd, bwd] : {std::tuple{index_t{4096}, 0.0522, 0.2279}, std::tuple{index_t{8192}, 0.1022, 0.4115},
+                                      std::tuple{index_t{16384}, 0.2423, 0.8559}, std::tuple{index_t{32768}, 0.7035, 1.8553},
+                                      std::tuple{index_t{65536}, 2.2393, 6.0742}, std::tuple{index_t{131072}, 8.427, 24.014},
+                                      std::tuple{index_t{524288}, 128.6413, 385.8319}}) {
+      fs.push_back(one_step_sample(s, false, fwd));
+      bs.push_back(one_step_sample(s, true, bwd));
+    }
+    const cost::kernel_throughput h100{.head_dim = dim, .forward = cost::fit_kernel_speed(fs), .backward = cost::fit_kernel_speed(bs)};
+    std::printf("\nH100, today's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
+                h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
+    std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
+    for (const auto& [striped, work_ms, local_device_ms] : {std::tuple{true, 567.08, 589.07}, std::tuple{false, 566.28, 580.16}}) {
+      const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
+      const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
+      const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
+      row(what + ": all steps' kernels", "fwd+bwd", calls_alone_ms(c, 524288, h100, false, false) + calls_alone_ms(c, 524288, h100, false, true),
+          work_ms, h100_run);
+      if (striped) {
+        row(what + ": the calls alone as the ring runs them", "fwd", calls_alone_ms(c, 524288, h100, true, false), 158.61, h100_run);
+        row(what + ": the calls alone as the ring runs them", "bwd", calls_alone_ms(c, 524288, h100, true, true), 407.29, h100_run);
+        row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, 165.49, h100_run);
+        row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, 430.66, h100_run);
+      }
+      row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, local_device_ms, h100_run);
+    }
+    for (const auto& [s, m, fwd, bwd] : {std::tuple{index_t{131072}, index_t{4}, 18.284, 59.033}, std::tuple{index_t{131072}, index_t{8}, 32.612, 126.271},
+                                         std::tuple{index_t{524288}, index_t{4}, 157.650, 463.065}, std::tuple{index_t{524288}, index_t{8}, 196.108, 632.479}}) {
+      const solver::problem p = solver::problem_from_selection(vs95(s), 4, m, hkv);
+      const solver::plan x = solver::solve(p);
+      const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(s), p), shape_of(s), h100, nvlink_host(1, 4),
+                                                            cost::solver_task_vertical_padding(vs95(s), p));
+      double f = 0, b = 0;
+      for (std::size_t r = 0; r < 4; ++r) f += l.forward.rank_compute_seconds[r], b += l.backward.rank_compute_seconds[r];
+      const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
+      row(what, "fwd", f * 1e3, fwd, h100_run);
+      row(what, "bwd", b * 1e3, bwd, h100_run);
+    }
+  }
+
   // 3. The 2026-11-29 kernels: their speed fitted to the same bench's one-GPU rows (128K: 183 / 151
   // TF, 512K: 195 / 178 TF per GPU), then the runs on 2 and 4 GPUs predicted.
   const std::int64_t e128 = flat_counts<sharding::striped<64>>(131072, 1).entries.total();
