@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -85,20 +86,22 @@ double ms_from_tf(std::int64_t entries, bool backward, index_t gpus, double tf_p
   return cost::entry_flops(dim, backward) * double(entries) / (double(gpus) * tf_per_gpu * 1e12) * 1e3;
 }
 
-/// One phase's (rank, step) calls of a ring of `c`'s shape timed alone, one after another, summed:
-/// as the ring runs them (`as_ring`: the forward's first step writes the fp32 running state,
-/// its middle steps merge into it, its last writes T), or each as a first step (ring_bench's part 1
-/// times every forward overwriting).
-double calls_alone_ms(const counts& c, index_t seq_len, const cost::kernel_throughput& k, bool as_ring, bool backward) {
+/// Both phases' (rank, step) calls of a ring of `c`'s shape, each timed alone as ring_bench's part 1
+/// times them (every forward overwriting: no running-state traffic), summed, in ms. As the ring
+/// runs them, the sums are predict_shared_gpu's per-rank compute (calls_in_turn_ms).
+double overwriting_calls_ms(const counts& c, const cost::kernel_throughput& k) {
   const index_t w = c.entries.world_size, steps = c.entries.num_steps;
   const cost::detail::ring_counts calls(c.entries, c.rows, c.padding, w, steps);
   double seconds = 0;
   for (index_t r = 0; r < w; ++r)
-    for (index_t s = 0; s < steps; ++s) {
-      seconds += calls.seconds(backward ? k.backward : k.forward, cost::entry_flops(dim, backward), r, s);
-      if (!backward) seconds += cost::running_state_bytes(shape_of(seq_len), seq_len / w, as_ring ? s : 0, steps) / (k.memory_gbytes_per_s * 1e9);
-    }
+    for (index_t s = 0; s < steps; ++s)
+      for (const bool backward : {false, true}) seconds += calls.seconds(backward ? k.backward : k.forward, cost::entry_flops(dim, backward), r, s);
   return seconds * 1e3;
+}
+
+/// A phase's calls, each alone as the ring runs them (the forward's running state included), summed, in ms.
+double calls_in_turn_ms(const cost::phase_prediction& phase) {
+  return std::accumulate(phase.rank_compute_seconds.begin(), phase.rank_compute_seconds.end(), 0.0) * 1e3;
 }
 
 /// A recorded plan as a solver::plan over problem `p`: tasks take their areas from p, loads their sums.
@@ -167,8 +170,7 @@ int main() {
     }
     const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K";
     row(what + ": slowest rank per step, summed", "fwd+bwd", ring * 1e3, m.ring_ms, today_run);
-    row(what + ": all steps' kernels", "fwd+bwd", calls_alone_ms(c, m.seq_len, today, false, false) + calls_alone_ms(c, m.seq_len, today, false, true),
-        m.work_ms, today_run);
+    row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, today), m.work_ms, today_run);
   }
 
   // 2. Today's kernels (89a7cd3, as f0cca9d's): the built-in speed, fitted to whole-sequence runs of
@@ -183,8 +185,8 @@ int main() {
   const char* sixth = "RESULTS 2026-12-05 (sixth), abab19c";
   for (const auto& [striped, measured] : {std::pair{true, 63.0}, std::pair{false, 58.9}}) {
     const counts c = striped ? flat_counts<sharding::striped<64>>(131072, 8) : flat_counts<sharding::zigzag>(131072, 8);
-    row(std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 128K, today's kernels: all steps' kernels", "fwd+bwd",
-        calls_alone_ms(c, 131072, builtin, false, false) + calls_alone_ms(c, 131072, builtin, false, true), measured, second);
+    row(std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 128K, today's kernels: all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, builtin),
+        measured, second);
   }
   struct shared_row {
     index_t seq_len;
@@ -196,11 +198,10 @@ int main() {
     const counts c = m.striped ? flat_counts<sharding::striped<64>>(m.seq_len, 8) : flat_counts<sharding::zigzag>(m.seq_len, 8);
     const std::string what = std::string(m.striped ? "striped" : "zigzag") + ", 8 ranks, " + std::to_string(m.seq_len / 1024) + "K, today's kernels";
     const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(m.seq_len), builtin, c.padding);
-    row(what + ": all steps' kernels", "fwd+bwd",
-        calls_alone_ms(c, m.seq_len, builtin, false, false) + calls_alone_ms(c, m.seq_len, builtin, false, true), m.work_ms, sixth);
+    row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, builtin), m.work_ms, sixth);
     if (m.alone_fwd > 0) {
-      row(what + ": the calls alone as the ring runs them", "fwd", calls_alone_ms(c, m.seq_len, builtin, true, false), m.alone_fwd, sixth);
-      row(what + ": the calls alone as the ring runs them", "bwd", calls_alone_ms(c, m.seq_len, builtin, true, true), m.alone_bwd, sixth);
+      row(what + ": the calls alone as the ring runs them", "fwd", calls_in_turn_ms(shared.forward), m.alone_fwd, sixth);
+      row(what + ": the calls alone as the ring runs them", "bwd", calls_in_turn_ms(shared.backward), m.alone_bwd, sixth);
       row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, m.together_fwd, sixth);
       row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, m.together_bwd, sixth);
     }
@@ -231,11 +232,10 @@ int main() {
       const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
       const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
       const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
-      row(what + ": all steps' kernels", "fwd+bwd", calls_alone_ms(c, 524288, h100, false, false) + calls_alone_ms(c, 524288, h100, false, true),
-          work_ms, h100_run);
+      row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, h100), work_ms, h100_run);
       if (striped) {
-        row(what + ": the calls alone as the ring runs them", "fwd", calls_alone_ms(c, 524288, h100, true, false), 158.61, h100_run);
-        row(what + ": the calls alone as the ring runs them", "bwd", calls_alone_ms(c, 524288, h100, true, true), 407.29, h100_run);
+        row(what + ": the calls alone as the ring runs them", "fwd", calls_in_turn_ms(shared.forward), 158.61, h100_run);
+        row(what + ": the calls alone as the ring runs them", "bwd", calls_in_turn_ms(shared.backward), 407.29, h100_run);
         row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, 165.49, h100_run);
         row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, 430.66, h100_run);
       }
@@ -247,11 +247,9 @@ int main() {
       const solver::plan x = solver::solve(p);
       const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(s), p), shape_of(s), h100, nvlink_host(1, 4),
                                                             cost::solver_task_vertical_padding(vs95(s), p));
-      double f = 0, b = 0;
-      for (std::size_t r = 0; r < 4; ++r) f += l.forward.rank_compute_seconds[r], b += l.backward.rank_compute_seconds[r];
       const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
-      row(what, "fwd", f * 1e3, fwd, h100_run);
-      row(what, "bwd", b * 1e3, bwd, h100_run);
+      row(what, "fwd", calls_in_turn_ms(l.forward), fwd, h100_run);
+      row(what, "bwd", calls_in_turn_ms(l.backward), bwd, h100_run);
     }
   }
 

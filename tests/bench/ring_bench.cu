@@ -394,10 +394,8 @@ int main(int argc, char** argv) try {
         else throw invalid_argument(flag, value, "must be a comma-separated list of automatic, mma_sync and wgmma (\"" + name + "\" is none of them)");
       }
       if (forward_kernels.empty()) throw invalid_argument(flag, value, "must name at least one of automatic, mma_sync and wgmma");
-    } else if (flag == "--solver-tasks") {
-      for (const std::string& m : bench::split_list(value)) solver_tasks.push_back(cli::parse_integer<index_t>(flag, m, 1));
-      if (solver_tasks.empty()) throw invalid_argument(flag, value, "must name at least one count of chunks per rank");
-    } else if (flag == "--trace-json") {
+    } else if (flag == "--solver-tasks") solver_tasks = bench::parse_sizes(flag, value);
+    else if (flag == "--trace-json") {
       if (value.empty()) throw invalid_argument(flag, value, "must name a file");
       trace_json = value;
       trace = true;

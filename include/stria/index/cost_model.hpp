@@ -120,6 +120,9 @@ struct kernel_throughput {
   /// running state (running_state_bytes): the H200's copy ceiling, 4.2 TB/s (ANCHORS.md).
   double memory_gbytes_per_s = 4200;
 
+  /// Seconds to stream `bytes` through device memory at that speed.
+  [[nodiscard]] double memory_seconds(double bytes) const { return bytes / (memory_gbytes_per_s * 1e9); }
+
   void validate() const {
     if (head_dim != 64 && head_dim != 128) throw invalid_argument("kernel_throughput.head_dim", head_dim, "must be 64 or 128");
     if (!(memory_gbytes_per_s >= 1e-6) || !std::isfinite(memory_gbytes_per_s))
@@ -679,10 +682,10 @@ layer_prediction predict_ring(const ring_workload& entries, const ring_workload&
       for (int item = 0; item < transfer_list::capacity; ++item)
         detail::post_transfers(queue_free, kv_due, c, [&](index_t r) { return topology.transfers(r, s); }, item, step_end, kv);
       detail::record_due(kv_due, s, step_end, out);
+      const double state = backward ? 0.0 : kernel.memory_seconds(running_state_bytes(shape, local_tokens, s, steps));
       for (index_t r = 0; r < w; ++r) {
         const auto i = static_cast<std::size_t>(r);
         const double start = std::max(step_end[i], kv_due.at[kv_due.slot(r, s)]);
-        const double state = backward ? 0.0 : running_state_bytes(shape, local_tokens, s, steps) / (kernel.memory_gbytes_per_s * 1e9);
         const double t = counts.seconds(speed, flops_per_entry, r, s) + state;
         out.wait_seconds = std::max(out.wait_seconds, start - step_end[i]);
         out.compute_seconds = std::max(out.compute_seconds, t);
@@ -763,7 +766,7 @@ inline layer_prediction predict_shared_gpu(const ring_workload& entries, const r
     phase.steps.resize(static_cast<std::size_t>(steps));
     phase.rank_compute_seconds.assign(static_cast<std::size_t>(w), 0.0);
     for (index_t s = 0; s < steps; ++s) {
-      const double state = backward ? 0.0 : running_state_bytes(shape, shape.seq_len / w, s, steps) / (kernel.memory_gbytes_per_s * 1e9);
+      const double state = backward ? 0.0 : kernel.memory_seconds(running_state_bytes(shape, shape.seq_len / w, s, steps));
       double together = speed.call_us * 1e-6, slowest = 0, in_turn = 0;
       for (index_t r = 0; r < w; ++r) {
         const double alone = counts.seconds(speed, flops_per_entry, r, s) + state;
@@ -856,7 +859,7 @@ inline layer_prediction predict_solver(const solver::problem& p, const solver::p
     // the rank, which starts empty (LSE -inf: nothing to read): every task but a chunk's first there
     // reads the old output. The partial outputs' merges at home and the last pass that writes T are
     // not counted.
-    const double merge = backward ? 0.0 : running_state_read_bytes(shape, p.chunk_tokens) / (kernel.memory_gbytes_per_s * 1e9);
+    const double merge = backward ? 0.0 : kernel.memory_seconds(running_state_read_bytes(shape, p.chunk_tokens));
     std::vector<char> seen;  // query chunks computed on the rank so far (its local tasks, then its remote ones)
     auto stage_seconds = [&](const std::vector<solver::task>& tasks) {
       double seconds = 0;
