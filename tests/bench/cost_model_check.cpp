@@ -215,7 +215,6 @@ int main() {
   // table, fwd+bwd), and the solver's tasks alone (ring_bench --solver-tasks, 4 ranks, all ranks
   // summed). The shared-GPU rules were chosen on the H200's 128K runs above.
   {
-    const char* h100_run = "RESULTS 2026-12-05 (sixth), H100";
     std::vector<cost::kernel_sample> fs, bs;
     for (const auto& [s, fwd, bwd] : {std::tuple{index_t{4096}, 0.0522, 0.2279}, std::tuple{index_t{8192}, 0.1022, 0.4115},
                                       std::tuple{index_t{16384}, 0.2423, 0.8559}, std::tuple{index_t{32768}, 0.7035, 1.8553},
@@ -228,28 +227,58 @@ int main() {
     std::printf("\nH100, today's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
                 h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
     std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
-    for (const auto& [striped, work_ms, local_device_ms] : {std::tuple{true, 567.08, 589.07}, std::tuple{false, 566.28, 580.16}}) {
-      const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
-      const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
-      const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
-      row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, h100), work_ms, h100_run);
-      if (striped) {
-        row(what + ": the calls alone as the ring runs them", "fwd", calls_in_turn_ms(shared.forward), 158.61, h100_run);
-        row(what + ": the calls alone as the ring runs them", "bwd", calls_in_turn_ms(shared.backward), 407.29, h100_run);
-        row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, 165.49, h100_run);
-        row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, 430.66, h100_run);
+    // The same runs on two H100 machines (the second call of RESULTS 2026-12-05, seventh, ran the same
+    // binaries on another one): the spread between machines beside the model's error.
+    struct h100_run {
+      const char* source;
+      double work_ms[2], local_device_ms[2];                   // ring_bench's table, fwd+bwd: striped, zigzag
+      double alone_fwd, alone_bwd, together_fwd, together_bwd;  // ring_bench --trace, striped
+      double solver_fwd[4], solver_bwd[4];                      // --solver-tasks: 128K m4, m8; 512K m4, m8
+    };
+    const h100_run runs[] = {{"RESULTS 2026-12-05 (sixth), H100",
+                              {567.08, 566.28},
+                              {589.07, 580.16},
+                              158.61,
+                              407.29,
+                              165.49,
+                              430.66,
+                              {18.284, 32.612, 157.650, 196.108},
+                              {59.033, 126.271, 463.065, 632.479}},
+                             {"RESULTS 2026-12-05 (seventh), H100",
+                              {550.37, 552.00},
+                              {575.90, 569.94},
+                              155.49,
+                              398.18,
+                              164.46,
+                              424.01,
+                              {18.161, 31.544, 154.210, 194.177},
+                              {58.924, 122.033, 447.171, 621.098}}};
+    for (const h100_run& run : runs) {
+      for (const bool striped : {true, false}) {
+        const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
+        const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
+        const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
+        row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, h100), run.work_ms[striped ? 0 : 1], run.source);
+        if (striped) {
+          row(what + ": the calls alone as the ring runs them", "fwd", calls_in_turn_ms(shared.forward), run.alone_fwd, run.source);
+          row(what + ": the calls alone as the ring runs them", "bwd", calls_in_turn_ms(shared.backward), run.alone_bwd, run.source);
+          row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, run.together_fwd, run.source);
+          row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, run.together_bwd, run.source);
+        }
+        row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, run.local_device_ms[striped ? 0 : 1], run.source);
       }
-      row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, local_device_ms, h100_run);
-    }
-    for (const auto& [s, m, fwd, bwd] : {std::tuple{index_t{131072}, index_t{4}, 18.284, 59.033}, std::tuple{index_t{131072}, index_t{8}, 32.612, 126.271},
-                                         std::tuple{index_t{524288}, index_t{4}, 157.650, 463.065}, std::tuple{index_t{524288}, index_t{8}, 196.108, 632.479}}) {
-      const solver::problem p = solver::problem_from_selection(vs95(s), 4, m, hkv);
-      const solver::plan x = solver::solve(p);
-      const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(s), p), shape_of(s), h100, nvlink_host(1, 4),
-                                                            cost::solver_task_vertical_padding(vs95(s), p));
-      const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
-      row(what, "fwd", calls_in_turn_ms(l.forward), fwd, h100_run);
-      row(what, "bwd", calls_in_turn_ms(l.backward), bwd, h100_run);
+      int i = 0;
+      for (const auto& [s, m] : {std::pair{index_t{131072}, index_t{4}}, std::pair{index_t{131072}, index_t{8}}, std::pair{index_t{524288}, index_t{4}},
+                                 std::pair{index_t{524288}, index_t{8}}}) {
+        const solver::problem p = solver::problem_from_selection(vs95(s), 4, m, hkv);
+        const solver::plan x = solver::solve(p);
+        const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(s), p), shape_of(s), h100, nvlink_host(1, 4),
+                                                              cost::solver_task_vertical_padding(vs95(s), p));
+        const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
+        row(what, "fwd", calls_in_turn_ms(l.forward), run.solver_fwd[i], run.source);
+        row(what, "bwd", calls_in_turn_ms(l.backward), run.solver_bwd[i], run.source);
+        ++i;
+      }
     }
   }
 
