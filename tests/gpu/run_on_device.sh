@@ -81,7 +81,11 @@ if [ "$mode" != quick ]; then
   # SANITIZER_PARTS=N takes the four sweeps that outlast a call under racecheck (random and ring-step
   # indices, both element types; the 300-block backward; the paired forward) out of the shards and
   # runs each as N processes per tool, process i with STRIA_TEST_PART=i/N (every N-th configuration).
-  # SANITIZER_ONLY_PARTS=1 runs those parts alone: no shards, no fault case.
+  # SANITIZER_ONLY_PARTS=1 runs those parts alone: no shards, no fault case. Under racecheck two of
+  # them instrument only the kernels they exist for (compute-sanitizer --kernel-name; their other
+  # kernels run unchecked, and are racechecked in the small-problem and random-index cases): the
+  # paired forward's case the Hopper forwards, the 300-block case the dK/dV passes (its parts also
+  # split by backward family and mode: 8 per problem, 32 in all).
   # (A template case's name ends in its type: "...indices<__nv_bfloat16>".)
   sweeps=("*random?step?indices*" "*more?than?256?query?blocks*" "*ring-step?indices*" "the?paired?Hopper?forward*")
   shard_excluded="*local_device fault*"
@@ -92,7 +96,14 @@ if [ "$mode" != quick ]; then
       fault | part) cases=(-tc="$3") ;;
       *) cases=(-tce="$shard_excluded" -f="$2" -l="$3") ;;
     esac
-    env ${4:+STRIA_TEST_PART=$4} timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
+    local only=()
+    if [ "$1" = racecheck ] && [ "$2" = part ]; then
+      case $3 in
+        *paired?Hopper?forward*) only=(--kernel-name kns=sparse_forward_wgmma) ;;
+        *more?than?256?query?blocks*) only=(--kernel-name kns=sparse_backward_dkdv_wgmma --kernel-name kns=sparse_backward_vertical) ;;
+      esac
+    fi
+    env ${4:+STRIA_TEST_PART=$4} timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "${only[@]}" "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
     local rc=$?
     echo "$1 cases $2 $3${4:+ part $4}: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
     [ $rc = 0 ] && rm -f "$log"  # the others come back packed in one file (at most 8 files do)
