@@ -298,7 +298,7 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
     const global_selection g = vs95(s);
     for (const auto& [name, which] : kernels) {
       progress.phase("S = " + std::to_string(s) + ", " + name + ": alone, untraced, traced");
-      const tr::alone_times alone = tr::time_alone(g, sharding::striped<64>{}, world, hq, hkv, dim, repeats, which);
+      const tr::alone_times alone = tr::time_alone(g, sharding::striped<64>{}, world, hq, hkv, dim, repeats, which, sampler.available() ? &sampler : nullptr);
       const ring_times untraced = time_ring(g, sharding::striped<64>{}, world, repeats, finite_check::off, true, which);
       double alone_forward = 0, alone_backward = 0;
       for (std::size_t r = 0; r < alone.forward.size(); ++r)
@@ -307,6 +307,13 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
                   "forward %.2f ms, backward %.2f ms\n",
                   s, name.c_str(), alone.forward.size() * (alone.forward.empty() ? 0 : alone.forward.front().size()), alone_forward, alone_backward,
                   untraced.forward_ms, untraced.backward_ms);
+      for (const auto& [phase, mhz] : {std::pair{"forward", alone.forward_mhz}, std::pair{"backward", alone.backward_mhz}}) {
+        if (mhz.empty()) continue;
+        std::vector<unsigned> sorted = mhz;
+        std::sort(sorted.begin(), sorted.end());
+        std::printf("  SM clock while the %s calls ran alone, over %zu samples: min %u, median %u, max %u MHz\n", phase, sorted.size(), sorted.front(),
+                    sorted[sorted.size() / 2], sorted.back());
+      }
       std::fflush(stdout);
       for (const bool spinning : spin ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
         trace_run run = trace_ring(g, world, which, spinning, sampler.available() ? &sampler : nullptr);

@@ -616,11 +616,12 @@ struct phase_driver {
 /// dK/dV sums, writes dQ at the last step): median ms after warm-up, [rank][step].
 struct alone_times {
   std::vector<std::vector<double>> forward, backward;
+  std::vector<unsigned> forward_mhz, backward_mhz;  // the SM clock while the calls ran (samples without the idle reason)
 };
 
 template <class Sharding>
 alone_times time_alone(const global_selection& g, const Sharding& sharding, index_t world, index_t hq, index_t hkv, index_t dim, int repeats,
-                       device::forward_kernel which) {
+                       device::forward_kernel which, clock_sampler* sampler = nullptr) {
   using T = __nv_bfloat16;
   const index_t local = g.seq_len / world;
   const topology::flat_ring ring(world);
@@ -638,13 +639,24 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
       dov(d_out.data(), {local, hq, dim});
   const auto kv_elems = static_cast<std::size_t>(kv.size());
   alone_times t;
+  // The SM clock while `run` times a call: the traced ring's phases print theirs, and the ring ran a
+  // few percent slower than its calls alone (RESULTS 2026-12-05, sixth and seventh).
+  const auto clocked = [&](std::vector<unsigned>& mhz, auto&& run) {
+    if (sampler != nullptr) sampler->start(clock::now(), std::chrono::microseconds(200));
+    const double ms = run();
+    if (sampler != nullptr)
+      for (const clock_sampler::sample& x : sampler->stop())
+        if ((x.reasons & 1ull) == 0 && x.sm_mhz > 0) mhz.push_back(x.sm_mhz);
+    return ms;
+  };
   for (index_t r = 0; r < world; ++r) {
     const std::vector<device_step_index> indices = build_ring_indices_device(selection, sharding, ring, r, st);
     std::vector<double> fwd, bwd;
     for (index_t s = 0; s < ring.num_steps(); ++s) {
       const device_step_index& index = indices[static_cast<std::size_t>(s)];
       const bool last = s + 1 == ring.num_steps();
-      fwd.push_back(median_ms(
+      fwd.push_back(clocked(t.forward_mhz, [&] {
+        return median_ms(
           repeats,
           [&] {
             device::sparse_forward<T>(index,
@@ -657,8 +669,10 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
                                       scale, st,
                                       {.state = s == 0 ? device::running_state::overwrite : device::running_state::merge, .which = which});
           },
-          st));
-      bwd.push_back(median_ms(
+          st);
+      }));
+      bwd.push_back(clocked(t.backward_mhz, [&] {
+        return median_ms(
           repeats,
           [&] {
             device_buffer<float> working(2 * kv_elems, st);
@@ -676,7 +690,8 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
                                         .dq_out = last ? dq.data() : nullptr},
                                        scale, st);
           },
-          st));
+          st);
+      }));
     }
     t.forward.push_back(std::move(fwd));
     t.backward.push_back(std::move(bwd));
