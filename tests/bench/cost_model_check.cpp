@@ -208,8 +208,8 @@ int main() {
     row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, m.local_device_ms, sixth);
   }
 
-  // 2b. Today's kernels on an H100 (the device tool lent one for the call of RESULTS 2026-12-05,
-  // sixth): their speed fitted here as plan --throughput fits attention_bench's rows (4K-512K, one
+  // 2b. Today's kernels on an H100 (the device tool lent one for the calls of RESULTS 2026-12-05,
+  // sixth and seventh): their speed fitted here as plan --throughput fits attention_bench's rows (4K-512K, one
   // rank, results/attention_lengths_h100.json), then runs the fit did not see: 8 ranks sharing the
   // GPU at 512K (ring_bench --trace: calls alone and the ring, per phase, striped; ring_bench's
   // table, fwd+bwd), and the solver's tasks alone (ring_bench --solver-tasks, 4 ranks, all ranks
@@ -227,8 +227,9 @@ int main() {
     std::printf("\nH100, today's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
                 h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
     std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
-    // The same runs on two H100 machines (the second call of RESULTS 2026-12-05, seventh, ran the same
-    // binaries on another one): the spread between machines beside the model's error.
+    // The same runs in two H100 calls (the sixth entry's, and the seventh's on a fresh machine, which
+    // GPU not recorded; the same kernels and timing code), both predicted with the speed fitted on
+    // the first call's attention_bench rows: the spread between calls beside the model's error.
     struct h100_run {
       const char* source;
       double work_ms[2], local_device_ms[2];                   // ring_bench's table, fwd+bwd: striped, zigzag

@@ -616,7 +616,10 @@ struct phase_driver {
 /// dK/dV sums, writes dQ at the last step): median ms after warm-up, [rank][step].
 struct alone_times {
   std::vector<std::vector<double>> forward, backward;
-  std::vector<unsigned> forward_mhz, backward_mhz;  // the SM clock while the calls ran (samples without the idle reason)
+  // The SM clock over a second, untimed pass of the same calls (warm-ups included), samples with
+  // NVML's GPU-idle reason left out (counted in idle_samples): the timed pass runs unsampled.
+  std::vector<unsigned> forward_mhz, backward_mhz;
+  std::size_t idle_samples = 0;
 };
 
 template <class Sharding>
@@ -639,14 +642,19 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
       dov(d_out.data(), {local, hq, dim});
   const auto kv_elems = static_cast<std::size_t>(kv.size());
   alone_times t;
-  // The SM clock while `run` times a call: the traced ring's phases print theirs, and the ring ran a
-  // few percent slower than its calls alone (RESULTS 2026-12-05, sixth and seventh).
+  // With a sampler, each call's timing runs twice: timed and unsampled, then sampled at the traced
+  // ring's period, so that the sampler cannot move the times. The ring ran a few percent slower than
+  // its calls alone (RESULTS 2026-12-05, sixth and seventh); the clocks say whether the clock is why.
   const auto clocked = [&](std::vector<unsigned>& mhz, auto&& run) {
-    if (sampler != nullptr) sampler->start(clock::now(), std::chrono::microseconds(200));
     const double ms = run();
-    if (sampler != nullptr)
-      for (const clock_sampler::sample& x : sampler->stop())
-        if ((x.reasons & 1ull) == 0 && x.sm_mhz > 0) mhz.push_back(x.sm_mhz);
+    if (sampler != nullptr) {
+      sampler->start(clock::now(), std::chrono::microseconds(500));
+      (void)run();
+      for (const clock_sampler::sample& x : sampler->stop()) {
+        if ((x.reasons & 1ull) != 0) ++t.idle_samples;
+        else if (x.sm_mhz > 0) mhz.push_back(x.sm_mhz);
+      }
+    }
     return ms;
   };
   for (index_t r = 0; r < world; ++r) {

@@ -84,8 +84,11 @@ if [ "$mode" != quick ]; then
   # SANITIZER_ONLY_PARTS=1 runs those parts alone: no shards, no fault case. Under racecheck two of
   # them instrument only the kernels they exist for (compute-sanitizer --kernel-name; their other
   # kernels run unchecked, and are racechecked in the small-problem and random-index cases): the
-  # paired forward's case the Hopper forwards, the 300-block case the dK/dV passes (its parts also
-  # split by backward family and mode: 8 per problem, 32 in all).
+  # paired forward's case the Hopper forwards; the 300-block case the kernels that split the vertical
+  # tokens' walks into ranges of 256 query blocks (the Hopper dK/dV launch, the mma.sync vertical
+  # pass). The 300-block case's configurations are (problem, backward family, mode), 32 on Hopper:
+  # SANITIZER_PARTS_300 (default SANITIZER_PARTS) sets its part count alone. The probe below checks
+  # that two --kernel-name options add up (either order).
   # (A template case's name ends in its type: "...indices<__nv_bfloat16>".)
   sweeps=("*random?step?indices*" "*more?than?256?query?blocks*" "*ring-step?indices*" "the?paired?Hopper?forward*")
   shard_excluded="*local_device fault*"
@@ -105,7 +108,7 @@ if [ "$mode" != quick ]; then
     fi
     env ${4:+STRIA_TEST_PART=$4} timeout "${SANITIZER_TIMEOUT:-400}" compute-sanitizer --tool "$1" --error-exitcode 9 "${only[@]}" "$bin/stria_gpu_tests" "${cases[@]}" > "$log" 2>&1
     local rc=$?
-    echo "$1 cases $2 $3${4:+ part $4}: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
+    echo "$1 cases $2 $3${4:+ part $4}${only[*]:+ (only ${only[*]})}: rc=$rc in $(( $(date +%s) - start )) s, $(grep -o 'ERROR SUMMARY: [0-9]* error\|RACECHECK SUMMARY: [0-9]* hazard[s]*' "$log" | head -1)"
     [ $rc = 0 ] && rm -f "$log"  # the others come back packed in one file (at most 8 files do)
   }
   if [ "${SANITIZER_ONLY_PARTS:-0}" = 1 ] && [ "${SANITIZER_PARTS:-0}" -lt 1 ]; then
@@ -125,8 +128,10 @@ if [ "$mode" != quick ]; then
     [ "${SANITIZER_ONLY_PARTS:-0}" = 1 ] || for tool in ${SANITIZE_FAULTS-memcheck}; do echo "$tool fault *local_device?fault:?a?rank?that?throws*"; done
     for tool in ${SANITIZERS-memcheck synccheck initcheck racecheck}; do
       for ((i = 0; i < ${SANITIZER_PARTS:-0}; ++i)); do
-        for sweep in "${sweeps[@]}"; do echo "$tool part $sweep $i/$SANITIZER_PARTS"; done
+        for sweep in "${sweeps[@]}"; do [ "$sweep" = "*more?than?256?query?blocks*" ] || echo "$tool part $sweep $i/$SANITIZER_PARTS"; done
       done
+      parts_300=${SANITIZER_PARTS_300:-${SANITIZER_PARTS:-0}}
+      for ((i = 0; i < parts_300; ++i)); do echo "$tool part *more?than?256?query?blocks* $i/$parts_300"; done
     done
   } | xargs -r -P "${SANITIZER_PROCS:-12}" -L 1 bash -c 'sanitize_shard "$0" "$1" "$2" "$3"' | sort -k1,1 -k3,3n > "$OUT/sanitizers.log"
   # What racecheck reports on the stage rings' hand-over (tests/gpu/racecheck_probe.cu): every lane
@@ -135,6 +140,13 @@ if [ "$mode" != quick ]; then
     for how in copies copies-lane0 stores stores-lane0 syncthreads; do
       echo "racecheck probe $how: $(compute-sanitizer --tool racecheck "$bin/stria_racecheck_probe" "$how" 2>&1 |
         grep -o 'consumer summed .*\|RACECHECK SUMMARY: [0-9]* hazard[s]*' | paste -sd ' ')"
+    done >> "$OUT/sanitizers.log"
+    # The kernel filters' control: the probe's racy kernel named second, then first, beside a name
+    # that matches nothing; both must report the hazard that `copies` has unfiltered.
+    for order in "kns=no_such_kernel kns=sum_handed_over" "kns=sum_handed_over kns=no_such_kernel"; do
+      read -r first second <<< "$order"
+      echo "racecheck probe copies, --kernel-name $first --kernel-name $second: $(compute-sanitizer --tool racecheck --kernel-name "$first" --kernel-name "$second" \
+        "$bin/stria_racecheck_probe" copies 2>&1 | grep -o 'RACECHECK SUMMARY: [0-9]* hazard[s]*')"
     done >> "$OUT/sanitizers.log"
   fi
   if compgen -G "$OUT/sanitize_*.log" > /dev/null; then

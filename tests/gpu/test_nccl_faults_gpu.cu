@@ -107,7 +107,7 @@ void check_timed_out(const raised_nccl_error& e, const std::string& what, double
   CHECK(elapsed >= 0.3);
   CHECK(elapsed < 2.0);
   MESSAGE("wait raised after ", elapsed, " s; ncclCommAbort ",
-          opener.opened() ? "returned only once the gate was opened (it waited for the held stream)" : "returned with the stream still held");
+          std::string(opener.opened() ? "returned only once the gate was opened (it waited for the held stream)" : "returned with the stream still held"));
 }
 
 /// The refusal of an aborted communicator: rank 0, the abort, and the first reason quoted.

@@ -55,8 +55,7 @@ constexpr ncclDataType_t nccl_type() {
   else if constexpr (std::is_same_v<T, std::int32_t>) return ncclInt32;
   else if constexpr (std::is_same_v<T, std::int64_t>) return ncclInt64;
   else if constexpr (std::is_same_v<T, std::uint64_t>) return ncclUint64;
-  else if constexpr (std::is_same_v<T, std::uint8_t> || std::is_same_v<T, char> || std::is_same_v<T, unsigned char>) return ncclUint8;
-  else return ncclUint8;  // any other trivially copyable type moves as bytes (send/recv only)
+  else return ncclUint8;  // bytes, and any other trivially copyable type as bytes (send/recv only)
 }
 
 template <class T>

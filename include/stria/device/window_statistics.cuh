@@ -110,8 +110,8 @@ class window_backend {
     STRIA_CUDA_CHECK_LAUNCH("window_partials");
     row_max_ = device_buffer<float>(row_count(), stream_);
     row_sum_ = device_buffer<float>(row_count(), stream_);
-    kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), heads_, chunks,
-                                                                                          rows_, row_max_.data(), row_sum_.data());
+    kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), chunks, rows_,
+                                                                                          row_max_.data(), row_sum_.data());
     STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
     lap(&estimator::statistics_timing::pass1_ms);
   }

@@ -35,7 +35,8 @@ struct index_build_params {
   const index_t* tile_query;    // explicit tiles' query blocks
   const index_t* tile_key;      // and key blocks
   // The vertical tokens this KV rank owns, per head, as local tokens in ascending order (built by
-  // filter_vertical_tokens), and where each local block's tokens start in that list.
+  // owned_vertical_flags, a scan and scatter_owned_vertical), and where each local block's tokens
+  // start in that list.
   const index_t* owned_token;      // [<= total vertical entries]
   const index_t* owned_block_ptr;  // [heads, local_blocks + 1], absolute positions in owned_token
   // Each head's slash deltas as a bitmap (bit delta + num_blocks of the head's slash_words words,

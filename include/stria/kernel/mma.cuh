@@ -30,11 +30,6 @@ __device__ inline void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned
 #endif
 }
 
-template <class T>
-__device__ inline void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  mma_16816<T>(d, a, b[0], b[1]);
-}
-
 __device__ inline unsigned shared_address(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 
 /// Four 8x8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.

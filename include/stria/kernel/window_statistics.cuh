@@ -168,8 +168,8 @@ __global__ void __launch_bounds__(window_threads) window_partials(window_params<
 /// per (head, row), each thread folding a strided share of the row's `parts` partials.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256)
-    combine_row_partials(const float* __restrict__ partial_max, const float* __restrict__ partial_sum, index_t heads_q, index_t parts,
-                         index_t rows, float* __restrict__ row_max, float* __restrict__ row_sum) {
+    combine_row_partials(const float* __restrict__ partial_max, const float* __restrict__ partial_sum, index_t parts, index_t rows,
+                         float* __restrict__ row_max, float* __restrict__ row_sum) {
   const index_t h = blockIdx.x / rows, r = blockIdx.x % rows;
   float m = -INFINITY, sum = 0.0f;
   for (index_t b = threadIdx.x; b < parts; b += blockDim.x) {
