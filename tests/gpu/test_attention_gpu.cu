@@ -46,10 +46,10 @@ struct problem {
   std::string name;
 };
 
-/// Forward then backward of one step against the host reference; returns nothing, checks inside.
-/// `backward_part` (a sweep part, or null for all): each backward kernel family in each mode is one
-/// configuration of it, so that a case too slow for racecheck in one process splits finer; returns
-/// how many of those ran.
+/// Forward then backward of one step against the host reference, checked inside. `backward_part`
+/// (a sweep part, or null for all): each backward kernel family in each mode is one configuration
+/// of it, so that a case too slow for racecheck in one process splits finer. Returns how many
+/// (family, mode) backward runs it made.
 template <class T>
 int check_step(test::seeded_rng& rng, const step_index& index, const problem& shape, test::sweep_part* backward_part = nullptr) {
   const index_t sq = index.shape.num_query_blocks * block_tokens, sk = index.shape.num_kv_blocks * block_tokens;
