@@ -254,32 +254,36 @@ int main() {
                               424.01,
                               {18.161, 31.544, 154.210, 194.177},
                               {58.924, 122.033, 447.171, 621.098}}};
-    for (const h100_run& run : runs) {
-      for (const bool striped : {true, false}) {
-        const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
-        const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
-        const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
-        row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, h100), run.work_ms[striped ? 0 : 1], run.source);
+    for (const bool striped : {true, false}) {
+      const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
+      const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
+      const cost::layer_prediction shared = cost::predict_shared_gpu(c.entries, c.rows, shape_of(524288), h100, c.padding);
+      const int column = striped ? 0 : 1;
+      for (const h100_run& run : runs) {
+        row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, h100), run.work_ms[column], run.source);
         if (striped) {
           row(what + ": the calls alone as the ring runs them", "fwd", calls_in_turn_ms(shared.forward), run.alone_fwd, run.source);
           row(what + ": the calls alone as the ring runs them", "bwd", calls_in_turn_ms(shared.backward), run.alone_bwd, run.source);
           row(what + ": the ring on one GPU (local_device)", "fwd", shared.forward.seconds * 1e3, run.together_fwd, run.source);
           row(what + ": the ring on one GPU (local_device)", "bwd", shared.backward.seconds * 1e3, run.together_bwd, run.source);
         }
-        row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, run.local_device_ms[striped ? 0 : 1], run.source);
+        row(what + ": the ring on one GPU (local_device)", "fwd+bwd", shared.seconds() * 1e3, run.local_device_ms[column], run.source);
       }
-      int i = 0;
-      for (const auto& [s, m] : {std::pair{index_t{131072}, index_t{4}}, std::pair{index_t{131072}, index_t{8}}, std::pair{index_t{524288}, index_t{4}},
-                                 std::pair{index_t{524288}, index_t{8}}}) {
-        const solver::problem p = solver::problem_from_selection(vs95(s), 4, m, hkv);
-        const solver::plan x = solver::solve(p);
-        const cost::layer_prediction l = cost::predict_solver(p, x, cost::solver_task_rows(vs95(s), p), shape_of(s), h100, nvlink_host(1, 4),
-                                                              cost::solver_task_vertical_padding(vs95(s), p));
-        const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
+    }
+    int i = 0;
+    for (const auto& [s, m] : {std::pair{index_t{131072}, index_t{4}}, std::pair{index_t{131072}, index_t{8}}, std::pair{index_t{524288}, index_t{4}},
+                               std::pair{index_t{524288}, index_t{8}}}) {
+      const global_selection& g = vs95(s);
+      const solver::problem p = solver::problem_from_selection(g, 4, m, hkv);
+      const solver::plan x = solver::solve(p);
+      const cost::layer_prediction l =
+          cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(s), h100, nvlink_host(1, 4), cost::solver_task_vertical_padding(g, p));
+      const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
+      for (const h100_run& run : runs) {
         row(what, "fwd", calls_in_turn_ms(l.forward), run.solver_fwd[i], run.source);
         row(what, "bwd", calls_in_turn_ms(l.backward), run.solver_bwd[i], run.source);
-        ++i;
       }
+      ++i;
     }
   }
 

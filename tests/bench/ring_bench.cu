@@ -236,7 +236,7 @@ struct trace_run {
   std::string kernel, waits;  // the forward kernel; "library" (comm.wait's backoff) or "spin"
   ring_times untraced;
   bench::trace::phase_trace forward, backward;
-  unsigned alone_forward_mhz = 0, alone_backward_mhz = 0;  // median SM clock of the calls alone (0: not sampled)
+  bench::trace::clock_summary alone_forward_clocks, alone_backward_clocks;  // over a second pass of the calls alone
 };
 
 trace_run trace_ring(const global_selection& g, index_t world, device::forward_kernel which, bool spin, bench::trace::clock_sampler* sampler) {
@@ -308,25 +308,17 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
                   "forward %.2f ms, backward %.2f ms\n",
                   s, name.c_str(), alone.forward.size() * (alone.forward.empty() ? 0 : alone.forward.front().size()), alone_forward, alone_backward,
                   untraced.forward_ms, untraced.backward_ms);
-      unsigned alone_median_mhz[2] = {0, 0};
-      for (int i = 0; i < 2; ++i) {
-        const char* phase = i == 0 ? "forward" : "backward";
-        std::vector<unsigned> sorted = i == 0 ? alone.forward_mhz : alone.backward_mhz;
-        if (sorted.empty()) continue;
-        std::sort(sorted.begin(), sorted.end());
-        alone_median_mhz[i] = sorted[sorted.size() / 2];
-        std::printf("  SM clock over a second pass of the %s calls alone, %zu samples: min %u, median %u, max %u MHz\n", phase, sorted.size(),
-                    sorted.front(), sorted[sorted.size() / 2], sorted.back());
-      }
-      if (!alone.forward_mhz.empty() || alone.idle_samples > 0)
-        std::printf("  (%zu samples of those passes had NVML's GPU-idle reason and are left out)\n", alone.idle_samples);
+      const tr::clock_summary alone_forward_clocks = tr::summarize_clocks(alone.forward_clocks),
+                              alone_backward_clocks = tr::summarize_clocks(alone.backward_clocks);
+      tr::print_clocks(" (a second pass of the forward calls alone)", alone_forward_clocks);
+      tr::print_clocks(" (a second pass of the backward calls alone)", alone_backward_clocks);
       std::fflush(stdout);
       for (const bool spinning : spin ? std::vector<bool>{false, true} : std::vector<bool>{false}) {
         trace_run run = trace_ring(g, world, which, spinning, sampler.available() ? &sampler : nullptr);
         run.kernel = name;
         run.untraced = untraced;
-        run.alone_forward_mhz = alone_median_mhz[0];
-        run.alone_backward_mhz = alone_median_mhz[1];
+        run.alone_forward_clocks = alone_forward_clocks;
+        run.alone_backward_clocks = alone_backward_clocks;
         for (std::size_t r = 0; r < run.forward.ranks.size(); ++r)
           for (std::size_t i = 0; i < run.forward.ranks[r].steps.size(); ++i) {
             run.forward.ranks[r].steps[i].alone_ms = alone.forward[r][i];
@@ -360,7 +352,7 @@ int run_traces(const std::vector<index_t>& seq_lens, index_t world, int repeats,
     if (json) {
       j.open('{').field("seq_len", run.seq_len).field("forward_kernel", run.kernel).field("waits", run.waits);
       j.field("untraced_forward_ms", run.untraced.forward_ms).field("untraced_backward_ms", run.untraced.backward_ms);
-      j.field("alone_forward_median_mhz", run.alone_forward_mhz).field("alone_backward_median_mhz", run.alone_backward_mhz);
+      j.field("alone_forward_median_mhz", run.alone_forward_clocks.median).field("alone_backward_median_mhz", run.alone_backward_clocks.median);
       j.key("phases").open('[');
       tr::write_phase(j, run.forward, f);
       tr::write_phase(j, run.backward, b);

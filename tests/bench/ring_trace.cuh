@@ -541,6 +541,37 @@ class clock_sampler {
   std::vector<sample> samples_;
 };
 
+/// What a run of clock samples says: count, min / median / max SM clock, and the share of samples
+/// with NVML's GPU-idle reason.
+struct clock_summary {
+  std::size_t samples = 0;
+  double min = none, median = none, max = none, idle_share = none;
+};
+
+inline clock_summary summarize_clocks(const std::vector<clock_sampler::sample>& clocks) {
+  clock_summary c;
+  if (clocks.empty()) return c;
+  std::vector<unsigned> mhz;
+  std::size_t idle = 0;
+  for (const clock_sampler::sample& x : clocks) {
+    mhz.push_back(x.sm_mhz);
+    if (x.reasons & 1ull) ++idle;
+  }
+  std::sort(mhz.begin(), mhz.end());
+  c.samples = mhz.size();
+  c.min = mhz.front();
+  c.median = mhz[mhz.size() / 2];
+  c.max = mhz.back();
+  c.idle_share = double(idle) / double(mhz.size());
+  return c;
+}
+
+inline void print_clocks(const char* what, const clock_summary& c) {
+  if (c.samples > 0)
+    std::printf("  SM clock%s over %zu samples: min %.0f, median %.0f, max %.0f MHz; 'GPU idle' clock reason in %.0f%% of them\n", what, c.samples,
+                c.min, c.median, c.max, 100.0 * c.idle_share);
+}
+
 /// One traced call of the W ranks: forward or backward.
 struct phase_trace {
   std::string name;
@@ -616,10 +647,9 @@ struct phase_driver {
 /// dK/dV sums, writes dQ at the last step): median ms after warm-up, [rank][step].
 struct alone_times {
   std::vector<std::vector<double>> forward, backward;
-  // The SM clock over a second, untimed pass of the same calls (warm-ups included), samples with
-  // NVML's GPU-idle reason left out (counted in idle_samples): the timed pass runs unsampled.
-  std::vector<unsigned> forward_mhz, backward_mhz;
-  std::size_t idle_samples = 0;
+  // The SM clock over a second, untimed pass of the same calls (warm-ups included): the timed pass
+  // runs unsampled.
+  std::vector<clock_sampler::sample> forward_clocks, backward_clocks;
 };
 
 template <class Sharding>
@@ -645,15 +675,13 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
   // With a sampler, each call's timing runs twice: timed and unsampled, then sampled at the traced
   // ring's period, so that the sampler cannot move the times. The ring ran a few percent slower than
   // its calls alone (RESULTS 2026-12-05, sixth and seventh); the clocks say whether the clock is why.
-  const auto clocked = [&](std::vector<unsigned>& mhz, auto&& run) {
+  const auto clocked = [&](std::vector<clock_sampler::sample>& clocks, auto&& run) {
     const double ms = run();
     if (sampler != nullptr) {
       sampler->start(clock::now(), std::chrono::microseconds(500));
       (void)run();
-      for (const clock_sampler::sample& x : sampler->stop()) {
-        if ((x.reasons & 1ull) != 0) ++t.idle_samples;
-        else if (x.sm_mhz > 0) mhz.push_back(x.sm_mhz);
-      }
+      const std::vector<clock_sampler::sample> pass = sampler->stop();
+      clocks.insert(clocks.end(), pass.begin(), pass.end());
     }
     return ms;
   };
@@ -663,7 +691,7 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
     for (index_t s = 0; s < ring.num_steps(); ++s) {
       const device_step_index& index = indices[static_cast<std::size_t>(s)];
       const bool last = s + 1 == ring.num_steps();
-      fwd.push_back(clocked(t.forward_mhz, [&] {
+      fwd.push_back(clocked(t.forward_clocks, [&] {
         return median_ms(
           repeats,
           [&] {
@@ -679,7 +707,7 @@ alone_times time_alone(const global_selection& g, const Sharding& sharding, inde
           },
           st);
       }));
-      bwd.push_back(clocked(t.backward_mhz, [&] {
+      bwd.push_back(clocked(t.backward_clocks, [&] {
         return median_ms(
           repeats,
           [&] {
@@ -764,8 +792,7 @@ struct phase_summary {
   // the call's host side (allocations, checks, launches). Summed over ranks.
   double host_bound_in_compute_ms = 0;
   double transfer_median_ms = none, transfer_max_ms = none;  // a transfer group's end - ready
-  double clock_min = none, clock_median = none, clock_max = none, idle_reason_share = none;
-  std::size_t clock_samples = 0;
+  clock_summary clocks;
   std::vector<stream_gap> stream_gaps;  // largest first
   std::vector<idle_gap> idle_gaps;      // largest first
 };
@@ -858,20 +885,7 @@ inline phase_summary summarize(const phase_trace& p) {
   }
   idle(at, device_end);
   std::sort(m.idle_gaps.begin(), m.idle_gaps.end(), [](const idle_gap& a, const idle_gap& b) { return a.end - a.begin > b.end - b.begin; });
-  if (!p.clocks.empty()) {
-    std::vector<unsigned> mhz;
-    std::size_t idle_reason = 0;
-    for (const auto& c : p.clocks) {
-      mhz.push_back(c.sm_mhz);
-      if (c.reasons & 1ull) ++idle_reason;
-    }
-    std::sort(mhz.begin(), mhz.end());
-    m.clock_samples = mhz.size();
-    m.clock_min = mhz.front();
-    m.clock_median = mhz[mhz.size() / 2];
-    m.clock_max = mhz.back();
-    m.idle_reason_share = double(idle_reason) / double(mhz.size());
-  }
+  m.clocks = summarize_clocks(p.clocks);
   return m;
 }
 
@@ -917,9 +931,7 @@ inline void print_summary(const std::string& label, const phase_trace& p, const 
               100.0 * m.compute_union_ms / m.wall_ms, m.transfer_union_ms, m.transfer_median_ms, m.transfer_max_ms, m.host_group_ms, m.host_wait_ms, m.waits, m.host_compute_ms,
               m.host_partial_ms, m.host_finish_ms, m.gap_host_ms, m.gap_transfer_ms, m.gap_stream_ms, m.gap_unexplained_ms, double(p.pool_reserved_before) / 1048576.0,
               double(p.pool_reserved_after) / 1048576.0);
-  if (m.clock_samples > 0)
-    std::printf("  SM clock over %zu samples: min %.0f, median %.0f, max %.0f MHz; 'GPU idle' clock reason in %.0f%% of them\n", m.clock_samples,
-                m.clock_min, m.clock_median, m.clock_max, 100.0 * m.idle_reason_share);
+  print_clocks("", m.clocks);
   for (std::size_t i = 0; i < std::min<std::size_t>(5, m.idle_gaps.size()); ++i) {
     const idle_gap& g = m.idle_gaps[i];
     std::printf("  GPU idle %.3f-%.3f (%.3f ms), %d transfer groups overlap; hosts: %s\n", g.begin, g.end, g.end - g.begin, g.transfers, g.hosts.c_str());
@@ -998,8 +1010,8 @@ inline void write_phase(json_writer& j, const phase_trace& p, const phase_summar
   j.field("host_compute_ms", m.host_compute_ms).field("host_partial_ms", m.host_partial_ms).field("host_finish_ms", m.host_finish_ms);
   j.field("gap_host_ms", m.gap_host_ms).field("gap_transfer_ms", m.gap_transfer_ms).field("gap_stream_ms", m.gap_stream_ms);
   j.field("gap_unexplained_ms", m.gap_unexplained_ms).field("host_bound_in_compute_ms", m.host_bound_in_compute_ms);
-  j.field("clock_min_mhz", m.clock_min).field("clock_median_mhz", m.clock_median).field("clock_max_mhz", m.clock_max);
-  j.field("idle_reason_share", m.idle_reason_share);
+  j.field("clock_min_mhz", m.clocks.min).field("clock_median_mhz", m.clocks.median).field("clock_max_mhz", m.clocks.max);
+  j.field("idle_reason_share", m.clocks.idle_share);
   j.field("pool_reserved_before", double(p.pool_reserved_before)).field("pool_reserved_after", double(p.pool_reserved_after));
   j.key("idle_gaps").open('[');
   for (const idle_gap& g : m.idle_gaps) j.open('{').field("begin", g.begin).field("end", g.end).field("transfers", g.transfers).field("hosts", g.hosts).close('}');
