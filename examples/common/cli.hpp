@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 #include <stria/core/error.hpp>
@@ -42,7 +43,10 @@ Int parse_integer(std::string_view option, std::string_view text, Int min = std:
                   Int max = std::numeric_limits<Int>::max()) {
   Int value{};
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error == std::errc::result_out_of_range) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
+  // A '-' that an unsigned type cannot parse is a number below the range, not junk.
+  const bool negative_unsigned = std::is_unsigned_v<Int> && text.size() > 1 && text[0] == '-' &&
+                                 text.find_first_not_of("0123456789", 1) == std::string_view::npos;
+  if (error == std::errc::result_out_of_range || negative_unsigned) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
   if (error != std::errc{} || end != text.data() + text.size()) throw invalid_argument(option, text, "must be an integer (digits only)");
   if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
   return value;
@@ -55,6 +59,18 @@ inline double parse_real(std::string_view option, std::string_view text, double 
   if (error != std::errc{} || end != text.data() + text.size() || !std::isfinite(value))
     throw invalid_argument(option, text, "must be a finite number");
   if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("a number", min, max));
+  return value;
+}
+
+/// The whole of `text` as a finite real number greater than `bound` (an open range: "positive" is
+/// greater than 0).
+inline double parse_real_above(std::string_view option, std::string_view text, double bound) {
+  const double value = parse_real(option, text, -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
+  if (!(value > bound)) {
+    std::ostringstream rule;
+    rule << "must be a number greater than " << bound;
+    throw invalid_argument(option, text, rule.str());
+  }
   return value;
 }
 

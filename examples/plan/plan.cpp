@@ -218,7 +218,7 @@ int run_cluster(const options& o) {
     kernel_source += note.str();
   }
   kernel.memory_gbytes_per_s = o.memory_gbs;
-  const char* streams = o.outer_stream ? "inner and outer ring on a stream each (DESIGN 5)" : "one transfer stream per rank (the device engine)";
+  const char* streams = o.outer_stream ? "inner and outer ring on a stream each (--outer-stream)" : "one transfer stream per rank (the device engine)";
   std::vector<cluster_result> results;
   for (const auto& [nodes, gpus] : o.clusters)
     for (const stria::index_t s : o.seq_lens) results.push_back(predict_cluster(o, nodes, gpus, s, kernel));
@@ -507,9 +507,10 @@ int main(int argc, char** argv) try {
     std::printf("placed_stripes: 64-token stripes placed for this selection (balance_stripes, %.1f ms), striped's traffic\n", placement_ms);
   else
     std::printf("placed_stripes: not planned (balance_stripes takes at most %d ranks)\n", stria::max_balanced_world_size);
-  std::printf("\n%-14s %-26s %17s %17s %22s\n", "sharding", "topology", "worker mean/max", "step mean/max", "busiest rank fwd GFLOP");
+  // Widths for imbalances up to 99999 (the busiest rank of 2048 holds all the work: 2048.000).
+  std::printf("\n%-14s %-26s %21s %21s %22s\n", "sharding", "topology", "worker mean / max", "step mean / max", "busiest rank fwd GFLOP");
   for (const row& r : rows)
-    std::printf("%-14s %-26s %8.3f /%7.3f %8.3f /%7.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
+    std::printf("%-14s %-26s %9.3f / %9.3f %9.3f / %9.3f %22.1f\n", r.sharding.c_str(), r.topology.c_str(), r.imbalance.worker_mean,
                 r.imbalance.worker_max, r.imbalance.step_mean, r.imbalance.step_max, r.max_rank_flops * 1e-9);
   if (o.solver_chunks > 0)
     std::printf("\ndynamic solver (sequential, %d chunks per rank, mu 1.10, volume cap %.2f): busiest rank / mean %.3f, volume %.3f of the\n"

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <istream>
 #include <limits>
@@ -37,7 +38,9 @@ inline constexpr const char* usage =
     "  --seq-len N      global sequence length (default 131072)\n"
     "  --world W        context-parallel ranks (default 8)\n"
     "  --nodes N        nodes for the hierarchical ring, W / N cards each (default 1: flat ring only)\n"
-    "  --sparsity X     fraction of causal entries left out by the synthetic pattern (default 0.95)\n"
+    "  --sparsity X     fraction of causal entries the synthetic pattern leaves out (default 0.95): a\n"
+    "                   target, met within a point or so from 0.8 up; below, the planted lines overlap\n"
+    "                   and the pattern keeps fewer entries than asked (the header prints the density)\n"
     "  --heads-q H      query heads (default 16)\n"
     "  --heads-kv H     KV heads (default 2)\n"
     "  --head-dim D     64 or 128 (default 128)\n"
@@ -82,8 +85,9 @@ inline constexpr const char* usage =
     "                   A100 as 312 / 989 = 0.3155, the dense bf16 peaks of A100 and H200; default 1)\n"
     "  --memory-gbs X   device memory bandwidth, GB/s, at which a ring's forward reads its fp32 running\n"
     "                   state (default 4200: the H200's copy ceiling; an A100 80GB about 1900)\n"
-    "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own (DESIGN 5;\n"
-    "                   the device engine of this version puts each rank's transfers on one stream)\n"
+    "  --outer-stream   the hierarchical ring's outer transfers on a stream of their own, as the\n"
+    "                   design has it (the device engine of this version puts each rank's transfers\n"
+    "                   on one stream)\n"
     "  --help           this text\n";
 
 struct options {
@@ -138,11 +142,29 @@ inline std::pair<stria::index_t, stria::index_t> parse_cluster(std::string_view 
   return {nodes, gpus};
 }
 
+/// Options that only one mode reads (`mode`: the option that turns it on): given without it, a plan
+/// would silently ignore them.
+struct mode_option {
+  std::string_view option, mode;
+};
+inline constexpr mode_option mode_options[] = {
+    {"--intra-gbps", "--cluster"},    {"--inter-gbps", "--cluster"},   {"--intra-latency-us", "--cluster"}, {"--inter-latency-us", "--cluster"},
+    {"--throughput", "--cluster"},    {"--kernel-scale", "--cluster"}, {"--memory-gbs", "--cluster"},       {"--outer-stream", "--cluster"},
+    {"--recall-stride", "--estimate"}, {"--vertical-max", "--estimate"}, {"--slash-max", "--estimate"},     {"--local-diagonals", "--estimate"},
+    {"--sink-tokens", "--estimate"},  {"--p", "--estimate"},           {"--volume-cap", "--solver"}};
+/// What only the synthetic input reads: a recorded selection sets the length and the heads itself.
+inline constexpr std::string_view synthetic_only[] = {"--seq-len", "--sparsity", "--heads-q", "--rope-theta", "--seed", "--pattern"};
+
 inline options parse(int argc, char** argv) {
   options o;
+  std::vector<std::pair<std::string, std::string>> given;  // (option, its text; "(set)" for a flag), as typed
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    auto next = [&] { return stria::cli::option_value(argc, argv, i); };
+    auto next = [&]() -> std::string {
+      std::string text = stria::cli::option_value(argc, argv, i);
+      given.emplace_back(arg, text);
+      return text;
+    };
     auto size = [&] { return stria::cli::parse_integer<stria::index_t>(arg, next(), 1); };
     if (arg == "--seq-len") {
       o.seq_lens = stria::cli::parse_integer_list<stria::index_t>(arg, next(), 1);
@@ -161,22 +183,22 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--intra-latency-us") o.intra_latency_us = stria::cli::parse_real(arg, next(), 0.0, 1e6);
     else if (arg == "--inter-latency-us") o.inter_latency_us = stria::cli::parse_real(arg, next(), 0.0, 1e6);
     else if (arg == "--throughput") o.throughput_file = next();
-    else if (arg == "--outer-stream") o.outer_stream = true;
+    else if (arg == "--outer-stream") o.outer_stream = true, given.emplace_back(arg, "(set)");
     else if (arg == "--kernel-scale") o.kernel_scale = stria::cli::parse_real(arg, next(), 1e-3, 1e3);
     else if (arg == "--memory-gbs") o.memory_gbs = stria::cli::parse_real(arg, next(), 1.0, 1e6);
     else if (arg == "--world") o.world = size(), o.world_given = true;
     else if (arg == "--nodes") o.nodes = size(), o.world_given = true;
-    else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0 - 1e-9);
+    else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0);  // 1 is refused below: [0, 1)
     else if (arg == "--heads-q") o.heads_q = size();
     else if (arg == "--heads-kv") o.heads_kv = size();
     else if (arg == "--head-dim") o.head_dim = size();
-    else if (arg == "--rope-theta") o.rope_theta = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
+    else if (arg == "--rope-theta") o.rope_theta = stria::cli::parse_real_above(arg, next(), 1.0);
     else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, next());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;
     else if (arg == "--svg") o.svg_file = next();
     else if (arg == "--solver") o.solver_chunks = size();
-    else if (arg == "--volume-cap") o.volume_cap = stria::cli::parse_real(arg, next(), std::numeric_limits<double>::min(), std::numeric_limits<double>::max());
+    else if (arg == "--volume-cap") o.volume_cap = stria::cli::parse_real_above(arg, next(), 0.0);
     else if (arg == "--estimate") o.estimate = true;
     else if (arg == "--recall-stride") o.recall_stride = size();
     else if (arg == "--vertical-max") o.vertical_max = size();
@@ -217,6 +239,21 @@ inline options parse(int argc, char** argv) {
   if (!(o.sparsity >= 0.0 && o.sparsity < 1.0)) throw stria::invalid_argument("--sparsity", o.sparsity, "must lie in [0, 1)");
   if (o.estimate && !o.selection_file.empty())
     throw stria::invalid_argument("--estimate", "with --selection", "choose one: estimate on the synthetic input, or plan a recorded selection");
+  // What a mode reads, refused without it: a plan that dropped an option would answer another question.
+  auto given_value = [&](std::string_view name) -> const std::string* {
+    for (const auto& [option, text] : given)
+      if (option == name) return &text;
+    return nullptr;
+  };
+  for (const mode_option& m : mode_options) {
+    const bool on = m.mode == "--cluster" ? !o.clusters.empty() : m.mode == "--estimate" ? o.estimate : o.solver_chunks > 0;
+    if (const std::string* text = given_value(m.option); text && !on)
+      throw stria::invalid_argument(m.option, *text, "applies only with " + std::string(m.mode) + " (without it nothing reads it)");
+  }
+  if (!o.selection_file.empty())
+    for (const std::string_view name : synthetic_only)
+      if (const std::string* text = given_value(name))
+        throw stria::invalid_argument(std::string(name), *text, "shapes the synthetic input; with --selection the file sets the length and the heads");
   return o;
 }
 
@@ -294,13 +331,30 @@ inline stria::global_selection parse_selection(std::istream& in, const std::stri
       head.slash_deltas.insert(head.slash_deltas.begin(), 0);
     g.heads.push_back(std::move(head));
   }
-  g.validate();
+  try {
+    g.validate();
+  } catch (const stria::invalid_argument& e) {  // the selection's own rules, with the file named
+    // e reads "stria: ARGUMENT = VALUE: RULE"; the same with the file before the argument.
+    const std::string what = e.what(), head = "stria: " + e.argument() + " = ";
+    const std::size_t rule = what.find(": ", head.size());
+    if (what.rfind(head, 0) != 0 || rule == std::string::npos) throw stria::invalid_argument(file, "(the selection)", what);
+    throw stria::invalid_argument(file + ": " + e.argument(), what.substr(head.size(), rule - head.size()), what.substr(rule + 2));
+  }
   return g;
 }
 
-inline stria::global_selection read_selection(const std::string& path) {
+/// Opens `path` for `option`: a regular file that can be read, or an error naming both.
+inline std::ifstream open_input(const char* option, const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
+    throw stria::invalid_argument(option, path, "must name a file (this is a directory or another kind of entry)");
   std::ifstream in(path);
-  if (!in) throw stria::invalid_argument("--selection", path, "cannot be opened");
+  if (!in) throw stria::invalid_argument(option, path, "cannot be opened");
+  return in;
+}
+
+inline stria::global_selection read_selection(const std::string& path) {
+  std::ifstream in = open_input("--selection", path);
   return parse_selection(in, path);
 }
 
@@ -335,8 +389,7 @@ inline stria::cost::kernel_throughput read_throughput(const std::string& paths, 
     const std::size_t comma = paths.find(',', start);
     const std::string path = paths.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     if (path.empty()) throw stria::invalid_argument("--throughput", paths, "must be one or more file names, comma-separated");
-    std::ifstream in(path);
-    if (!in) throw stria::invalid_argument("--throughput", path, "cannot be opened");
+    std::ifstream in = open_input("--throughput", path);
     nlohmann::json root;
     try {
       root = nlohmann::json::parse(in, [&](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {

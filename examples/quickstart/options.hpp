@@ -27,6 +27,7 @@ struct options {
   double sparsity = 0;
   unsigned long long seed = 1;
   int repeats = 3;  // GPU: timed layers after one warm-up
+  bool repeats_given = false;
   backend_choice backend = backend_choice::automatic;
   bool use_nccl = false;  // one rank per GPU over NCCL: the default with several GPUs, or --nccl
 };
@@ -35,7 +36,13 @@ inline constexpr const char* usage =
     "quickstart [--host | --gpu] [--nccl] [--seq-len N] [--world W] [--nodes N] [--heads-q H] [--heads-kv H]\n"
     "           [--head-dim 64|128] [--sparsity X] [--seed S] [--repeats R]\n"
     "  --host: the host backend even where a GPU is present; --gpu: the GPU or exit 77.\n"
-    "  With several GPUs: one rank per GPU over NCCL; with one: --world ranks share it (--nccl: one NCCL rank).";
+    "  With several GPUs: one rank per GPU over NCCL; with one: --world ranks share it (--nccl: one NCCL rank).\n"
+    "Defaults, GPU: --seq-len 131072 --world 8 (or the GPU count over NCCL) --heads-q 16 --heads-kv 2\n"
+    "  --sparsity 0.95 --repeats 3 (timed layers after one warm-up);\n"
+    "  host: --seq-len 4096 --world 4 --heads-q 8 --heads-kv 2 --sparsity 0.9 (one layer, checked in fp64).\n"
+    "  Both: --nodes 1 (a flat ring; N > 1: the hierarchical ring of N nodes), --head-dim 128, --seed 1.\n"
+    "  --sparsity: the synthetic pattern's share of causal entries left out (a target: the run prints the\n"
+    "  density reached).";
 
 inline options parse(int argc, char** argv) {
   options o;
@@ -52,9 +59,13 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--head-dim") o.head_dim = size();
     else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, value(), 1e-6, 1.0 - 1e-6);
     else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, value());
-    else if (arg == "--repeats") o.repeats = stria::cli::parse_integer<int>(arg, value(), 1, 1000000);
-    else if (arg == "--host") o.backend = backend_choice::host;
-    else if (arg == "--gpu") o.backend = backend_choice::gpu;
+    else if (arg == "--repeats") o.repeats = stria::cli::parse_integer<int>(arg, value(), 1, 1000000), o.repeats_given = true;
+    else if (arg == "--host" || arg == "--gpu") {
+      const backend_choice chosen = arg == "--host" ? backend_choice::host : backend_choice::gpu;
+      if (o.backend != backend_choice::automatic && o.backend != chosen)
+        throw stria::invalid_argument(arg, "with " + std::string(arg == "--host" ? "--gpu" : "--host"), "choose one backend");
+      o.backend = chosen;
+    }
     else if (arg == "--nccl") o.use_nccl = true;
     else if (arg == "--help") {
       std::puts(usage);
@@ -79,6 +90,8 @@ inline void apply_defaults(options& o, bool gpu, int gpus) {
   if (o.nodes < 1 || o.world % o.nodes != 0)
     throw stria::invalid_argument("--nodes", o.nodes, "must divide --world " + std::to_string(o.world));
   if (o.repeats < 1) throw stria::invalid_argument("--repeats", o.repeats, "must be at least 1");
+  if (!gpu && o.repeats_given && o.backend == backend_choice::host)
+    throw stria::invalid_argument("--repeats", o.repeats, "times the GPU path only (the host backend runs one layer and checks it)");
   if (gpu && o.head_dim != 64 && o.head_dim != 128)
     throw stria::invalid_argument("--head-dim", o.head_dim, "must be 64 or 128 (the kernels' head dims)");
 }

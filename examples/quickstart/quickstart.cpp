@@ -189,6 +189,8 @@ int main(int argc, char** argv) try {
   }
   quickstart::apply_defaults(o, gpu, gpu ? quickstart_gpu_count() : 0);
   if (gpu) return quickstart_on_gpu(o);
+  if (o.repeats_given)  // no GPU found, so the same command line runs the host path: say what it drops
+    std::fprintf(stderr, "quickstart: no GPU, so the host backend runs one layer; --repeats %d times the GPU path only\n", o.repeats);
   if (o.nodes > 1) return run_host(o, stria::topology::hierarchical_ring(o.nodes, o.world / o.nodes),
                                    "hierarchical_ring(" + std::to_string(o.nodes) + "x" + std::to_string(o.world / o.nodes) + ")");
   return run_host(o, stria::topology::flat_ring(o.world), "flat_ring(" + std::to_string(o.world) + ")");

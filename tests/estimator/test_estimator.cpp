@@ -269,8 +269,6 @@ TEST_CASE("top-p defaults: vertical cap S / 32 in [128, 8192], the sink block, t
   p.options.heads_kv = 1;
   p.options.head_dim = 64;
   p.options.seed = rng.seed;
-  p.options.period_blocks = 1;  // the generator's default period and cluster width need more than two blocks
-  p.options.cluster_tokens = 64;
   p.data = host::make_synthetic_vs(p.options);
   const global_selection g = run_distributed(p, sharding::sequential{}, 1, e, true).second[0];
   for (const head_selection& h : g.heads) {

@@ -35,7 +35,10 @@ TEST_CASE("command-line integers: the whole argument, within the range, no wrap"
   for (const char* junk : {"64k", "", " 8", "8 ", "0x10", "+8", "1e3", "--", "8,16"})
     CHECK_MESSAGE(error_of([&] { cli::parse_integer<int>("--n", junk); }) == std::string("stria: --n = ") + junk + ": must be an integer (digits only)",
                   junk);
-  CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1"); }).find("must be an integer") != std::string::npos);
+  // A negative number for an unsigned option is below its range (it read as junk: "digits only").
+  CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1"); }) == "stria: --seed = -1: must be an integer in [0, 4294967295]");
+  CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-"); }) == "stria: --seed = -: must be an integer (digits only)");
+  CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1x"); }) == "stria: --seed = -1x: must be an integer (digits only)");
   CHECK(error_of([] { cli::parse_integer<std::int8_t>("--small", "128"); }) == "stria: --small = 128: must be an integer in [-128, 127]");
 }
 
@@ -46,6 +49,11 @@ TEST_CASE("command-line reals: finite, whole argument, within the range") {
     CHECK_MESSAGE(error_of([&] { cli::parse_real("--x", junk, -1e9, 1e9); }) == std::string("stria: --x = ") + junk + ": must be a finite number",
                   junk);
   CHECK(error_of([] { cli::parse_real("--sparsity", "1.5", 0.0, 1.0); }) == "stria: --sparsity = 1.5: must be a number in [0, 1]");
+  // Open ranges say so (the smallest positive double printed as the minimum hid the rule).
+  CHECK(cli::parse_real_above("--volume-cap", "1e-300", 0.0) == 1e-300);
+  CHECK(error_of([] { cli::parse_real_above("--volume-cap", "0", 0.0); }) == "stria: --volume-cap = 0: must be a number greater than 0");
+  CHECK(error_of([] { cli::parse_real_above("--rope-theta", "1", 1.0); }) == "stria: --rope-theta = 1: must be a number greater than 1");
+  CHECK(error_of([] { cli::parse_real_above("--x", "nan", 0.0); }) == "stria: --x = nan: must be a finite number");
 }
 
 TEST_CASE("command-line lists: every item checked") {

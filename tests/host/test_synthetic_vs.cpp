@@ -144,13 +144,43 @@ TEST_CASE("generator options are validated with the argument and the rule") {
   o.heads_q = 4;
   // Counts bounded by the tokens: vertical_clusters = 2^31 - 1 drew that many centres (8 GiB, minutes);
   // extra_slashes = 2^31 - 1 with a small slash_power kept the power-law loop going for every line.
+  // The mixture reads every family's settings.
+  o.pattern = host::vs_pattern::mixture;
   o.vertical_clusters = std::numeric_limits<index_t>::max();
-  CHECK_THROWS_WITH_AS(o.validate(), "stria: vertical_clusters = 2147483647: must lie in [1, seq_len]", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: vertical_clusters = 2147483647: must lie in [1, seq_len] (the mixture pattern)", stria::invalid_argument);
   o.vertical_clusters = 8;
   o.extra_slashes = std::numeric_limits<index_t>::max();
-  CHECK_THROWS_WITH_AS(o.validate(), "stria: extra_slashes = 2147483647: must lie in [1, seq_len]", stria::invalid_argument);
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: extra_slashes = 2147483647: must lie in [1, seq_len] (the mixture pattern)", stria::invalid_argument);
   o.extra_slashes = 4096;
   CHECK_NOTHROW(o.validate());
+}
+
+TEST_CASE("a family's settings are checked only where the pattern reads them") {
+  // The defaults (8-block period, 1024-token clusters) refused every rope problem under 1024 tokens
+  // (plan and quickstart --seq-len 512 or 768 named settings the user never set).
+  host::synthetic_vs_options o;
+  o.heads_q = 2;
+  o.heads_kv = 1;
+  for (const index_t s : {64, 512, 768, 960}) {
+    o.seq_len = s;
+    CHECK_NOTHROW(o.validate());
+    CHECK(host::plant_vs_selection(o).seq_len == s);
+  }
+  o.seq_len = 512;
+  o.pattern = host::vs_pattern::power_law_slash;  // reads neither the period nor the clusters
+  CHECK_NOTHROW(o.validate());
+  o.pattern = host::vs_pattern::periodic_slash;
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: period_blocks = 8: must lie in [1, seq_len / 64) (the periodic_slash pattern)", stria::invalid_argument);
+  o.period_blocks = 2;
+  CHECK_NOTHROW(o.validate());
+  o.seq_len = 768;
+  o.pattern = host::vs_pattern::clustered_vertical;  // reads no period
+  o.period_blocks = 0;
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: cluster_tokens = 1024: must lie in [1, seq_len] (the clustered_vertical pattern)", stria::invalid_argument);
+  o.cluster_tokens = 256;
+  CHECK_NOTHROW(o.validate());
+  o.pattern = host::vs_pattern::mixture;
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: period_blocks = 0: must lie in [1, seq_len / 64) (the mixture pattern)", stria::invalid_argument);
 }
 
 TEST_CASE("attention_recall equals the fp64 recall over every row") {

@@ -82,18 +82,26 @@ struct synthetic_vs_options {
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
-    // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
-    // slash_power kept the power-law loop going for every one of 2^31 lines).
-    if (extra_slashes < 1 || extra_slashes > seq_len) throw invalid_argument("extra_slashes", extra_slashes, "must lie in [1, seq_len]");
-    if (!(slash_power > 0.0 && slash_power <= 8.0)) throw invalid_argument("slash_power", slash_power, "must lie in (0, 8]");
-    if (!(slash_peak_logit > 0.0 && slash_peak_logit <= 12.0))
-      throw invalid_argument("slash_peak_logit", slash_peak_logit, "must lie in (0, 12]");
-    if (period_blocks < 1 || period_blocks >= seq_len / block_tokens)
-      throw invalid_argument("period_blocks", period_blocks, "must lie in [1, seq_len / 64)");
-    if (vertical_clusters < 1 || vertical_clusters > seq_len)  // a centre per cluster is drawn: bounded by the tokens
-      throw invalid_argument("vertical_clusters", vertical_clusters, "must lie in [1, seq_len]");
-    if (cluster_tokens < 1 || cluster_tokens > seq_len)
-      throw invalid_argument("cluster_tokens", cluster_tokens, "must lie in [1, seq_len]");
+    // A family's settings are checked where the pattern reads them: the defaults of the others (a
+    // period of 8 blocks, clusters of 1024 tokens) need no minimum length of a rope problem.
+    const bool mixture = pattern == vs_pattern::mixture;
+    const std::string family = std::string(" (the ") + pattern_name(pattern) + " pattern)";
+    if (pattern == vs_pattern::power_law_slash || pattern == vs_pattern::periodic_slash || mixture) {
+      // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
+      // slash_power kept the power-law loop going for every one of 2^31 lines).
+      if (extra_slashes < 1 || extra_slashes > seq_len) throw invalid_argument("extra_slashes", extra_slashes, "must lie in [1, seq_len]" + family);
+      if (!(slash_power > 0.0 && slash_power <= 8.0)) throw invalid_argument("slash_power", slash_power, "must lie in (0, 8]" + family);
+      if (!(slash_peak_logit > 0.0 && slash_peak_logit <= 12.0))
+        throw invalid_argument("slash_peak_logit", slash_peak_logit, "must lie in (0, 12]" + family);
+    }
+    if ((pattern == vs_pattern::periodic_slash || mixture) && (period_blocks < 1 || period_blocks >= seq_len / block_tokens))
+      throw invalid_argument("period_blocks", period_blocks, "must lie in [1, seq_len / 64)" + family);
+    if (pattern == vs_pattern::clustered_vertical || mixture) {
+      if (vertical_clusters < 1 || vertical_clusters > seq_len)  // a centre per cluster is drawn: bounded by the tokens
+        throw invalid_argument("vertical_clusters", vertical_clusters, "must lie in [1, seq_len]" + family);
+      if (cluster_tokens < 1 || cluster_tokens > seq_len)
+        throw invalid_argument("cluster_tokens", cluster_tokens, "must lie in [1, seq_len]" + family);
+    }
   }
 };
 
