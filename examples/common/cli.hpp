@@ -43,10 +43,12 @@ Int parse_integer(std::string_view option, std::string_view text, Int min = std:
                   Int max = std::numeric_limits<Int>::max()) {
   Int value{};
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  // A '-' that an unsigned type cannot parse is a number below the range, not junk.
-  const bool negative_unsigned = std::is_unsigned_v<Int> && text.size() > 1 && text[0] == '-' &&
-                                 text.find_first_not_of("0123456789", 1) == std::string_view::npos;
-  if (error == std::errc::result_out_of_range || negative_unsigned) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
+  // A '-' that an unsigned type cannot parse is a number below the range (or zero: "-0"), not junk.
+  if (std::is_unsigned_v<Int> && text.size() > 1 && text[0] == '-' && text.find_first_not_of("0123456789", 1) == std::string_view::npos) {
+    if (text.find_first_not_of('0', 1) != std::string_view::npos || min > 0) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
+    return Int{0};
+  }
+  if (error == std::errc::result_out_of_range) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
   if (error != std::errc{} || end != text.data() + text.size()) throw invalid_argument(option, text, "must be an integer (digits only)");
   if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("an integer", +min, +max));
   return value;
@@ -56,6 +58,8 @@ Int parse_integer(std::string_view option, std::string_view text, Int min = std:
 inline double parse_real(std::string_view option, std::string_view text, double min, double max) {
   double value = 0;
   const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error == std::errc::result_out_of_range && end == text.data() + text.size())  // 1e-400, 1e400: a number, but not a double
+    throw invalid_argument(option, text, "must be a number a double holds (magnitude 0 or within [2.2e-308, 1.8e308])");
   if (error != std::errc{} || end != text.data() + text.size() || !std::isfinite(value))
     throw invalid_argument(option, text, "must be a finite number");
   if (value < min || value > max) throw invalid_argument(option, text, detail::range_rule("a number", min, max));

@@ -445,7 +445,8 @@ int main(int argc, char** argv) try {
   if (o.json) {
     nlohmann::ordered_json config = {{"seq_len", g.seq_len}, {"world", o.world},   {"nodes", o.nodes},           {"heads_q", g.num_heads()},
                                      {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", 1.0 - density}, {"density", density},
-                                     {"source", source},     {"seed", o.seed},     {"seconds", seconds}};
+                                     {"source", source},     {"seed", nullptr},    {"seconds", seconds}};
+    if (o.selection_file.empty()) config["seed"] = o.seed;  // a recorded selection has no seed, nor a pattern (below)
     config["placement_ms"] = placement_ms >= 0 ? nlohmann::ordered_json(placement_ms) : nlohmann::ordered_json();
     if (o.estimate) {
       config["estimator"] = "vertical_slash_top_p";
@@ -466,7 +467,7 @@ int main(int argc, char** argv) try {
       config["sink_tokens"] = estimator.sink_tokens;
       config["p"] = o.p;
     }
-    config["pattern"] = o.pattern;
+    config["pattern"] = o.selection_file.empty() ? nlohmann::ordered_json(o.pattern) : nlohmann::ordered_json();
     nlohmann::ordered_json out = {{"config", config}, {"rows", nlohmann::ordered_json::array()}};
     for (const row& r : rows)
       out["rows"].push_back({{"sharding", r.sharding},

@@ -188,7 +188,8 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--memory-gbs") o.memory_gbs = stria::cli::parse_real(arg, next(), 1.0, 1e6);
     else if (arg == "--world") o.world = size(), o.world_given = true;
     else if (arg == "--nodes") o.nodes = size(), o.world_given = true;
-    else if (arg == "--sparsity") o.sparsity = stria::cli::parse_real(arg, next(), 0.0, 1.0);  // 1 is refused below: [0, 1)
+    else if (arg == "--sparsity")  // its rule, [0, 1), is checked below for every value
+      o.sparsity = stria::cli::parse_real(arg, next(), -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
     else if (arg == "--heads-q") o.heads_q = size();
     else if (arg == "--heads-kv") o.heads_kv = size();
     else if (arg == "--head-dim") o.head_dim = size();
@@ -250,10 +251,14 @@ inline options parse(int argc, char** argv) {
     if (const std::string* text = given_value(m.option); text && !on)
       throw stria::invalid_argument(m.option, *text, "applies only with " + std::string(m.mode) + " (without it nothing reads it)");
   }
-  if (!o.selection_file.empty())
+  if (!o.selection_file.empty()) {
     for (const std::string_view name : synthetic_only)
       if (const std::string* text = given_value(name))
         throw stria::invalid_argument(std::string(name), *text, "shapes the synthetic input; with --selection the file sets the length and the heads");
+    if (const std::string* text = given_value("--heads-kv"); text && o.solver_chunks == 0)
+      throw stria::invalid_argument("--heads-kv", *text, "with --selection only the solver's problem reads it: applies only with --solver");
+  }
+  if (o.head_dim != 64 && o.head_dim != 128) throw stria::invalid_argument("--head-dim", o.head_dim, "must be 64 or 128 (the kernels' head dims)");
   return o;
 }
 
@@ -345,9 +350,8 @@ inline stria::global_selection parse_selection(std::istream& in, const std::stri
 
 /// Opens `path` for `option`: a regular file that can be read, or an error naming both.
 inline std::ifstream open_input(const char* option, const std::string& path) {
-  std::error_code error;
-  if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error))
-    throw stria::invalid_argument(option, path, "must name a file (this is a directory or another kind of entry)");
+  std::error_code error;  // pipes and /dev/stdin are read as files; a directory is not
+  if (std::filesystem::is_directory(path, error)) throw stria::invalid_argument(option, path, "must name a file, not a directory");
   std::ifstream in(path);
   if (!in) throw stria::invalid_argument(option, path, "cannot be opened");
   return in;

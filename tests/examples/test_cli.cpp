@@ -39,6 +39,9 @@ TEST_CASE("command-line integers: the whole argument, within the range, no wrap"
   CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1"); }) == "stria: --seed = -1: must be an integer in [0, 4294967295]");
   CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-"); }) == "stria: --seed = -: must be an integer (digits only)");
   CHECK(error_of([] { cli::parse_integer<unsigned>("--seed", "-1x"); }) == "stria: --seed = -1x: must be an integer (digits only)");
+  CHECK(cli::parse_integer<unsigned>("--seed", "-0") == 0u);  // zero, as for a signed option
+  CHECK(cli::parse_integer<unsigned>("--seed", "-000") == 0u);
+  CHECK(error_of([] { cli::parse_integer<unsigned>("--n", "-0", 1u); }) == "stria: --n = -0: must be an integer in [1, 4294967295]");
   CHECK(error_of([] { cli::parse_integer<std::int8_t>("--small", "128"); }) == "stria: --small = 128: must be an integer in [-128, 127]");
 }
 
@@ -54,6 +57,10 @@ TEST_CASE("command-line reals: finite, whole argument, within the range") {
   CHECK(error_of([] { cli::parse_real_above("--volume-cap", "0", 0.0); }) == "stria: --volume-cap = 0: must be a number greater than 0");
   CHECK(error_of([] { cli::parse_real_above("--rope-theta", "1", 1.0); }) == "stria: --rope-theta = 1: must be a number greater than 1");
   CHECK(error_of([] { cli::parse_real_above("--x", "nan", 0.0); }) == "stria: --x = nan: must be a finite number");
+  // Past a double's range: a number, not "non-finite".
+  CHECK(error_of([] { cli::parse_real_above("--volume-cap", "1e-400", 0.0); }) ==
+        "stria: --volume-cap = 1e-400: must be a number a double holds (magnitude 0 or within [2.2e-308, 1.8e308])");
+  CHECK(error_of([] { cli::parse_real("--x", "1e400", 0.0, 1.0); }).find("must be a number a double holds") != std::string::npos);
 }
 
 TEST_CASE("command-line lists: every item checked") {

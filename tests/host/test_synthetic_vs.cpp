@@ -144,8 +144,9 @@ TEST_CASE("generator options are validated with the argument and the rule") {
   o.heads_q = 4;
   // Counts bounded by the tokens: vertical_clusters = 2^31 - 1 drew that many centres (8 GiB, minutes);
   // extra_slashes = 2^31 - 1 with a small slash_power kept the power-law loop going for every line.
-  // The mixture reads every family's settings.
+  // The mixture reads every family's settings (with 3 or more query heads and 2 or more KV heads).
   o.pattern = host::vs_pattern::mixture;
+  o.heads_kv = 2;
   o.vertical_clusters = std::numeric_limits<index_t>::max();
   CHECK_THROWS_WITH_AS(o.validate(), "stria: vertical_clusters = 2147483647: must lie in [1, seq_len] (the mixture pattern)", stria::invalid_argument);
   o.vertical_clusters = 8;
@@ -156,31 +157,50 @@ TEST_CASE("generator options are validated with the argument and the rule") {
 }
 
 TEST_CASE("a family's settings are checked only where the pattern reads them") {
-  // The defaults (8-block period, 1024-token clusters) refused every rope problem under 1024 tokens
+  // The defaults (an 8-block period, 1024-token clusters) refused every problem under 1024 tokens
   // (plan and quickstart --seq-len 512 or 768 named settings the user never set).
+  using host::vs_pattern;
   host::synthetic_vs_options o;
-  o.heads_q = 2;
+  o.heads_q = 3;
   o.heads_kv = 1;
-  for (const index_t s : {64, 512, 768, 960}) {
-    o.seq_len = s;
-    CHECK_NOTHROW(o.validate());
-    CHECK(host::plant_vs_selection(o).seq_len == s);
-  }
+  for (const vs_pattern pattern : {vs_pattern::rope, vs_pattern::power_law_slash, vs_pattern::periodic_slash, vs_pattern::clustered_vertical,
+                                   vs_pattern::mixture})
+    for (const index_t s : {128, 512, 768, 960}) {
+      o.pattern = pattern;
+      o.seq_len = s;
+      CAPTURE(host::pattern_name(pattern));
+      CAPTURE(s);
+      CHECK_NOTHROW(o.validate());
+      CHECK(host::plant_vs_selection(o).seq_len == s);
+    }
+  // The automatic period: 8 blocks, one less than the blocks where the sequence is shorter.
   o.seq_len = 512;
-  o.pattern = host::vs_pattern::power_law_slash;  // reads neither the period nor the clusters
+  CHECK(o.period() == 7);
+  o.seq_len = 131072;
+  CHECK(o.period() == 8);
+  o.seq_len = 64;  // one block: no periodic line fits, whatever the period
+  o.pattern = vs_pattern::rope;
   CHECK_NOTHROW(o.validate());
-  o.pattern = host::vs_pattern::periodic_slash;
-  CHECK_THROWS_WITH_AS(o.validate(), "stria: period_blocks = 8: must lie in [1, seq_len / 64) (the periodic_slash pattern)", stria::invalid_argument);
-  o.period_blocks = 2;
+  o.pattern = vs_pattern::periodic_slash;
+  CHECK_THROWS_WITH_AS(o.validate(),
+                       "stria: seq_len = 64: must hold at least two blocks (128 tokens): periodic lines lie between block diagonals (the periodic_slash pattern)",
+                       stria::invalid_argument);
+  o.pattern = vs_pattern::mixture;  // heads 0-2: rope, power law, periodic
+  CHECK_THROWS_AS(o.validate(), stria::invalid_argument);
+  o.heads_q = 2;  // no periodic head
   CHECK_NOTHROW(o.validate());
-  o.seq_len = 768;
-  o.pattern = host::vs_pattern::clustered_vertical;  // reads no period
-  o.period_blocks = 0;
-  CHECK_THROWS_WITH_AS(o.validate(), "stria: cluster_tokens = 1024: must lie in [1, seq_len] (the clustered_vertical pattern)", stria::invalid_argument);
-  o.cluster_tokens = 256;
+  // An explicit period is checked as given; a rope problem does not read it.
+  o.seq_len = 512;
+  o.period_blocks = 8;
+  o.pattern = vs_pattern::periodic_slash;
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: period_blocks = 8: must be 0 (automatic) or lie in [1, seq_len / 64) (the periodic_slash pattern)",
+                       stria::invalid_argument);
+  o.pattern = vs_pattern::rope;
   CHECK_NOTHROW(o.validate());
-  o.pattern = host::vs_pattern::mixture;
-  CHECK_THROWS_WITH_AS(o.validate(), "stria: period_blocks = 0: must lie in [1, seq_len / 64) (the mixture pattern)", stria::invalid_argument);
+  // Clusters wider than the sequence are clamped to it; a width below one token is refused.
+  o.pattern = vs_pattern::clustered_vertical;
+  o.cluster_tokens = 0;
+  CHECK_THROWS_WITH_AS(o.validate(), "stria: cluster_tokens = 0: must be at least 1 (the clustered_vertical pattern)", stria::invalid_argument);
 }
 
 TEST_CASE("attention_recall equals the fp64 recall over every row") {
@@ -260,7 +280,7 @@ TEST_CASE("heavy-tailed families: planted lines hold the mass, and each family h
       for (const head_selection& h : x.planted.heads) {
         index_t on_period = 0, far = 0;
         for (const index_t delta : h.slash_deltas)
-          if (delta >= 2) ++far, on_period += (delta % o.period_blocks == 0 || delta % o.period_blocks == 1 || delta % o.period_blocks == o.period_blocks - 1);
+          if (delta >= 2) ++far, on_period += (delta % o.period() == 0 || delta % o.period() == 1 || delta % o.period() == o.period() - 1);
         CHECK(far > 0);
         CHECK(on_period * 4 >= far * 3);
       }
@@ -274,6 +294,7 @@ TEST_CASE("heavy-tailed families: planted lines hold the mass, and each family h
   }
   host::synthetic_vs_options bad;
   bad.pattern = vs_pattern::periodic_slash;
-  bad.period_blocks = 0;
-  CHECK_THROWS_WITH_AS(host::plant_vs_selection(bad), doctest::Contains("period_blocks = 0: must lie in [1, seq_len / 64)"), stria::invalid_argument);
+  bad.period_blocks = -1;
+  CHECK_THROWS_WITH_AS(host::plant_vs_selection(bad), doctest::Contains("period_blocks = -1: must be 0 (automatic) or lie in [1, seq_len / 64)"),
+                       stria::invalid_argument);
 }

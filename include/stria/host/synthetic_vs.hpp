@@ -63,9 +63,9 @@ struct synthetic_vs_options {
   index_t extra_slashes = 16;       // power_law_slash, periodic_slash: lines added
   double slash_power = 1.5;         // power_law_slash: weight of line j ~ j^-slash_power
   double slash_peak_logit = 4.0;    // scaled expected score at the strongest added line's peak
-  index_t period_blocks = 8;        // periodic_slash: block diagonals between lines
+  index_t period_blocks = 0;        // periodic_slash: block diagonals between lines (0: 8, fewer where the sequence has fewer blocks)
   index_t vertical_clusters = 8;    // clustered_vertical: cluster count per KV head
-  index_t cluster_tokens = 1024;    // clustered_vertical: a cluster's width in tokens
+  index_t cluster_tokens = 1024;    // clustered_vertical: a cluster's width in tokens (at most the tokens after the sinks)
 
   void validate() const {
     if (seq_len <= 0 || seq_len % block_tokens != 0)
@@ -82,11 +82,14 @@ struct synthetic_vs_options {
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
-    // A family's settings are checked where the pattern reads them: the defaults of the others (a
-    // period of 8 blocks, clusters of 1024 tokens) need no minimum length of a rope problem.
+    // A family's settings are checked where the pattern reads them (the mixture: power-law lines
+    // from the second query head on, periodic ones from the third, clusters on odd KV heads).
     const bool mixture = pattern == vs_pattern::mixture;
+    const bool power_law = pattern == vs_pattern::power_law_slash || (mixture && heads_q >= 2);
+    const bool periodic = pattern == vs_pattern::periodic_slash || (mixture && heads_q >= 3);
+    const bool clustered = pattern == vs_pattern::clustered_vertical || (mixture && heads_kv >= 2);
     const std::string family = std::string(" (the ") + pattern_name(pattern) + " pattern)";
-    if (pattern == vs_pattern::power_law_slash || pattern == vs_pattern::periodic_slash || mixture) {
+    if (power_law || periodic) {
       // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
       // slash_power kept the power-law loop going for every one of 2^31 lines).
       if (extra_slashes < 1 || extra_slashes > seq_len) throw invalid_argument("extra_slashes", extra_slashes, "must lie in [1, seq_len]" + family);
@@ -94,15 +97,20 @@ struct synthetic_vs_options {
       if (!(slash_peak_logit > 0.0 && slash_peak_logit <= 12.0))
         throw invalid_argument("slash_peak_logit", slash_peak_logit, "must lie in (0, 12]" + family);
     }
-    if ((pattern == vs_pattern::periodic_slash || mixture) && (period_blocks < 1 || period_blocks >= seq_len / block_tokens))
-      throw invalid_argument("period_blocks", period_blocks, "must lie in [1, seq_len / 64)" + family);
-    if (pattern == vs_pattern::clustered_vertical || mixture) {
+    if (periodic && seq_len < 2 * block_tokens)
+      throw invalid_argument("seq_len", seq_len, "must hold at least two blocks (128 tokens): periodic lines lie between block diagonals" + family);
+    if (periodic && period_blocks != 0 && (period_blocks < 1 || period_blocks >= seq_len / block_tokens))
+      throw invalid_argument("period_blocks", period_blocks, "must be 0 (automatic) or lie in [1, seq_len / 64)" + family);
+    if (clustered) {
       if (vertical_clusters < 1 || vertical_clusters > seq_len)  // a centre per cluster is drawn: bounded by the tokens
         throw invalid_argument("vertical_clusters", vertical_clusters, "must lie in [1, seq_len]" + family);
-      if (cluster_tokens < 1 || cluster_tokens > seq_len)
-        throw invalid_argument("cluster_tokens", cluster_tokens, "must lie in [1, seq_len]" + family);
+      if (cluster_tokens < 1) throw invalid_argument("cluster_tokens", cluster_tokens, "must be at least 1" + family);
     }
   }
+
+  /// The periodic lines' spacing in block diagonals: period_blocks, or where 0, 8 (at most the
+  /// sequence's block count less one).
+  [[nodiscard]] index_t period() const { return period_blocks != 0 ? period_blocks : std::min<index_t>(8, seq_len / block_tokens - 1); }
 };
 
 /// Q, K, V after RoPE, and the planted causal selection (one head_selection per query head).
@@ -157,7 +165,7 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
     for (index_t j = 1; j <= o.extra_slashes; ++j) {
       double delta = 0, height = o.slash_peak_logit;
       if (p == vs_pattern::periodic_slash) {
-        delta = double(j) * o.period_blocks * block_tokens;  // in index_t it wraps past 2^31 tokens
+        delta = double(j) * o.period() * block_tokens;  // in index_t it wraps past 2^31 tokens
         if (delta >= double(o.seq_len)) break;
       } else {
         delta = 2.0 * block_tokens + uniform(rng) * double(o.seq_len - 2 * block_tokens);
