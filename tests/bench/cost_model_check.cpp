@@ -227,14 +227,15 @@ int main() {
     std::printf("\nH100, today's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
                 h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
     std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
-    // The same runs in two H100 calls (the sixth entry's, and the seventh's on a fresh machine, which
-    // GPU not recorded; the same kernels and timing code), both predicted with the speed fitted on
-    // the first call's attention_bench rows: the spread between calls beside the model's error.
+    // The same runs in three H100 calls (the sixth entry's; the seventh's on a fresh machine, which
+    // GPU not recorded; 2026-12-06's on GPU-0842db49, without the solver's tasks; the same kernels
+    // and timing code), all predicted with the speed fitted on the first call's attention_bench
+    // rows: the spread between calls beside the model's error.
     struct h100_run {
       const char* source;
       double work_ms[2], local_device_ms[2];                   // ring_bench's table, fwd+bwd: striped, zigzag
       double alone_fwd, alone_bwd, together_fwd, together_bwd;  // ring_bench --trace, striped
-      double solver_fwd[4], solver_bwd[4];                      // --solver-tasks: 128K m4, m8; 512K m4, m8
+      double solver_fwd[4], solver_bwd[4];                      // --solver-tasks: 128K m4, m8; 512K m4, m8 (0: not run)
     };
     const h100_run runs[] = {{"RESULTS 2026-12-05 (sixth), H100",
                               {567.08, 566.28},
@@ -253,7 +254,8 @@ int main() {
                               164.46,
                               424.01,
                               {18.161, 31.544, 154.210, 194.177},
-                              {58.924, 122.033, 447.171, 621.098}}};
+                              {58.924, 122.033, 447.171, 621.098}},
+                             {"RESULTS 2026-12-06, H100", {560.92, 561.35}, {586.46, 579.13}, 157.66, 405.20, 156.34, 423.80, {}, {}}};
     for (const bool striped : {true, false}) {
       const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
       const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";
@@ -280,6 +282,7 @@ int main() {
           cost::predict_solver(p, x, cost::solver_task_rows(g, p), shape_of(s), h100, nvlink_host(1, 4), cost::solver_task_vertical_padding(g, p));
       const std::string what = "solver m" + std::to_string(m) + ", 4 ranks, " + std::to_string(s / 1024) + "K, H100: the tasks alone, all ranks";
       for (const h100_run& run : runs) {
+        if (run.solver_fwd[i] == 0) continue;
         row(what, "fwd", calls_in_turn_ms(l.forward), run.solver_fwd[i], run.source);
         row(what, "bwd", calls_in_turn_ms(l.backward), run.solver_bwd[i], run.source);
       }
