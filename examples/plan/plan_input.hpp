@@ -348,7 +348,8 @@ inline stria::global_selection parse_selection(std::istream& in, const std::stri
   return g;
 }
 
-/// Opens `path` for `option`: a regular file that can be read, or an error naming both.
+/// Opens `path` for `option`: a file that can be read (a pipe or /dev/stdin too), not a directory,
+/// or an error naming both.
 inline std::ifstream open_input(const char* option, const std::string& path) {
   std::error_code error;  // pipes and /dev/stdin are read as files; a directory is not
   if (std::filesystem::is_directory(path, error)) throw stria::invalid_argument(option, path, "must name a file, not a directory");
