@@ -445,8 +445,9 @@ int main(int argc, char** argv) try {
   if (o.json) {
     nlohmann::ordered_json config = {{"seq_len", g.seq_len}, {"world", o.world},   {"nodes", o.nodes},           {"heads_q", g.num_heads()},
                                      {"heads_kv", o.heads_kv}, {"head_dim", o.head_dim}, {"sparsity", 1.0 - density}, {"density", density},
-                                     {"source", source},     {"seed", nullptr},    {"seconds", seconds}};
-    if (o.selection_file.empty()) config["seed"] = o.seed;  // a recorded selection has no seed, nor a pattern (below)
+                                     {"source", source},     {"seconds", seconds}};
+    // A recorded selection has no seed, nor a pattern (below).
+    config["seed"] = o.selection_file.empty() ? nlohmann::ordered_json(o.seed) : nlohmann::ordered_json();
     config["placement_ms"] = placement_ms >= 0 ? nlohmann::ordered_json(placement_ms) : nlohmann::ordered_json();
     if (o.estimate) {
       config["estimator"] = "vertical_slash_top_p";

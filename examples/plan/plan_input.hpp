@@ -123,7 +123,6 @@ struct options {
   bool outer_stream = false;
   double kernel_scale = 1.0;
   double memory_gbs = stria::cost::kernel_throughput{}.memory_gbytes_per_s;
-  bool world_given = false;  // --world or --nodes on the command line
 };
 
 /// "NxG" (nodes x GPUs per node), both in [1, max_world_size], at most max_world_size GPUs in all.
@@ -186,8 +185,8 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--outer-stream") o.outer_stream = true, given.emplace_back(arg, "(set)");
     else if (arg == "--kernel-scale") o.kernel_scale = stria::cli::parse_real(arg, next(), 1e-3, 1e3);
     else if (arg == "--memory-gbs") o.memory_gbs = stria::cli::parse_real(arg, next(), 1.0, 1e6);
-    else if (arg == "--world") o.world = size(), o.world_given = true;
-    else if (arg == "--nodes") o.nodes = size(), o.world_given = true;
+    else if (arg == "--world") o.world = size();
+    else if (arg == "--nodes") o.nodes = size();
     else if (arg == "--sparsity")  // its rule, [0, 1), is checked below for every value
       o.sparsity = stria::cli::parse_real(arg, next(), -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
     else if (arg == "--heads-q") o.heads_q = size();
@@ -218,10 +217,17 @@ inline options parse(int argc, char** argv) {
       std::exit(0);
     } else throw stria::invalid_argument("command-line option", arg, "is not known (see --help)");
   }
+  // The option's text as typed, or null where it was not given.
+  auto given_value = [&](std::string_view name) -> const std::string* {
+    for (const auto& [option, text] : given)
+      if (option == name) return &text;
+    return nullptr;
+  };
   if (o.clusters.empty() && o.seq_lens.size() > 1)
     throw stria::invalid_argument("--seq-len", std::to_string(o.seq_lens.size()) + " lengths", "a list of lengths needs --cluster");
   if (!o.clusters.empty()) {
-    if (o.world_given) throw stria::invalid_argument("--cluster", "with --world or --nodes", "choose one: --cluster sets the world and the nodes");
+    if (given_value("--world") || given_value("--nodes"))
+      throw stria::invalid_argument("--cluster", "with --world or --nodes", "choose one: --cluster sets the world and the nodes");
     if (!o.selection_file.empty() || o.estimate)
       throw stria::invalid_argument("--cluster", "with --selection or --estimate", "the cost model plans the synthetic pattern at each --seq-len");
     if (!o.svg_file.empty()) throw stria::invalid_argument("--svg", "with --cluster", "the picture shows a plan's ring workloads; --cluster predicts times");
@@ -241,11 +247,6 @@ inline options parse(int argc, char** argv) {
   if (o.estimate && !o.selection_file.empty())
     throw stria::invalid_argument("--estimate", "with --selection", "choose one: estimate on the synthetic input, or plan a recorded selection");
   // What a mode reads, refused without it: a plan that dropped an option would answer another question.
-  auto given_value = [&](std::string_view name) -> const std::string* {
-    for (const auto& [option, text] : given)
-      if (option == name) return &text;
-    return nullptr;
-  };
   for (const mode_option& m : mode_options) {
     const bool on = m.mode == "--cluster" ? !o.clusters.empty() : m.mode == "--estimate" ? o.estimate : o.solver_chunks > 0;
     if (const std::string* text = given_value(m.option); text && !on)
@@ -339,11 +340,7 @@ inline stria::global_selection parse_selection(std::istream& in, const std::stri
   try {
     g.validate();
   } catch (const stria::invalid_argument& e) {  // the selection's own rules, with the file named
-    // e reads "stria: ARGUMENT = VALUE: RULE"; the same with the file before the argument.
-    const std::string what = e.what(), head = "stria: " + e.argument() + " = ";
-    const std::size_t rule = what.find(": ", head.size());
-    if (what.rfind(head, 0) != 0 || rule == std::string::npos) throw stria::invalid_argument(file, "(the selection)", what);
-    throw stria::invalid_argument(file + ": " + e.argument(), what.substr(head.size(), rule - head.size()), what.substr(rule + 2));
+    throw stria::invalid_argument(file + ": " + e.argument(), e.value(), e.rule());
   }
   return g;
 }

@@ -20,6 +20,8 @@ TEST_CASE("invalid_argument names the argument, the value and the rule") {
   const stria::invalid_argument e("seq_len", 1000, "must be a multiple of 64");
   CHECK(std::string(e.what()) == "stria: seq_len = 1000: must be a multiple of 64");
   CHECK(e.argument() == "seq_len");
+  CHECK(e.value() == "1000");
+  CHECK(e.rule() == "must be a multiple of 64");
   // It is also a std::invalid_argument, so generic handlers catch it.
   CHECK_THROWS_AS(throw e, std::invalid_argument);
 }

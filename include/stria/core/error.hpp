@@ -13,24 +13,34 @@
 
 namespace stria {
 
-/// A caller passed a value that breaks a documented rule. `argument()` is the parameter's name.
+/// A caller passed a value that breaks a documented rule. `argument()` is the parameter's name,
+/// `value()` the value as the message shows it, `rule()` the rule: a caller that knows more context
+/// (a file's name, say) can throw the same error under a longer argument name.
 class invalid_argument : public std::invalid_argument {
  public:
   template <class Value>
   invalid_argument(std::string_view argument, const Value& value, std::string_view rule)
-      : std::invalid_argument(format(argument, value, rule)), argument_(argument) {}
+      : invalid_argument(argument, shown(value), rule, 0) {}
 
   [[nodiscard]] const std::string& argument() const noexcept { return argument_; }
+  [[nodiscard]] const std::string& value() const noexcept { return value_; }
+  [[nodiscard]] const std::string& rule() const noexcept { return rule_; }
 
  private:
+  invalid_argument(std::string_view argument, std::string value, std::string_view rule, int)
+      : std::invalid_argument("stria: " + std::string(argument) + " = " + value + ": " + std::string(rule)),
+        argument_(argument),
+        value_(std::move(value)),
+        rule_(rule) {}
+
   template <class Value>
-  static std::string format(std::string_view argument, const Value& value, std::string_view rule) {
+  static std::string shown(const Value& value) {
     std::ostringstream out;
-    out << "stria: " << argument << " = " << value << ": " << rule;
+    out << value;
     return out.str();
   }
 
-  std::string argument_;
+  std::string argument_, value_, rule_;
 };
 
 /// A library call (CUDA runtime or NCCL) failed: what was called, where, with which code.

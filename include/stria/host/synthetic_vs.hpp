@@ -82,12 +82,14 @@ struct synthetic_vs_options {
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
-    // A family's settings are checked where the pattern reads them (the mixture: power-law lines
-    // from the second query head on, periodic ones from the third, clusters on odd KV heads).
-    const bool mixture = pattern == vs_pattern::mixture;
-    const bool power_law = pattern == vs_pattern::power_law_slash || (mixture && heads_q >= 2);
-    const bool periodic = pattern == vs_pattern::periodic_slash || (mixture && heads_q >= 3);
-    const bool clustered = pattern == vs_pattern::clustered_vertical || (mixture && heads_kv >= 2);
+    // A family's settings are checked where some head reads them (the mixture's cycles repeat
+    // every three query heads and every two KV heads).
+    bool power_law = false, periodic = false, clustered = false;
+    for (index_t h = 0; h < std::min<index_t>(heads_q, 3); ++h) {
+      power_law = power_law || head_pattern(h) == vs_pattern::power_law_slash;
+      periodic = periodic || head_pattern(h) == vs_pattern::periodic_slash;
+    }
+    for (index_t hk = 0; hk < std::min<index_t>(heads_kv, 2); ++hk) clustered = clustered || clustered_kv_head(hk);
     const std::string family = std::string(" (the ") + pattern_name(pattern) + " pattern)";
     if (power_law || periodic) {
       // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
@@ -106,6 +108,17 @@ struct synthetic_vs_options {
         throw invalid_argument("vertical_clusters", vertical_clusters, "must lie in [1, seq_len]" + family);
       if (cluster_tokens < 1) throw invalid_argument("cluster_tokens", cluster_tokens, "must be at least 1" + family);
     }
+  }
+
+  /// The family query head h follows: the pattern, or for the mixture rope, power_law_slash and
+  /// periodic_slash in turn.
+  [[nodiscard]] vs_pattern head_pattern(index_t h) const {
+    constexpr vs_pattern cycle[3] = {vs_pattern::rope, vs_pattern::power_law_slash, vs_pattern::periodic_slash};
+    return pattern == vs_pattern::mixture ? cycle[h % 3] : pattern;
+  }
+  /// Whether KV head hk's outlier keys fall in clusters (the mixture: odd KV heads).
+  [[nodiscard]] bool clustered_kv_head(index_t hk) const {
+    return pattern == vs_pattern::clustered_vertical || (pattern == vs_pattern::mixture && hk % 2 == 1);
   }
 
   /// The periodic lines' spacing in block diagonals: period_blocks, or where 0, 8 (at most the
@@ -150,16 +163,11 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
   std::mt19937_64 rng(o.seed * 0xd1b54a32d192ed03ULL + 0x2545f4914f6cdd1dULL);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   const index_t d = o.head_dim, group = o.heads_q / o.heads_kv;
-  auto head_pattern = [&](index_t h) {
-    if (o.pattern != vs_pattern::mixture) return o.pattern;
-    constexpr vs_pattern cycle[3] = {vs_pattern::rope, vs_pattern::power_law_slash, vs_pattern::periodic_slash};
-    return cycle[h % 3];
-  };
   std::vector<index_t> fast;
   for (index_t i = 0; i < slow_begin; ++i)
     if (m.theta[static_cast<std::size_t>(i)] * 256.0 >= 2.0 * std::numbers::pi) fast.push_back(i);
   for (index_t h = 0; h < o.heads_q; ++h) {
-    const vs_pattern p = head_pattern(h);
+    const vs_pattern p = o.head_pattern(h);
     if (p != vs_pattern::power_law_slash && p != vs_pattern::periodic_slash) continue;
     const index_t hk = h / group;
     for (index_t j = 1; j <= o.extra_slashes; ++j) {
@@ -183,7 +191,7 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
   }
   // Clustered outliers: the same count per KV head, the sinks kept, the rest near a few centres.
   for (index_t hk = 0; hk < o.heads_kv; ++hk) {
-    if (o.pattern != vs_pattern::clustered_vertical && !(o.pattern == vs_pattern::mixture && hk % 2 == 1)) continue;
+    if (!o.clustered_kv_head(hk)) continue;
     auto& tokens = m.vertical[static_cast<std::size_t>(hk)];
     std::vector<bool> taken(static_cast<std::size_t>(o.seq_len));
     tokens.erase(std::remove_if(tokens.begin(), tokens.end(), [&](index_t t) { return t >= o.sink_tokens; }), tokens.end());
