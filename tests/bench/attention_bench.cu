@@ -12,9 +12,11 @@
 // part before its first launch does), and the runtime calls that side is made of. Each pattern's row is followed by the forward's
 // K and V tile loads (bytes its CTAs draw from L2 and the rate at the forward's time: compare l2_bench's ceiling). --ring-steps
 // also times the same forward call as a ring's later steps make it: merging into the fp32 running state (a middle step) and merging
-// with the output written in T (the last step), against the first step's overwrite in the row above.
+// with the output written in T (the last step), against the first step's overwrite in the row above. --launch-orders times the
+// forward with its CTAs launched query blocks inner and heads inner (device::launch_order), in turns, and checks that both write
+// the same bits; --launch-order picks the order of the forward rows (device::launch_order's names).
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
-//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--ring-steps] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
+//                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--ring-steps] [--launch-orders] [--launch-order NAME] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
 #include <cuda_bf16.h>
 
@@ -23,6 +25,7 @@
 #include <cstdio>
 #include <ctime>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -184,12 +187,15 @@ int main(int argc, char** argv) try {
   std::string pattern_dir, json_path, commit = "unknown";
   int repeats = 10;
   index_t dim = 128, hkv = 2;
-  bool with_backward = true, with_front = false, host_times = false, ring_steps = false;
+  bool with_backward = true, with_front = false, host_times = false, ring_steps = false, launch_orders = false;
   device::dq_source main_source = device::dq_source::automatic;  // of every backward row but the recomputed one
+  device::launch_order main_order = device::launch_order::automatic;  // of the forward rows
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--forward-only" || flag == "--front" || flag == "--host-times" || flag == "--ring-steps") {  // flags without a value
+    if (flag == "--forward-only" || flag == "--front" || flag == "--host-times" || flag == "--ring-steps" ||
+        flag == "--launch-orders") {  // flags without a value
       if (flag == "--front") with_front = true;
+      else if (flag == "--launch-orders") launch_orders = true;
       else if (flag == "--host-times") host_times = true;
       else if (flag == "--ring-steps") ring_steps = true;
       else with_backward = false;
@@ -212,6 +218,15 @@ int main(int argc, char** argv) try {
         return 2;
       }
       main_source = value == "stored" ? device::dq_source::stored : value == "recomputed" ? device::dq_source::recomputed : device::dq_source::automatic;
+    }
+    else if (flag == "--launch-order") {
+      const char* names[] = {"automatic", "query_blocks_inner", "kv_group_inner", "heads_inner"};
+      const auto found = std::find(std::begin(names), std::end(names), value);
+      if (found == std::end(names)) {
+        std::fprintf(stderr, "--launch-order = %s: must be automatic, query_blocks_inner, kv_group_inner or heads_inner\n", value.c_str());
+        return 2;
+      }
+      main_order = static_cast<device::launch_order>(found - std::begin(names));
     }
     else if (flag == "--commit") commit = value;
     else if (flag == "--heads-kv") {
@@ -291,7 +306,7 @@ int main(int argc, char** argv) try {
       const device::step_forward_tensors<T> operands{.q = qv, .k = kv, .v = vv, .out = out_view, .lse = lse_view};
       auto forward = [&](device::forward_kernel which) {
         return [&, which] {
-          device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .which = which});
+          device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .which = which, .order = main_order});
         };
       };
       std::uint64_t bad = 0;
@@ -303,6 +318,36 @@ int main(int argc, char** argv) try {
       }
       const double mma_ms = median_ms(repeats, forward(device::forward_kernel::mma_sync));
       const double fwd_ms = median_ms(repeats, forward(device::forward_kernel::automatic));
+      if (launch_orders) {  // the automatic forward in each launch order, timed in turns with query blocks inner; the outputs must agree bit for bit
+        auto ordered = [&](device::launch_order order) {
+          return [&, order] {
+            device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .order = order});
+          };
+        };
+        const device::launch_order orders[] = {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner,
+                                               device::launch_order::heads_inner};
+        const char* order_names[] = {"query blocks inner", "KV group inner", "heads inner"};
+        std::vector<std::vector<float>> outputs;
+        for (auto order : orders) {
+          out.fill_bytes(0xff);
+          lse.fill_bytes(0xff);
+          ordered(order)();
+          bad += non_finite(out, false) + non_finite(lse, true);
+          outputs.push_back(out.download());
+          const std::vector<float> l = lse.download();
+          outputs.back().insert(outputs.back().end(), l.begin(), l.end());
+        }
+        const double flops = 4.0 * double(entries) * dim;
+        for (int i = 1; i < 3; ++i) {
+          const bool same = std::memcmp(outputs[0].data(), outputs[i].data(), outputs[0].size() * sizeof(float)) == 0;
+          const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, ordered(orders[0]), nullptr, ordered(orders[i]), nullptr);
+          std::printf("%-8d %-6s forward launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s\n", s, name.c_str(),
+                      order_names[0], base_ms, flops / base_ms * 1e-9, order_names[i], order_ms, flops / order_ms * 1e-9,
+                      100.0 * (base_ms / order_ms - 1.0), same ? "outputs identical" : "OUTPUTS DIFFER");
+          std::fflush(stdout);
+          if (!same) bad += 1;
+        }
+      }
 
       device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
       device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);

@@ -66,6 +66,11 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
   // earlier steps.
   CHECK(contains(message([&] { device::sparse_forward<T>(index, {.q = q, .k = k, .v = k, .out = out, .lse = lse}, 0.1, nullptr, {}); }),
                  "options.state = 0: must be running_state::overwrite (a layer's first step) or running_state::merge"));
+  CHECK(contains(message([&] {
+                   device::sparse_forward<T>(index, {.q = q, .k = k, .v = k, .out = out, .lse = lse}, 0.1, nullptr,
+                                             {.state = device::running_state::overwrite, .order = static_cast<device::launch_order>(9)});
+                 }),
+                 "options.order = 9: must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner"));
 
   // Backward: the gradient tensors are checked the same way.
   std::vector<float> grad_q(out_host.size()), grad_kv(static_cast<std::size_t>(sq) * hkv * dim + 8);

@@ -82,17 +82,29 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
                                                                                     : "mma.sync";
     CAPTURE(kernel_name);
     device_buffer<float> out(out_ref.size()), lse(lse_ref.size());
-    out.fill_bytes(0xff);  // NaN: every element must be written
-    lse.fill_bytes(0xff);
-    device::sparse_forward<T>(on_device,
-                              {.q = q_view, .k = k_view, .v = v_view, .out = dq_view(out), .lse = tensor_view<float, 2>(lse.data(), {hq, sq})},
-                              scale, nullptr, {.state = device::running_state::overwrite, .which = which});
-    const double out_error = max_relative_error(out.download(), out_ref);
-    const double lse_error = max_relative_error(lse.download(), lse_ref);
+    const auto forward = [&](device::launch_order order) {
+      out.fill_bytes(0xff);  // NaN: every element must be written
+      lse.fill_bytes(0xff);
+      device::sparse_forward<T>(on_device,
+                                {.q = q_view, .k = k_view, .v = v_view, .out = dq_view(out), .lse = tensor_view<float, 2>(lse.data(), {hq, sq})},
+                                scale, nullptr, {.state = device::running_state::overwrite, .which = which, .order = order});
+      return std::pair{out.download(), lse.download()};
+    };
+    const auto [out_first, lse_first] = forward(device::launch_order::automatic);
+    const double out_error = max_relative_error(out_first, out_ref);
+    const double lse_error = max_relative_error(lse_first, lse_ref);
     MESSAGE(type_name<T>(), " ", shape.name, " causal=", index.shape.causal, " ", kernel_name, ": max relative error O ", out_error, ", LSE ",
             lse_error);
     CHECK(out_error < tolerance<T>());
     CHECK(lse_error < tolerance<T>());
+    // Every launch order computes each row the same way: the same bits.
+    for (const device::launch_order order :
+         {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner, device::launch_order::heads_inner}) {
+      CAPTURE(static_cast<int>(order));
+      const auto [out_ordered, lse_ordered] = forward(order);
+      CHECK(std::memcmp(out_ordered.data(), out_first.data(), out_first.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(lse_ordered.data(), lse_first.data(), lse_first.size() * sizeof(float)) == 0);
+    }
   }
 
   // Backward on the reference's output rounded to T, as a training step would hand it over.

@@ -344,5 +344,20 @@ struct row_tile_rings {
 /// lists under causal attention, so they are launched first (a shorter tail).
 __device__ inline index_t launched_query_block() { return static_cast<index_t>(gridDim.x - 1 - blockIdx.x); }
 
+/// The (query unit, head) of a forward CTA: a unit is a query block, or the paired forward's pair.
+/// The launch is one-dimensional, units x heads in sections of `inner_heads` heads (a divisor of
+/// the head count): within a section the units go longest first (as launched_query_block's), and the
+/// section's heads of one unit are consecutive. With inner_heads = 1 a head's units follow one
+/// another; with the query heads of a KV head, those heads run at once on the same rows, so their
+/// CTAs read the same K and V tiles at about the same time and the later ones find them in L2.
+struct launched_unit {
+  index_t unit, head;
+};
+__device__ inline launched_unit launched_forward_unit(index_t units, index_t inner_heads) {
+  const auto linear = static_cast<index_t>(blockIdx.x);
+  const index_t section = linear / (units * inner_heads), within = linear % (units * inner_heads);
+  return {units - 1 - within / inner_heads, section * inner_heads + within % inner_heads};
+}
+
 }  // namespace detail
 }  // namespace stria::kernel

@@ -37,6 +37,7 @@ struct forward_params {
   float scale_log2;  // softmax scale * log2(e)
   bool merge;        // merge into the running state (false: overwrite it, the first step)
   T* final_out;      // [Sq, Hq, D] or null: the last step writes the merged output here in T, not to `out`
+  index_t inner_heads;  // the launch order (launched_forward_unit): heads per section, a unit's heads consecutive
 };
 
 namespace detail {
@@ -180,7 +181,8 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
   T* ks = reinterpret_cast<T*>(shared);  // 2 tiles
   T* vs = ks + 2 * tile;                 // 2 tiles
 
-  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const detail::launched_unit unit = detail::launched_forward_unit(p.index.shape.num_query_blocks, p.inner_heads);
+  const index_t q_block = unit.unit, h = unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
@@ -386,7 +388,9 @@ __global__ void __launch_bounds__(forward_wgmma_threads<D, Paired>, forward_wgmm
   // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
   if (detail::shared_address(forward_shared) % 1024 != 0) __trap();
 
-  const index_t launched = detail::launched_query_block(), h = blockIdx.y;
+  const detail::launched_unit unit =
+      detail::launched_forward_unit(Paired ? (p.index.shape.num_query_blocks + 1) / 2 : p.index.shape.num_query_blocks, p.inner_heads);
+  const index_t launched = unit.unit, h = unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const index_t last_block = p.index.shape.num_query_blocks - 1;
   const index_t walked = Paired ? (2 * launched + 1 < last_block ? 2 * launched + 1 : last_block) : launched;  // the row streamed
