@@ -5,7 +5,9 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -122,4 +124,60 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
                  "out.extent(2)"));
   CHECK(contains(message([&] { device::backward_delta<T>(q, k, tensor_view<float, 2>(lse_host.data(), {hq, sq}), nullptr); }),
                  "d_out.extent(1)"));
+}
+
+// The forward's launch orders (device::launch_order): the grid the launcher builds and the kernels'
+// reading of it (kernel::detail::row_unit_of, the arithmetic of launched_row_unit) cover every
+// (query block, head) once, in the order asked, as the hardware hands out blocks (x fastest, then y,
+// then z). Host-only: the GPU tests check that every order writes the same bits.
+TEST_CASE("the forward's launch orders cover every query block and head once, in the order asked") {
+  struct heads {
+    index_t q, kv;
+  };
+  for (const heads h : {heads{16, 2}, heads{16, 16}, heads{4, 2}, heads{6, 3}, heads{8, 1}})
+    for (const index_t units : {1, 7, 300})
+      for (const device::launch_order order : {device::launch_order::automatic, device::launch_order::query_blocks_inner,
+                                               device::launch_order::kv_group_inner, device::launch_order::heads_inner})
+        for (const bool complete : {false, true}) {
+          CAPTURE(h.q);
+          CAPTURE(h.kv);
+          CAPTURE(units);
+          CAPTURE(static_cast<int>(order));
+          CAPTURE(complete);
+          const attention_shape shape{64 * units, 64 * units, h.q, h.kv, 128};
+          const index_t section = device::detail::launched_heads(order, complete, units, shape);
+          const index_t expected_section = order == device::launch_order::heads_inner ? h.q
+                                           : order == device::launch_order::kv_group_inner ||
+                                                   (order == device::launch_order::automatic && !complete)
+                                               ? h.q / h.kv
+                                               : 1;
+          CHECK(section == expected_section);
+          const dim3 grid = device::detail::forward_grid(section, units, h.q);
+          REQUIRE(std::int64_t{grid.x} * grid.y * grid.z == std::int64_t{units} * h.q);
+          std::vector<kernel::detail::launched_unit> launched;
+          for (unsigned z = 0; z < grid.z; ++z)
+            for (unsigned y = 0; y < grid.y; ++y)
+              for (unsigned x = 0; x < grid.x; ++x)
+                launched.push_back(section > 1 ? kernel::detail::row_unit_of<true>(x, y, z, grid.x, grid.y)
+                                               : kernel::detail::row_unit_of<false>(x, y, z, grid.x, grid.y));
+          std::vector<int> seen(static_cast<std::size_t>(units * h.q), 0);
+          for (const auto& [unit, head] : launched) {
+            REQUIRE((unit >= 0 && unit < units && head >= 0 && head < h.q));
+            ++seen[static_cast<std::size_t>(head * units + unit)];
+          }
+          CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<std::ptrdiff_t>(seen.size()));
+          // The order: within a section of `section` heads the last unit first, its heads together;
+          // sections (one head each where section is 1) one after another.
+          for (std::size_t i = 0; i < launched.size(); ++i) {
+            const auto s = static_cast<index_t>(i) / (units * section), within = static_cast<index_t>(i) % (units * section);
+            CHECK(launched[i].unit == units - 1 - within / section);
+            CHECK(launched[i].head == s * section + within % section);
+          }
+        }
+  // Grouped, the query blocks are the grid's y dimension: a named grouped order is refused past it,
+  // automatic falls back to a head's query blocks one after another.
+  const attention_shape shape{64 * 70000, 64 * 70000, 16, 2, 128};
+  CHECK(device::detail::launched_heads(device::launch_order::automatic, false, 70000, shape) == 1);
+  CHECK(contains(message([&] { static_cast<void>(device::detail::launched_heads(device::launch_order::kv_group_inner, false, 70000, shape)); }),
+                 "options.order = launch_order::kv_group_inner: needs at most 65535 local query blocks (a grid dimension); the call has 70000"));
 }

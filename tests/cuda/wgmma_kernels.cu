@@ -13,6 +13,7 @@ template <class T, int D>
 void instantiate() {
   namespace k = stria::kernel;
   static_cast<void>(&k::sparse_forward_wgmma<T, D>);
+  static_cast<void>(&k::sparse_forward_wgmma<T, D, false, true>);  // launched grouped (device::launch_order)
   static_cast<void>(&k::sparse_backward_dkdv_wgmma<T, D>);
   static_cast<void>(&k::sparse_backward_dq_wgmma<T, D>);
   static_cast<void>(&k::sparse_backward_dq_stored_wgmma<T, D>);

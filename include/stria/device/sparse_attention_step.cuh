@@ -52,15 +52,18 @@ enum class determinism { atomic, deterministic };
 /// take `automatic`, `mma_sync` or `wgmma`: their steps' indices differ in completeness.
 enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 
-/// The order in which the forward's CTAs are launched (kernel::launched_forward_unit), longest rows
-/// first in every order: `query_blocks_inner` launches a head's query blocks one after another;
-/// `kv_group_inner` the query heads of a KV head for one query block (or pair) one after another, KV
-/// heads outermost, so that the heads that read the same K and V tiles run at once and share them in
-/// L2; `heads_inner` every head of a query block one after another. `automatic` picks kv_group_inner,
-/// and query_blocks_inner for an index that holds every tile the causal rule allows (dense). Measured
-/// on an H100, vs95, Hq 16 / Hkv 2, D 128, against query_blocks_inner: 32K +11% (L2 hit rate 85 ->
-/// 93%, DRAM reads halved), 128K +1.3-1.5%; Hkv 8 at 32K +6%; Hkv 16 the same order; D 64 +0.2-1.7%;
-/// dense 128K (the paired kernel) -2.6% in one call (RESULTS, 2026-12-06, second).
+/// The order in which the forward's CTAs are launched (kernel::detail::launched_row_unit), in
+/// sections of heads, longest rows first within a section: `query_blocks_inner` launches a head's
+/// query blocks one after another; `kv_group_inner` the query heads of a KV head for one query block
+/// one after another, so that the heads that read one KV head run at once and share in L2 the tiles
+/// their selections have in common; `heads_inner` every head of a query block one after another.
+/// `automatic` picks kv_group_inner, and query_blocks_inner for an index that holds every tile the
+/// causal rule allows (measured on the paired kernel alone) or for more than 65535 query blocks. The
+/// paired kernel launches a head's pairs one after another in every order. kv_group_inner against
+/// query_blocks_inner on an H100, vs95, Hq 16 / Hkv 2, D 128: 32K +11% (L2 hit rate 85 -> 93%, DRAM
+/// reads halved), 128K +1.3-1.5%; Hkv 8 at 32K +6%; with Hkv 16 it is the same order; D 64
+/// +0.2-1.7%; dense 128K (the paired kernel) -2.6% in one call. heads_inner: 32K a little faster
+/// still, but 128K with Hkv 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second).
 enum class launch_order { automatic, query_blocks_inner, kv_group_inner, heads_inner };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
@@ -198,10 +201,34 @@ struct forward_options {
 };
 
 namespace detail {
-/// The heads a forward launch section holds (kernel::launched_forward_unit) in `order`.
-inline index_t launched_heads(launch_order order, bool complete, const attention_shape& shape) {
-  if (order == launch_order::automatic) order = complete ? launch_order::query_blocks_inner : launch_order::kv_group_inner;
+inline void check_launch_order(launch_order order) {
+  if (order != launch_order::automatic && order != launch_order::query_blocks_inner && order != launch_order::kv_group_inner &&
+      order != launch_order::heads_inner)
+    throw invalid_argument("options.order", static_cast<int>(order),
+                           "must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner");
+}
+/// The heads of a launch section (kernel::detail::launched_row_unit) in `order`, for a call over
+/// `query_blocks`: 1 is a head's query blocks one after another. automatic: a KV head's query heads,
+/// or 1 for a complete index; and 1 where the units would not fit the grouped launch's y dimension
+/// (65535), which a named order is refused for instead.
+inline index_t launched_heads(launch_order order, bool complete, index_t query_blocks, const attention_shape& shape) {
+  constexpr index_t most_units = 65535;
+  if (order == launch_order::automatic) {
+    if (complete || query_blocks > most_units) return 1;
+    order = launch_order::kv_group_inner;
+  }
+  if (order != launch_order::query_blocks_inner && query_blocks > most_units)
+    throw invalid_argument("options.order", order == launch_order::heads_inner ? "launch_order::heads_inner" : "launch_order::kv_group_inner",
+                           "needs at most 65535 local query blocks (a grid dimension); the call has " + std::to_string(query_blocks) +
+                               ": use launch_order::automatic or query_blocks_inner");
   return order == launch_order::heads_inner ? shape.heads_q : order == launch_order::kv_group_inner ? shape.heads_q / shape.heads_kv : 1;
+}
+/// The forward's grid over `units` (query blocks, or pairs) and `heads`, in sections of
+/// `section_heads` (kernel::detail::launched_row_unit): (units, heads), or grouped (heads of a
+/// section, units, sections).
+inline dim3 forward_grid(index_t section_heads, index_t units, index_t heads) {
+  return section_heads > 1 ? dim3(static_cast<unsigned>(section_heads), static_cast<unsigned>(units), static_cast<unsigned>(heads / section_heads))
+                           : dim3(static_cast<unsigned>(units), static_cast<unsigned>(heads));
 }
 }  // namespace detail
 
@@ -221,10 +248,8 @@ void sparse_forward(const device_step_index& index, const step_forward_tensors<T
   if (state != running_state::overwrite && state != running_state::merge)
     throw invalid_argument("options.state", static_cast<int>(state),
                            "must be running_state::overwrite (a layer's first step) or running_state::merge (every later one): it has no default");
-  if (order != launch_order::automatic && order != launch_order::query_blocks_inner && order != launch_order::kv_group_inner &&
-      order != launch_order::heads_inner)
-    throw invalid_argument("options.order", static_cast<int>(order),
-                           "must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner");
+  detail::check_launch_order(order);
+  const index_t section_heads = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);
   const bool without_running = out.data() == nullptr && final_out.data() && state == running_state::overwrite;
   if (!without_running) {
     check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
@@ -261,33 +286,35 @@ void sparse_forward(const device_step_index& index, const step_forward_tensors<T
                                          shape.query_tokens,
                                          static_cast<float>(softmax_scale * kernel::detail::log2e),
                                          state == running_state::merge,
-                                         final_out.data(),
-                                         detail::launched_heads(order, index.complete, shape)};
-  // units x heads in one dimension: a unit is a query block, or a pair of them (the paired kernel).
-  const auto grid_of = [&](index_t units) { return dim3(static_cast<unsigned>(units) * static_cast<unsigned>(shape.heads_q)); };
-  const dim3 grid = grid_of(index.shape.num_query_blocks);
+                                         final_out.data()};
+  const bool grouped = section_heads > 1;
+  const dim3 grid = detail::forward_grid(section_heads, index.shape.num_query_blocks, shape.heads_q);
   detail::with_head_dim<HeadDim>(shape.head_dim, [&]<int D>() {
     if constexpr (D == 128) {
-      if (paired) {  // two query blocks per CTA
+      if (paired) {  // two query blocks per CTA, a head's pairs one after another in every order
         constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D, true>();
         detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D, true>>(bytes);
-        const dim3 pairs = grid_of((index.shape.num_query_blocks + 1) / 2);
+        const dim3 pairs = detail::forward_grid(1, (index.shape.num_query_blocks + 1) / 2, shape.heads_q);
         kernel::sparse_forward_wgmma<T, D, true><<<pairs, kernel::forward_wgmma_threads<D, true>, bytes, stream>>>(params);
         STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma (paired)");
         return;
       }
     }
-    if (hopper) {
-      constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
-      detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D>>(bytes);
-      kernel::sparse_forward_wgmma<T, D><<<grid, kernel::forward_wgmma_threads<D>, bytes, stream>>>(params);
-      STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
-    } else {
-      constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
-      detail::allow_shared_bytes<&kernel::sparse_forward<T, D>>(bytes);
-      kernel::sparse_forward<T, D><<<grid, kernel::attention_threads, bytes, stream>>>(params);
-      STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
-    }
+    auto launch = [&]<bool Grouped>() {
+      if (hopper) {
+        constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
+        detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D, false, Grouped>>(bytes);
+        kernel::sparse_forward_wgmma<T, D, false, Grouped><<<grid, kernel::forward_wgmma_threads<D>, bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
+      } else {
+        constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
+        detail::allow_shared_bytes<&kernel::sparse_forward<T, D, Grouped>>(bytes);
+        kernel::sparse_forward<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+        STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
+      }
+    };
+    if (grouped) launch.template operator()<true>();
+    else launch.template operator()<false>();
   });
 }
 

@@ -345,18 +345,26 @@ struct row_tile_rings {
 __device__ inline index_t launched_query_block() { return static_cast<index_t>(gridDim.x - 1 - blockIdx.x); }
 
 /// The (query unit, head) of a forward CTA: a unit is a query block, or the paired forward's pair.
-/// The launch is one-dimensional, units x heads in sections of `inner_heads` heads (a divisor of
-/// the head count): within a section the units go longest first (as launched_query_block's), and the
-/// section's heads of one unit are consecutive. With inner_heads = 1 a head's units follow one
-/// another; with the query heads of a KV head, those heads run at once on the same rows, so their
-/// CTAs read the same K and V tiles at about the same time and the later ones find them in L2.
+/// Not Grouped: the launch is (units, heads), a head's units one after another, the last first
+/// (launched_query_block). Grouped: (heads of a section, units, sections), the section's heads of
+/// one unit one after another, units last first within a section; with a KV head's query heads as
+/// the section, they run at once on the same query block, so the K and V tiles their selections
+/// share are read at about the same time and found in L2 by all but the first. Every value comes
+/// straight from blockIdx and gridDim: a division by the section's size here made ptxas spill the
+/// D 64 forward's registers or serialize the D 128 forward's products (tests/cuda/wgmma_kernels.cu).
 struct launched_unit {
   index_t unit, head;
 };
-__device__ inline launched_unit launched_forward_unit(index_t units, index_t inner_heads) {
-  const auto linear = static_cast<index_t>(blockIdx.x);
-  const index_t section = linear / (units * inner_heads), within = linear % (units * inner_heads);
-  return {units - 1 - within / inner_heads, section * inner_heads + within % inner_heads};
+/// launched_row_unit's arithmetic for block (x, y, z) of a grid of `grid_x` x `grid_y` x ...: on
+/// the host too, where a test walks whole grids.
+template <bool Grouped>
+STRIA_HOST_DEVICE constexpr launched_unit row_unit_of(unsigned x, unsigned y, unsigned z, unsigned grid_x, unsigned grid_y) {
+  if constexpr (Grouped) return {static_cast<index_t>(grid_y - 1 - y), static_cast<index_t>(z * grid_x + x)};
+  else return {static_cast<index_t>(grid_x - 1 - x), static_cast<index_t>(y)};
+}
+template <bool Grouped>
+__device__ launched_unit launched_row_unit() {
+  return row_unit_of<Grouped>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y);
 }
 
 }  // namespace detail

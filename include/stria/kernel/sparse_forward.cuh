@@ -37,7 +37,6 @@ struct forward_params {
   float scale_log2;  // softmax scale * log2(e)
   bool merge;        // merge into the running state (false: overwrite it, the first step)
   T* final_out;      // [Sq, Hq, D] or null: the last step writes the merged output here in T, not to `out`
-  index_t inner_heads;  // the launch order (launched_forward_unit): heads per section, a unit's heads consecutive
 };
 
 namespace detail {
@@ -174,14 +173,15 @@ constexpr std::size_t forward_shared_bytes() {
   return 4 * sizeof(T) * shared_tile<D>::elements;
 }
 
-template <class T, int D>
+/// Grouped: the launch order (launched_row_unit).
+template <class T, int D, bool Grouped = false>
 __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse_forward(forward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int tile = shared_tile<D>::elements;
   T* ks = reinterpret_cast<T*>(shared);  // 2 tiles
   T* vs = ks + 2 * tile;                 // 2 tiles
 
-  const detail::launched_unit unit = detail::launched_forward_unit(p.index.shape.num_query_blocks, p.inner_heads);
+  const detail::launched_unit unit = detail::launched_row_unit<Grouped>();
   const index_t q_block = unit.unit, h = unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
@@ -366,14 +366,16 @@ __device__ void wait_keys(Rings& rings, const row_tiles& row, index_t t, index_t
 /// a pair of stages (one m64n128 product for both tiles' scores); where the count is odd, the last step
 /// takes the odd tile alone.
 ///
-/// Paired (forward_wgmma_tuning): the CTA of pair p = blockIdx.x walks the row of query block
-/// 2p + 1 (2p where that is the last block) and consumer c computes query block 2p + c; the
-/// launch has (query blocks + 1) / 2 CTAs per head.
-template <class T, int D, bool Paired = false>
+/// Paired (forward_wgmma_tuning): the CTA of pair p (its launched_row_unit) walks the row of query
+/// block 2p + 1 (2p where that is the last block) and consumer c computes query block 2p + c; the
+/// launch has (query blocks + 1) / 2 CTAs per head. Grouped: the launch order (launched_row_unit;
+/// not for the paired kernel, whose products ptxas then serialized).
+template <class T, int D, bool Paired = false, bool Grouped = false>
 __global__ void __launch_bounds__(forward_wgmma_threads<D, Paired>, forward_wgmma_config<D, Paired>.ctas_per_sm)
     sparse_forward_wgmma(forward_params<T> p) {
   constexpr forward_wgmma_tuning tuning = forward_wgmma_config<D, Paired>;
   static_assert(!Paired || D == 128, "the paired forward is tuned for head dim 128");
+  static_assert(!(Paired && Grouped), "the paired forward launches a head's pairs one after another");
   static_assert(tuning.producer_registers + tuning.consumers * tuning.consumer_registers <= (tuning.consumers + 1) * tuning.launch_registers(),
                 "the consumers ask setmaxnreg for more registers than the producer gives back");
   constexpr int tile = swizzled_tile<D>::bytes;
@@ -390,8 +392,7 @@ __global__ void __launch_bounds__(forward_wgmma_threads<D, Paired>, forward_wgmm
   // memory has; a device that placed it elsewhere would read shifted operands: stop instead.
   if (detail::shared_address(forward_shared) % 1024 != 0) __trap();
 
-  const detail::launched_unit unit =
-      detail::launched_forward_unit(Paired ? (p.index.shape.num_query_blocks + 1) / 2 : p.index.shape.num_query_blocks, p.inner_heads);
+  const detail::launched_unit unit = detail::launched_row_unit<Grouped>();
   const index_t launched = unit.unit, h = unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const index_t last_block = p.index.shape.num_query_blocks - 1;
