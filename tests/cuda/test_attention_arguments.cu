@@ -154,12 +154,14 @@ TEST_CASE("the forward's launch orders cover every query block and head once, in
           CHECK(section == expected_section);
           const dim3 grid = device::detail::forward_grid(section, units, h.q);
           REQUIRE(std::int64_t{grid.x} * grid.y * grid.z == std::int64_t{units} * h.q);
+          CHECK((grid.y <= 65535 && grid.z <= 65535));
+          const bool grouped = device::detail::grouped_launch(section);  // the launcher's choice of kernel
           std::vector<kernel::detail::launched_unit> launched;
           for (unsigned z = 0; z < grid.z; ++z)
             for (unsigned y = 0; y < grid.y; ++y)
               for (unsigned x = 0; x < grid.x; ++x)
-                launched.push_back(section > 1 ? kernel::detail::row_unit_of<true>(x, y, z, grid.x, grid.y)
-                                               : kernel::detail::row_unit_of<false>(x, y, z, grid.x, grid.y));
+                launched.push_back(grouped ? kernel::detail::row_unit_of<true>(x, y, z, grid.x, grid.y)
+                                           : kernel::detail::row_unit_of<false>(x, y, z, grid.x, grid.y));
           std::vector<int> seen(static_cast<std::size_t>(units * h.q), 0);
           for (const auto& [unit, head] : launched) {
             REQUIRE((unit >= 0 && unit < units && head >= 0 && head < h.q));
@@ -176,8 +178,18 @@ TEST_CASE("the forward's launch orders cover every query block and head once, in
         }
   // Grouped, the query blocks are the grid's y dimension: a named grouped order is refused past it,
   // automatic falls back to a head's query blocks one after another.
-  const attention_shape shape{64 * 70000, 64 * 70000, 16, 2, 128};
-  CHECK(device::detail::launched_heads(device::launch_order::automatic, false, 70000, shape) == 1);
-  CHECK(contains(message([&] { static_cast<void>(device::detail::launched_heads(device::launch_order::kv_group_inner, false, 70000, shape)); }),
-                 "options.order = launch_order::kv_group_inner: needs at most 65535 local query blocks (a grid dimension); the call has 70000"));
+  const attention_shape shape{64 * 65536, 64 * 65536, 16, 2, 128};
+  using device::launch_order;
+  CHECK(device::detail::launched_heads(launch_order::kv_group_inner, false, 65535, shape) == 8);
+  CHECK(device::detail::launched_heads(launch_order::automatic, false, 65535, shape) == 8);
+  CHECK(device::detail::launched_heads(launch_order::automatic, false, 65536, shape) == 1);
+  CHECK(device::detail::launched_heads(launch_order::query_blocks_inner, false, 65536, shape) == 1);
+  CHECK(contains(message([&] { static_cast<void>(device::detail::launched_heads(launch_order::kv_group_inner, false, 65536, shape)); }),
+                 "options.order = launch_order::kv_group_inner: needs at most 65535 local query blocks (index.shape.num_query_blocks, a "
+                 "grid dimension); the call has 65536"));
+  CHECK(contains(message([&] { static_cast<void>(device::detail::launched_heads(launch_order::heads_inner, false, 65536, shape)); }),
+                 "options.order = launch_order::heads_inner: needs at most 65535"));
+  // A named order whose sections hold one head each (Hq = Hkv) launches ungrouped: nothing to refuse.
+  const attention_shape mha{64 * 65536, 64 * 65536, 4, 4, 128};
+  CHECK(device::detail::launched_heads(launch_order::kv_group_inner, false, 65536, mha) == 1);
 }

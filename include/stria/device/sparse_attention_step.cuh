@@ -57,13 +57,15 @@ enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 /// query blocks one after another; `kv_group_inner` the query heads of a KV head for one query block
 /// one after another, so that the heads that read one KV head run at once and share in L2 the tiles
 /// their selections have in common; `heads_inner` every head of a query block one after another.
-/// `automatic` picks kv_group_inner, and query_blocks_inner for an index that holds every tile the
-/// causal rule allows (measured on the paired kernel alone) or for more than 65535 query blocks. The
-/// paired kernel launches a head's pairs one after another in every order. kv_group_inner against
-/// query_blocks_inner on an H100, vs95, Hq 16 / Hkv 2, D 128: 32K +11% (L2 hit rate 85 -> 93%, DRAM
-/// reads halved), 128K +1.3-1.5%; Hkv 8 at 32K +6%; with Hkv 16 it is the same order; D 64
-/// +0.2-1.7%; dense 128K (the paired kernel) -2.6% in one call. heads_inner: 32K a little faster
-/// still, but 128K with Hkv 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second).
+/// The paired kernel launches a head's pairs one after another in every order. `automatic` picks
+/// kv_group_inner, and query_blocks_inner (the order before launch orders existed) for an index
+/// that holds every tile the causal rule allows, where grouping showed no gain that held, or for
+/// more than 65535 query blocks. Measured on a first form of the grouped launch (a 1-D grid,
+/// `25c50ce`, the same order), kv_group_inner against query_blocks_inner on an H100, vs95, Hq 16 /
+/// Hkv 2, D 128: 32K +11% (L2 hit rate 85 -> 93%, DRAM reads halved), 128K +1.3-1.5%; Hkv 8 at 32K
+/// +6%; with Hkv 16 it is the same order; D 64 +0.2-1.7%; dense 128K through the paired kernel,
+/// then grouped too, -2.6% in one call. heads_inner: 32K a little faster still, but 128K with Hkv
+/// 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second).
 enum class launch_order { automatic, query_blocks_inner, kv_group_inner, heads_inner };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
@@ -207,28 +209,32 @@ inline void check_launch_order(launch_order order) {
     throw invalid_argument("options.order", static_cast<int>(order),
                            "must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner");
 }
+/// Whether a launch in sections of `section_heads` heads is grouped (kernel::detail::launched_row_unit):
+/// more than one head to a section.
+inline bool grouped_launch(index_t section_heads) { return section_heads > 1; }
 /// The heads of a launch section (kernel::detail::launched_row_unit) in `order`, for a call over
 /// `query_blocks`: 1 is a head's query blocks one after another. automatic: a KV head's query heads,
-/// or 1 for a complete index; and 1 where the units would not fit the grouped launch's y dimension
-/// (65535), which a named order is refused for instead.
+/// or 1 for a complete index; and 1 where a grouped launch's query blocks would not fit its y
+/// dimension (65535), which a named order is refused for instead.
 inline index_t launched_heads(launch_order order, bool complete, index_t query_blocks, const attention_shape& shape) {
-  constexpr index_t most_units = 65535;
-  if (order == launch_order::automatic) {
-    if (complete || query_blocks > most_units) return 1;
-    order = launch_order::kv_group_inner;
-  }
-  if (order != launch_order::query_blocks_inner && query_blocks > most_units)
-    throw invalid_argument("options.order", order == launch_order::heads_inner ? "launch_order::heads_inner" : "launch_order::kv_group_inner",
-                           "needs at most 65535 local query blocks (a grid dimension); the call has " + std::to_string(query_blocks) +
-                               ": use launch_order::automatic or query_blocks_inner");
-  return order == launch_order::heads_inner ? shape.heads_q : order == launch_order::kv_group_inner ? shape.heads_q / shape.heads_kv : 1;
+  constexpr index_t most_query_blocks = 65535;
+  const launch_order resolved = order != launch_order::automatic ? order : complete ? launch_order::query_blocks_inner : launch_order::kv_group_inner;
+  const index_t section = resolved == launch_order::heads_inner      ? shape.heads_q
+                          : resolved == launch_order::kv_group_inner ? shape.heads_q / shape.heads_kv
+                                                                     : 1;
+  if (!grouped_launch(section) || query_blocks <= most_query_blocks) return section;
+  if (order == launch_order::automatic) return 1;
+  throw invalid_argument("options.order", order == launch_order::heads_inner ? "launch_order::heads_inner" : "launch_order::kv_group_inner",
+                         "needs at most 65535 local query blocks (index.shape.num_query_blocks, a grid dimension); the call has " +
+                             std::to_string(query_blocks) + ": use launch_order::automatic or query_blocks_inner");
 }
 /// The forward's grid over `units` (query blocks, or pairs) and `heads`, in sections of
 /// `section_heads` (kernel::detail::launched_row_unit): (units, heads), or grouped (heads of a
 /// section, units, sections).
 inline dim3 forward_grid(index_t section_heads, index_t units, index_t heads) {
-  return section_heads > 1 ? dim3(static_cast<unsigned>(section_heads), static_cast<unsigned>(units), static_cast<unsigned>(heads / section_heads))
-                           : dim3(static_cast<unsigned>(units), static_cast<unsigned>(heads));
+  return grouped_launch(section_heads)
+             ? dim3(static_cast<unsigned>(section_heads), static_cast<unsigned>(units), static_cast<unsigned>(heads / section_heads))
+             : dim3(static_cast<unsigned>(units), static_cast<unsigned>(heads));
 }
 }  // namespace detail
 
@@ -287,7 +293,7 @@ void sparse_forward(const device_step_index& index, const step_forward_tensors<T
                                          static_cast<float>(softmax_scale * kernel::detail::log2e),
                                          state == running_state::merge,
                                          final_out.data()};
-  const bool grouped = section_heads > 1;
+  const bool grouped = detail::grouped_launch(section_heads);
   const dim3 grid = detail::forward_grid(section_heads, index.shape.num_query_blocks, shape.heads_q);
   detail::with_head_dim<HeadDim>(shape.head_dim, [&]<int D>() {
     if constexpr (D == 128) {
