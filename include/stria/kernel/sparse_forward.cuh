@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// index's rows are the ascending local blocks; branch prefix-rows) measured the same on an H100
 /// (RESULTS, 2026-12-06). Nor is it the K and V tiles' L2 locality: launching a KV head's query
 /// heads together moved it by -3.9% to +1.1% on H100s (the first form of device::launch_order,
-/// which grouped the paired kernel too; RESULTS, 2026-12-06, second). Over the union of two sparse rows the probe measured 8-25% slower than two CTAs of one
-/// row each, so sparse rows keep those.
+/// which grouped the paired kernel too; RESULTS, 2026-12-06, second). Over the union of two sparse
+/// rows the probe measured 8-25% slower than two CTAs of one row each, so sparse rows keep those.
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
