@@ -333,7 +333,6 @@ int main(int argc, char** argv) try {
         };
         const device::launch_order orders[] = {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner,
                                                device::launch_order::heads_inner};
-        const char* compared[] = {"query blocks inner", "KV group inner", "heads inner"};
         std::vector<std::vector<float>> outputs;
         for (auto order : orders) {
           out.fill_bytes(0xff);
@@ -349,7 +348,8 @@ int main(int argc, char** argv) try {
           const bool same = std::memcmp(outputs[0].data(), outputs[i].data(), outputs[0].size() * sizeof(float)) == 0;
           const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, ordered(orders[0]), nullptr, ordered(orders[i]), nullptr);
           std::printf("%-8d %-6s forward launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s\n", s, name.c_str(),
-                      compared[0], base_ms, flops / base_ms * 1e-9, compared[i], order_ms, flops / order_ms * 1e-9,
+                      launch_order_names[static_cast<int>(orders[0])], base_ms, flops / base_ms * 1e-9,
+                      launch_order_names[static_cast<int>(orders[i])], order_ms, flops / order_ms * 1e-9,
                       100.0 * (base_ms / order_ms - 1.0), same ? "outputs identical" : "OUTPUTS DIFFER");
           std::fflush(stdout);
           if (!same) orders_differ = true;

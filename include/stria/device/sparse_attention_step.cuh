@@ -203,20 +203,18 @@ struct forward_options {
 };
 
 namespace detail {
-inline void check_launch_order(launch_order order) {
-  if (order != launch_order::automatic && order != launch_order::query_blocks_inner && order != launch_order::kv_group_inner &&
-      order != launch_order::heads_inner)
-    throw invalid_argument("options.order", static_cast<int>(order),
-                           "must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner");
-}
 /// Whether a launch in sections of `section_heads` heads is grouped (kernel::detail::launched_row_unit):
 /// more than one head to a section.
 inline bool grouped_launch(index_t section_heads) { return section_heads > 1; }
 /// The heads of a launch section (kernel::detail::launched_row_unit) in `order`, for a call over
 /// `query_blocks`: 1 is a head's query blocks one after another. automatic: a KV head's query heads,
 /// or 1 for a complete index; and 1 where a grouped launch's query blocks would not fit its y
-/// dimension (65535), which a named order is refused for instead.
+/// dimension (65535), which a named order is refused for instead. An order outside the enum is refused.
 inline index_t launched_heads(launch_order order, bool complete, index_t query_blocks, const attention_shape& shape) {
+  if (order != launch_order::automatic && order != launch_order::query_blocks_inner && order != launch_order::kv_group_inner &&
+      order != launch_order::heads_inner)
+    throw invalid_argument("options.order", static_cast<int>(order),
+                           "must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner");
   constexpr index_t most_query_blocks = 65535;
   const launch_order resolved = order != launch_order::automatic ? order : complete ? launch_order::query_blocks_inner : launch_order::kv_group_inner;
   const index_t section = resolved == launch_order::heads_inner      ? shape.heads_q
@@ -254,7 +252,6 @@ void sparse_forward(const device_step_index& index, const step_forward_tensors<T
   if (state != running_state::overwrite && state != running_state::merge)
     throw invalid_argument("options.state", static_cast<int>(state),
                            "must be running_state::overwrite (a layer's first step) or running_state::merge (every later one): it has no default");
-  detail::check_launch_order(order);
   const index_t section_heads = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);
   const bool without_running = out.data() == nullptr && final_out.data() && state == running_state::overwrite;
   if (!without_running) {

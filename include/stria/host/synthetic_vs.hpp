@@ -82,14 +82,13 @@ struct synthetic_vs_options {
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
-    // A family's settings are checked where some head reads them (the mixture's cycles repeat
-    // every three query heads and every two KV heads).
+    // A family's settings are checked where some head reads them.
     bool power_law = false, periodic = false, clustered = false;
-    for (index_t h = 0; h < std::min<index_t>(heads_q, 3); ++h) {
+    for (index_t h = 0; h < heads_q; ++h) {
       power_law = power_law || head_pattern(h) == vs_pattern::power_law_slash;
       periodic = periodic || head_pattern(h) == vs_pattern::periodic_slash;
     }
-    for (index_t hk = 0; hk < std::min<index_t>(heads_kv, 2); ++hk) clustered = clustered || clustered_kv_head(hk);
+    for (index_t hk = 0; hk < heads_kv; ++hk) clustered = clustered || clustered_kv_head(hk);
     const std::string family = std::string(" (the ") + pattern_name(pattern) + " pattern)";
     if (power_law || periodic) {
       // Bounded by the token offsets there are: a line per offset at most (unbounded, a small
