@@ -364,7 +364,7 @@ int main(int argc, char** argv) try {
                           device::dq_source requested = device::dq_source::automatic) {
         const device::dq_source source = requested == device::dq_source::automatic ? main_source : requested;
         return [&, mode, which, source] {
-          device::sparse_backward<T>(index, gradients, scale, nullptr, {.mode = mode, .which = which, .source = source});
+          device::sparse_backward<T>(index, gradients, scale, nullptr, {.mode = mode, .which = which, .source = source, .order = main_order});
         };
       };
       // On Hopper the automatic backward stores dS where the workspace fits; the recomputing dQ pass
@@ -385,6 +385,43 @@ int main(int argc, char** argv) try {
         det_ms = median_ms(repeats, backward(device::determinism::deterministic));
         if (hopper)
           recomputed_ms = median_ms(repeats, backward(device::determinism::atomic, device::backward_kernel::automatic, device::dq_source::recomputed));
+      }
+      if (with_backward && hopper && launch_orders) {
+        // The atomic backward with its dQ pass launched in each order (stored and recomputed dS), timed in turns with query
+        // blocks inner; each dq row has one writer, so dq must agree bit for bit.
+        // (At D 64 automatic recomputes: one source.)
+        std::vector<device::dq_source> sources{device::dq_source::recomputed};
+        if (dim == 128 || main_source == device::dq_source::stored) sources.insert(sources.begin(), main_source);
+        for (auto source : sources) {
+          auto ordered = [&](device::launch_order order) {
+            return [&, order, source] {
+              device::sparse_backward<T>(index, gradients, scale, nullptr, {.source = source, .order = order});
+            };
+          };
+          const device::launch_order orders[] = {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner,
+                                                 device::launch_order::heads_inner};
+          std::vector<std::vector<float>> dqs;
+          for (auto order : orders) {
+            dq.fill_bytes(0);
+            dk.fill_bytes(0);
+            dv.fill_bytes(0);
+            ordered(order)();
+            bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+            dqs.push_back(dq.download());
+          }
+          const double flops = 10.0 * double(entries) * dim;
+          for (std::size_t i = 1; i < std::size(orders); ++i) {
+            const bool same = std::memcmp(dqs[0].data(), dqs[i].data(), dqs[0].size() * sizeof(float)) == 0;
+            const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, ordered(orders[0]), nullptr, ordered(orders[i]), nullptr);
+            std::printf("%-8d %-6s backward (dS %s) dQ launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s\n", s,
+                        name.c_str(), source == device::dq_source::recomputed ? "recomputed" : source == device::dq_source::stored ? "stored" : "automatic",
+                        launch_order_names[static_cast<int>(orders[0])], base_ms, flops / base_ms * 1e-9,
+                        launch_order_names[static_cast<int>(orders[i])], order_ms, flops / order_ms * 1e-9,
+                        100.0 * (base_ms / order_ms - 1.0), same ? "dq identical" : "DQ DIFFERS");
+            std::fflush(stdout);
+            if (!same) orders_differ = true;
+          }
+        }
       }
 
       const double fwd_flops = 4.0 * double(entries) * dim, bwd_flops = 2.5 * fwd_flops;

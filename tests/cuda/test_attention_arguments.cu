@@ -86,6 +86,13 @@ TEST_CASE("sparse attention launchers name the argument, the value and the rule"
                  "dq.extent(2)"));
   CHECK(contains(backward(tensor_view<float, 3>(grad_q.data(), {sq, hq, dim}), tensor_view<float, 3>(grad_kv.data(), {sq, hq, dim})),
                  "dk.extent(1)"));
+  // The dQ passes' launch order is the forward's, refused the same way.
+  CHECK(contains(message([&] {
+                   const tensor_view<float, 3> dq(grad_q.data(), {sq, hq, dim}), dk(grad_kv.data(), {sq, hkv, dim});
+                   device::sparse_backward<T>(index, {.q = q, .k = k, .v = k, .d_out = q, .lse = lse, .delta = lse, .dq = dq, .dk = dk, .dv = dk},
+                                              0.1, nullptr, {.order = static_cast<device::launch_order>(9)});
+                 }),
+                 "options.order = 9: must be launch_order::automatic, query_blocks_inner, kv_group_inner or heads_inner"));
   // With dq_out (dQ written out in T) the fp32 dq is not used: any view, an empty one too, passes its
   // checks; without dq_out an empty dq is named.
   const tensor_view<float, 3> grad_k(grad_kv.data(), {sq, hkv, dim});

@@ -16,7 +16,9 @@ void instantiate() {
   static_cast<void>(&k::sparse_forward_wgmma<T, D, false, true>);  // launched grouped (device::launch_order)
   static_cast<void>(&k::sparse_backward_dkdv_wgmma<T, D>);
   static_cast<void>(&k::sparse_backward_dq_wgmma<T, D>);
+  static_cast<void>(&k::sparse_backward_dq_wgmma<T, D, true>);  // launched grouped (backward_options::order)
   static_cast<void>(&k::sparse_backward_dq_stored_wgmma<T, D>);
+  static_cast<void>(&k::sparse_backward_dq_stored_wgmma<T, D, true>);
   if constexpr (D == 128) static_cast<void>(&k::sparse_forward_wgmma<T, D, true>);  // the paired forward
 }
 

@@ -133,7 +133,8 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
                                                 .dq = {},
                                                 .dk = {},
                                                 .dv = {}};
-  auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit) {
+  auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit,
+                          device::launch_order order = device::launch_order::automatic) {
     struct gradients {
       std::vector<float> dq, dk, dv;
     };
@@ -145,7 +146,8 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
     tensors.dq = dq_view(dq);
     tensors.dk = dk_view(dk);
     tensors.dv = dk_view(dv);
-    device::sparse_backward<T>(on_device, tensors, scale, nullptr, {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit});
+    device::sparse_backward<T>(on_device, tensors, scale, nullptr,
+                               {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit, .order = order});
     return gradients{dq.download(), dk.download(), dv.download()};
   };
   // The same step as a layer's only one: no fp32 dq, dQ written out in T (poisoned first).
@@ -211,6 +213,17 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
         CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
         CHECK(std::memcmp(again.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);
+        // The dQ passes in every launch order: the same bits (not in a case split into parts for
+        // racecheck, whose runs the other cases' orders cover).
+        if (which == device::backward_kernel::wgmma && backward_part == nullptr)
+          for (const device::launch_order order :
+               {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner, device::launch_order::heads_inner}) {
+            CAPTURE(static_cast<int>(order));
+            const auto ordered = run_backward(mode, which, source, ds_limit, order);
+            CHECK(std::memcmp(ordered.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
+            CHECK(std::memcmp(ordered.dk.data(), grads.dk.data(), grads.dk.size() * sizeof(float)) == 0);
+            CHECK(std::memcmp(ordered.dv.data(), grads.dv.data(), grads.dv.size() * sizeof(float)) == 0);
+          }
         const std::vector<T> dq_out = run_backward_dq_out(mode, which, source, ds_limit);
         std::size_t differing = 0;
         for (std::size_t i = 0; i < dq_out.size(); ++i)

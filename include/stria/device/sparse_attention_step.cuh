@@ -380,6 +380,7 @@ struct backward_options {
   backward_kernel which = backward_kernel::automatic;
   dq_source source = dq_source::automatic;
   std::size_t ds_workspace_limit = 0;  // bytes of stored dS (dq_source); 0: the source's default
+  launch_order order = launch_order::automatic;  // of the Hopper dQ passes' CTAs, as the forward's
 };
 
 /// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
@@ -391,9 +392,10 @@ template <class T, index_t HeadDim = any_head_dim>
 void sparse_backward(const device_step_index& index, const step_backward_tensors<T>& tensors, double softmax_scale, cudaStream_t stream,
                      const backward_options& options = {}) {
   const auto& [q, k, v, d_out, lse, delta, dq, dk, dv, dq_out] = tensors;
-  const auto& [mode, which, source, ds_workspace_limit] = options;
+  const auto& [mode, which, source, ds_workspace_limit, order] = options;
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   detail::check_head_dim<HeadDim>(shape.head_dim);
+  const index_t launched = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);  // of the dQ passes
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
   check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
@@ -580,11 +582,30 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, stream>>>(params, vertical);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
+        // The dQ passes' CTAs in the forward's launch order (forward_options::order), over `heads`
+        // query heads from `first_head`: in sections of `launched` heads where those divide them, a
+        // head's query blocks one after another where they do not (a range of heads that splits a section).
+        auto dq_pass = [&](bool stored, index_t first_head, index_t heads) {
+          const index_t section = first_head % launched == 0 && heads % launched == 0 ? launched : 1;
+          const dim3 grid = detail::forward_grid(section, index.shape.num_query_blocks, heads);
+          auto launch = [&]<bool Grouped>() {
+            if (stored) {
+              constexpr std::size_t bytes = kernel::backward_dq_stored_shared_bytes<D>();
+              detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped>>(bytes);
+              kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+              STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
+            } else {
+              constexpr std::size_t bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
+              detail::allow_shared_bytes<&kernel::sparse_backward_dq_wgmma<T, D, Grouped>>(bytes);
+              kernel::sparse_backward_dq_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+              STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+            }
+          };
+          if (detail::grouped_launch(section)) launch.template operator()<true>();
+          else launch.template operator()<false>();
+        };
         if (!store_ds) {
-          constexpr std::size_t dq_bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
-          detail::allow_shared_bytes<&kernel::sparse_backward_dq_wgmma<T, D>>(dq_bytes);
-          kernel::sparse_backward_dq_wgmma<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+          dq_pass(false, 0, shape.heads_q);
           dkdv_passes();
           return;
         }
@@ -597,11 +618,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           params.ds_vertical = ds.data() + range.block_rows * block_tokens;
           dkdv_passes();
           // After both dK/dV passes, which wrote every dS it reads.
-          constexpr std::size_t dq_bytes = kernel::backward_dq_stored_shared_bytes<D>();
-          detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D>>(dq_bytes);
-          const dim3 range_rows(static_cast<unsigned>(index.shape.num_query_blocks), static_cast<unsigned>(range.end - range.begin));
-          kernel::sparse_backward_dq_stored_wgmma<T, D><<<range_rows, kernel::attention_threads, dq_bytes, stream>>>(params);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
+          dq_pass(true, range.begin, range.end - range.begin);
         }
         return;
       }

@@ -446,8 +446,8 @@ __device__ void finish_dq_rows(const backward_params<T>& p, index_t q_block, ind
 /// row's tiles (its blocks, then its vertical tokens 64 at a time), the sole writer of its dq rows:
 /// S = Q K^T and dP = dO V^T (shared-memory operands), dS = P (dP - delta) scale, dQ += dS K with dS
 /// from registers. K and V tiles are double-buffered: tile t + 2's copies start once every warp's
-/// product of tile t has completed.
-template <class T, int D>
+/// product of tile t has completed. Grouped: the launch order, as the forward's (launched_row_unit).
+template <class T, int D, bool Grouped = false>
 __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm) sparse_backward_dq_wgmma(backward_params<T> p) {
   extern __shared__ __align__(16) unsigned char shared_raw[];
   unsigned char* shared = detail::align_1024(shared_raw);
@@ -457,7 +457,8 @@ __global__ void __launch_bounds__(attention_threads, backward_wgmma_ctas_per_sm)
   auto ks = [&](int stage) { return dos + tile + 2 * stage * tile; };
   auto vs = [&](int stage) { return ks(stage) + tile; };
 
-  const index_t q_block = detail::launched_query_block(), h = blockIdx.y;
+  const detail::launched_unit unit = detail::launched_row_unit<Grouped>();
+  const index_t q_block = unit.unit, h = unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const detail::row_tiles row = detail::row_tiles::of(p.index, p.index.row(h, q_block));
   const index_t tiles = row.count();
@@ -641,7 +642,8 @@ __global__ void vertical_group_entries(step_index_view index, index_t* __restric
 /// row's tiles, the sole writer of its dq rows: dQ += dS K, one product per tile, with dS^T [key][query]
 /// read back from what the dK/dV passes stored (A = dS, MN-major) and K MN-major. Every thread copies:
 /// `stored_dq_stages` tiles in flight, the products synchronous (the accumulation is one chain).
-template <class T, int D>
+/// Grouped: the launch order over the range's heads, as the forward's (launched_row_unit).
+template <class T, int D, bool Grouped = false>
 __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) sparse_backward_dq_stored_wgmma(backward_params<T> p) {
   constexpr int stages = stored_dq_stages<D>, ds_bytes = swizzled_tile<64>::bytes, k_bytes = swizzled_tile<D>::bytes;
   extern __shared__ __align__(16) unsigned char shared_raw[];
@@ -649,7 +651,8 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
   auto ds_tile = [&](index_t t) { return shared + static_cast<int>(t % stages) * ds_bytes; };
   auto k_tile = [&](index_t t) { return shared + stages * ds_bytes + static_cast<int>(t % stages) * k_bytes; };
 
-  const index_t q_block = detail::launched_query_block(), h = p.head_begin + static_cast<index_t>(blockIdx.y);
+  const detail::launched_unit unit = detail::launched_row_unit<Grouped>();
+  const index_t q_block = unit.unit, h = p.head_begin + unit.head;
   const index_t hk = h / (p.heads_q / p.heads_kv);
   const index_t r = p.index.row(h, q_block);
   const detail::row_tiles row = detail::row_tiles::of(p.index, r);
