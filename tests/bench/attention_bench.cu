@@ -13,8 +13,9 @@
 // K and V tile loads (bytes its CTAs draw from L2 and the rate at the forward's time: compare l2_bench's ceiling). --ring-steps
 // also times the same forward call as a ring's later steps make it: merging into the fp32 running state (a middle step) and merging
 // with the output written in T (the last step), against the first step's overwrite in the row above. --launch-orders times the
-// forward with its CTAs launched in each order (device::launch_order) in turns with query blocks inner, and checks that they
-// write the same bits; --launch-order picks the order of the forward rows (device::launch_order's names).
+// forward, and the atomic backward (its Hopper dQ passes), with the CTAs launched in each order (device::launch_order) in turns
+// with query blocks inner, and checks that they write the same bits (the backward: dq); --launch-order picks the order of the
+// forward and backward rows (device::launch_order's names).
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
 //                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--ring-steps] [--launch-orders] [--launch-order NAME] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
@@ -192,7 +193,7 @@ int main(int argc, char** argv) try {
   index_t dim = 128, hkv = 2;
   bool with_backward = true, with_front = false, host_times = false, ring_steps = false, launch_orders = false;
   device::dq_source main_source = device::dq_source::automatic;  // of every backward row but the recomputed one
-  device::launch_order main_order = device::launch_order::automatic;  // of the forward rows
+  device::launch_order main_order = device::launch_order::automatic;  // of the forward and backward rows
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--forward-only" || flag == "--front" || flag == "--host-times" || flag == "--ring-steps" ||
@@ -391,7 +392,8 @@ int main(int argc, char** argv) try {
         // blocks inner; each dq row has one writer, so dq must agree bit for bit.
         // (At D 64 automatic recomputes: one source.)
         std::vector<device::dq_source> sources{device::dq_source::recomputed};
-        if (dim == 128 || main_source == device::dq_source::stored) sources.insert(sources.begin(), main_source);
+        if ((dim == 128 && main_source != device::dq_source::recomputed) || main_source == device::dq_source::stored)
+          sources.insert(sources.begin(), main_source);
         for (auto source : sources) {
           auto ordered = [&](device::launch_order order) {
             return [&, order, source] {

@@ -227,9 +227,9 @@ int main() {
     std::printf("\nH100, today's kernels fitted: forward %.1f TF + %.1f ns per row and step + %.0f us per call, backward %.1f TF + %.1f ns + %.0f us\n\n",
                 h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
     std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
-    // The same runs in three H100 calls (the sixth entry's; the seventh's on a fresh machine, which
-    // GPU not recorded; 2026-12-06's on GPU-0842db49, without the solver's tasks; the same kernels
-    // and timing code), all predicted with the speed fitted on the first call's attention_bench
+    // The same runs in four H100 calls (the sixth entry's; the seventh's on a fresh machine, which
+    // GPU not recorded; 2026-12-06's on GPU-0842db49 and 2026-12-06 (third)'s on GPU-ff5bf430, without
+    // the solver's tasks; the same kernels and timing code), all predicted with the speed fitted on the first call's attention_bench
     // rows: the spread between calls beside the model's error.
     struct h100_run {
       const char* source;
@@ -255,7 +255,8 @@ int main() {
                               424.01,
                               {18.161, 31.544, 154.210, 194.177},
                               {58.924, 122.033, 447.171, 621.098}},
-                             {"RESULTS 2026-12-06, H100", {560.92, 561.35}, {586.46, 579.13}, 157.66, 405.20, 156.34, 423.80, {}, {}}};
+                             {"RESULTS 2026-12-06, H100", {560.92, 561.35}, {586.46, 579.13}, 157.66, 405.20, 156.34, 423.80, {}, {}},
+                             {"RESULTS 2026-12-06 (third), H100", {555.96, 555.67}, {576.50, 578.62}, 151.97, 398.10, 155.38, 416.72, {}, {}}};
     for (const bool striped : {true, false}) {
       const counts c = striped ? flat_counts<sharding::striped<64>>(524288, 8) : flat_counts<sharding::zigzag>(524288, 8);
       const std::string what = std::string(striped ? "striped" : "zigzag") + ", 8 ranks, 512K, H100";

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stria/device/sparse_attention_step.cuh"
@@ -199,4 +200,39 @@ TEST_CASE("the forward's launch orders cover every query block and head once, in
   // A named order whose sections hold one head each (Hq = Hkv) launches ungrouped: nothing to refuse.
   const attention_shape mha{64 * 65536, 64 * 65536, 4, 4, 128};
   CHECK(device::detail::launched_heads(launch_order::kv_group_inner, false, 65536, mha) == 1);
+}
+
+// The Hopper dQ passes launch in the forward's order over the heads a pass covers: the stored-dS pass
+// over a range of heads [first, first + count) keeps the sections where they divide both, and covers
+// exactly the range's (query block, head) pairs once (the kernel adds backward_params::head_begin).
+TEST_CASE("the dQ passes' launch covers a range of heads once, in sections where the range allows") {
+  using device::detail::dq_section_heads;
+  CHECK(dq_section_heads(8, 0, 16) == 8);
+  CHECK(dq_section_heads(8, 8, 8) == 8);
+  CHECK(dq_section_heads(8, 0, 4) == 1);   // a range inside a section
+  CHECK(dq_section_heads(8, 4, 8) == 1);   // a range across two sections
+  CHECK(dq_section_heads(2, 2, 6) == 2);
+  CHECK(dq_section_heads(1, 3, 5) == 1);
+  const index_t units = 7;
+  for (const index_t section_heads : {1, 2, 8})
+    for (const auto& [first, count] : {std::pair<index_t, index_t>{0, 16}, {8, 8}, {2, 6}, {3, 5}, {4, 8}}) {
+      CAPTURE(section_heads);
+      CAPTURE(first);
+      CAPTURE(count);
+      const index_t section = dq_section_heads(section_heads, first, count);
+      const dim3 grid = device::detail::forward_grid(section, units, count);
+      REQUIRE(std::int64_t{grid.x} * grid.y * grid.z == std::int64_t{units} * count);
+      std::vector<int> seen(static_cast<std::size_t>(units * count), 0);
+      for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+          for (unsigned x = 0; x < grid.x; ++x) {
+            const kernel::detail::launched_unit u = device::detail::grouped_launch(section)
+                                                        ? kernel::detail::row_unit_of<true>(x, y, z, grid.x, grid.y)
+                                                        : kernel::detail::row_unit_of<false>(x, y, z, grid.x, grid.y);
+            REQUIRE((u.unit >= 0 && u.unit < units && u.head >= 0 && u.head < count));  // head first + u.head in the kernel
+            ++seen[static_cast<std::size_t>(u.head * units + u.unit)];
+            if (section > 1) CHECK((first + u.head) / section_heads == (first + (u.head / section) * section) / section_heads);
+          }
+      CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<std::ptrdiff_t>(seen.size()));
+    }
 }

@@ -167,12 +167,20 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
   // Every backward kernel family (mma.sync, and wgmma on Hopper with dS stored and recomputed) in
   // both modes: the deterministic mode repeats bit for bit, the atomic mode agrees to rounding.
   // The stored dS also over ranges of heads: a workspace limit of the largest head's dS.
-  std::size_t largest_head = 0;
-  for (index_t h = 0; h < index.shape.num_heads; ++h) {
+  // Also over ranges of whole KV groups (the largest group's dS): ranges that start past head 0 on a
+  // group boundary, which the grouped dQ launch covers (backward_options::order).
+  std::size_t largest_head = 0, largest_group = 0;
+  const auto head_ds_bytes = [&](index_t h) {
     const auto row = [&](index_t head) { return static_cast<std::size_t>(head * index.shape.num_query_blocks); };
     const std::size_t rows = static_cast<std::size_t>(index.block_ptr[row(h + 1)] - index.block_ptr[row(h)]) * block_tokens +
                              static_cast<std::size_t>(index.col_ptr[row(h + 1)] - index.col_ptr[row(h)]);
-    largest_head = std::max(largest_head, rows * block_tokens * sizeof(T));
+    return rows * block_tokens * sizeof(T);
+  };
+  for (index_t h = 0; h < index.shape.num_heads; ++h) largest_head = std::max(largest_head, head_ds_bytes(h));
+  for (index_t g = 0; g < hkv; ++g) {
+    std::size_t group = 0;
+    for (index_t h = g * (hq / hkv); h < (g + 1) * (hq / hkv); ++h) group += head_ds_bytes(h);
+    largest_group = std::max(largest_group, group);
   }
   struct backward_variant {
     device::backward_kernel which;
@@ -186,6 +194,10 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
     backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::stored, std::max<std::size_t>(largest_head, 1),
                                 "wgmma, dS stored by ranges of heads"});
     backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::recomputed, 0, "wgmma, dS recomputed"});
+    // Not in a case split into parts (the 300-block backward's parts keep their configurations).
+    if (backward_part == nullptr && hq / hkv > 1 && hkv > 1)
+      backward_kernels.push_back({device::backward_kernel::wgmma, device::dq_source::stored, std::max<std::size_t>(largest_group, 1),
+                                  "wgmma, dS stored by ranges of KV groups"});
   }
   // dS stored by request with a limit below one head's workspace: an error naming the limit.
   if (device::hopper_kernels_available() && largest_head > 1)

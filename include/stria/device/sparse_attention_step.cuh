@@ -52,7 +52,8 @@ enum class determinism { atomic, deterministic };
 /// take `automatic`, `mma_sync` or `wgmma`: their steps' indices differ in completeness.
 enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 
-/// The order in which the forward's CTAs are launched (kernel::detail::launched_row_unit), in
+/// The order in which the forward's CTAs are launched (kernel::detail::launched_row_unit; the Hopper
+/// dQ passes' too, backward_options::order), in
 /// sections of heads, longest rows first within a section: `query_blocks_inner` launches a head's
 /// query blocks one after another; `kv_group_inner` the query heads of a KV head for one query block
 /// one after another, so that the heads that read one KV head run at once and share in L2 the tiles
@@ -65,7 +66,11 @@ enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 /// Hkv 2, D 128: 32K +11% (L2 hit rate 85 -> 93%, DRAM reads halved), 128K +1.3-1.5%; Hkv 8 at 32K
 /// +6%; with Hkv 16 it is the same order; D 64 +0.2-1.7%; dense 128K through the paired kernel,
 /// then grouped too, -2.6% in one call. heads_inner: 32K a little faster still, but 128K with Hkv
-/// 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second).
+/// 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second). The landed 3-D grid (`0140f1d`) on an H200:
+/// 32K +6.1%, 128K +0.0% (RESULTS, 2026-12-06, third). The Hopper dQ passes go the same way, over
+/// the heads a pass covers (detail::dq_section_heads): H200, vs95, D 128, the whole atomic backward
+/// with dS stored 32K +1.2%, 128K +0.7%; with dS recomputed +0.4% / +0.8%; D 64 32K +1.0%;
+/// heads_inner a little more at 32K (+1.8%, D 64 +1.5%), automatic keeping the forward's choice.
 enum class launch_order { automatic, query_blocks_inner, kv_group_inner, heads_inner };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
@@ -226,6 +231,12 @@ inline index_t launched_heads(launch_order order, bool complete, index_t query_b
                          "needs at most 65535 local query blocks (index.shape.num_query_blocks, a grid dimension); the call has " +
                              std::to_string(query_blocks) + ": use launch_order::automatic or query_blocks_inner");
 }
+/// The sections of a dQ pass over `heads` query heads from `first_head` (stored dS: a range of
+/// heads) in a launch of `section_heads`: the same where they divide both, else 1 (a range that
+/// splits a section launches a head's query blocks one after another).
+inline index_t dq_section_heads(index_t section_heads, index_t first_head, index_t heads) {
+  return first_head % section_heads == 0 && heads % section_heads == 0 ? section_heads : 1;
+}
 /// The forward's grid over `units` (query blocks, or pairs) and `heads`, in sections of
 /// `section_heads` (kernel::detail::launched_row_unit): (units, heads), or grouped (heads of a
 /// section, units, sections).
@@ -380,7 +391,9 @@ struct backward_options {
   backward_kernel which = backward_kernel::automatic;
   dq_source source = dq_source::automatic;
   std::size_t ds_workspace_limit = 0;  // bytes of stored dS (dq_source); 0: the source's default
-  launch_order order = launch_order::automatic;  // of the Hopper dQ passes' CTAs, as the forward's
+  // The Hopper dQ passes' CTAs, as forward_options' order; checked (and refused past 65535 query
+  // blocks where named grouped) for every kernel family, though the mma.sync passes ignore it.
+  launch_order order = launch_order::automatic;
 };
 
 /// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
@@ -395,7 +408,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
   const auto& [mode, which, source, ds_workspace_limit, order] = options;
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   detail::check_head_dim<HeadDim>(shape.head_dim);
-  const index_t launched = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);  // of the dQ passes
+  const index_t section_heads = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);  // of the dQ passes
   check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
   check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
   check_extents(delta, {shape.heads_q, shape.query_tokens}, "delta");
@@ -582,14 +595,13 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, stream>>>(params, vertical);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
-        // The dQ passes' CTAs in the forward's launch order (forward_options::order), over `heads`
-        // query heads from `first_head`: in sections of `launched` heads where those divide them, a
-        // head's query blocks one after another where they do not (a range of heads that splits a section).
-        auto dq_pass = [&](bool stored, index_t first_head, index_t heads) {
-          const index_t section = first_head % launched == 0 && heads % launched == 0 ? launched : 1;
+        // The dQ pass (dS stored, or recomputed) in the forward's launch order, over `heads` query
+        // heads from `first_head`.
+        auto dq_pass = [&](dq_source pass, index_t first_head, index_t heads) {
+          const index_t section = detail::dq_section_heads(section_heads, first_head, heads);
           const dim3 grid = detail::forward_grid(section, index.shape.num_query_blocks, heads);
           auto launch = [&]<bool Grouped>() {
-            if (stored) {
+            if (pass == dq_source::stored) {
               constexpr std::size_t bytes = kernel::backward_dq_stored_shared_bytes<D>();
               detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped>>(bytes);
               kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
@@ -605,7 +617,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           else launch.template operator()<false>();
         };
         if (!store_ds) {
-          dq_pass(false, 0, shape.heads_q);
+          dq_pass(dq_source::recomputed, 0, shape.heads_q);
           dkdv_passes();
           return;
         }
@@ -618,7 +630,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           params.ds_vertical = ds.data() + range.block_rows * block_tokens;
           dkdv_passes();
           // After both dK/dV passes, which wrote every dS it reads.
-          dq_pass(true, range.begin, range.end - range.begin);
+          dq_pass(dq_source::stored, range.begin, range.end - range.begin);
         }
         return;
       }
