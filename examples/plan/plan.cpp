@@ -205,7 +205,7 @@ int run_cluster(const options& o) {
   stria::cost::kernel_throughput kernel =
       o.throughput_file.empty() ? stria::cost::h200_kernel_throughput(o.head_dim) : plan_input::read_throughput(o.throughput_file, o.head_dim);
   std::string kernel_source = o.throughput_file.empty()
-                                  ? "built in: tests/bench/results/attention_lengths_h200.json, 89a7cd3, and attention_h200.json, f0cca9d"
+                                  ? "built in: tests/bench/results/attention_lengths_h200.json, 89a7cd3, and attention_h200.json, 481fc28"
                                   : o.throughput_file;
   if (o.kernel_scale != 1.0) {  // another GPU, as a multiple of the table's
     // The call's fixed cost stays: launches and the host's work between them do not follow the FLOPs.

@@ -173,8 +173,9 @@ int main() {
     row(what + ": all steps' kernels", "fwd+bwd", overwriting_calls_ms(c, today), m.work_ms, today_run);
   }
 
-  // 2. Today's kernels (89a7cd3, as f0cca9d's): the built-in speed, fitted to whole-sequence runs of
-  // 4K to 512K on one GPU (attention_lengths_h200.json, attention_h200.json), against 8 ranks, which
+  // 2. Today's kernels (the runs: 89a7cd3 and abab19c, before the launch orders of 0140f1d and
+  // 481fc28): the built-in speed, fitted to whole-sequence runs of 4K to 512K on one GPU
+  // (attention_lengths_h200.json at 89a7cd3, attention_h200.json at 481fc28), against 8 ranks, which
   // that fit did not see (a striped step there holds 6.4 tiles per row at 128K, as a whole 16K run
   // does): ring_bench's calls alone, each overwriting, summed ("work ms"); with --trace, the calls
   // alone as the ring runs them (merging) and the ring on one GPU, per phase; the ring on one GPU

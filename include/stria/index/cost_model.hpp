@@ -221,27 +221,28 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
 /// tests/bench/results/attention_lengths_h200.json (commit 89a7cd3, 2026-12-05: 4K to 128K) and
-/// attention_h200.json (f0cca9d, 2026-12-04: 32K, 128K, 512K; the same kernels), pooled (bf16, Hq
+/// attention_h200.json (481fc28, 2026-12-06: 32K, 128K, 512K; the forward since launched with a KV
+/// head's query heads together, the dQ passes likewise, RESULTS 2026-12-06, third), pooled (bf16, Hq
 /// 16, Hkv 2, 95% sparse VS pattern, atomic backward, dS stored at D 128), each row's executed
 /// entries counted on the selection it ran (its padding: 26% of the active entries at 4K, 3.7% at
-/// 32K, 0.2% at 512K). D 128: a call costs 19 us forward and 148 us backward (the three-term fit
-/// over all nine runs) and a row, by its work, from 27 ns at 2.7 tiles to 988 ns at 203 forward, 60
-/// to 2815 ns backward. D 64 has one run (128K): the plain throughput, its row and call costs
+/// 32K, 0.2% at 512K). D 128: a call costs 21 us forward and 152 us backward (the three-term fit
+/// over all nine runs) and a row, by its work, from 25 ns at 2.7 tiles to 997 ns at 203 forward, 56
+/// to 2820 ns backward. D 64 has one run (128K): the plain throughput, its row and call costs
 /// unknown and counted as 0, and a one-point curve through it.
 /// `plan --throughput FILE,FILE` fits files instead; a test checks these numbers against the files.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
   if (head_dim == 128)
     return {.head_dim = 128,
-            .forward = {.tflops = 453.9013, .row_ns = 15.5865, .call_us = 18.9601,
-                        .curve = {{5.618576e+06, 27.2851}, {8.966526e+06, 36.5918}, {1.554303e+07, 51.1572}, {2.896667e+07, 77.6904},
-                                  {5.514312e+07, 133.0103}, {1.080562e+08, 254.9924}, {4.265192e+08, 988.1526}}},
-            .backward = {.tflops = 417.5099, .row_ns = 43.0769, .call_us = 148.0737,
-                         .curve = {{1.405076e+07, 59.9866}, {2.241989e+07, 121.6925}, {3.885322e+07, 175.0064}, {7.242045e+07, 190.6831},
-                                   {1.378570e+08, 366.4017}, {2.701404e+08, 709.5589}, {1.066298e+09, 2815.2849}}}};
+            .forward = {.tflops = 449.9243, .row_ns = 13.7724, .call_us = 21.0545,
+                        .curve = {{5.618576e+06, 25.2398}, {8.966526e+06, 35.5691}, {1.554303e+07, 50.6459}, {2.896667e+07, 75.0971},
+                                  {5.514312e+07, 132.8824}, {1.080562e+08, 257.1852}, {4.265192e+08, 996.7380}}},
+            .backward = {.tflops = 415.2912, .row_ns = 39.4102, .call_us = 152.4573,
+                         .curve = {{1.405076e+07, 55.7058}, {2.241989e+07, 119.5521}, {3.885322e+07, 173.9362}, {7.241972e+07, 187.1451},
+                                   {1.378570e+08, 366.1342}, {2.701401e+08, 712.1122}, {1.066298e+09, 2819.9130}}}};
   if (head_dim == 64)
     return {.head_dim = 64,
-            .forward = {.tflops = 328.6960, .row_ns = 0, .call_us = 0, .curve = {{5.397282e+07, 164.2029}}},
-            .backward = {.tflops = 276.6555, .row_ns = 0, .call_us = 0, .curve = {{1.349329e+08, 487.7289}}}};
+            .forward = {.tflops = 330.7594, .row_ns = 0, .call_us = 0, .curve = {{5.397350e+07, 163.1805}}},
+            .backward = {.tflops = 277.0299, .row_ns = 0, .call_us = 0, .curve = {{1.349329e+08, 487.0697}}}};
   throw invalid_argument("head_dim", head_dim, "must be 64 or 128");
 }
 
