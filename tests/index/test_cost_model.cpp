@@ -206,12 +206,14 @@ TEST_CASE("cost model: a row's time by its work, from the measured runs, never f
   CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].row_ns"), invalid_argument);
   bad.curve[2].row_ns = std::numeric_limits<double>::quiet_NaN();
   CHECK_THROWS_WITH_AS(bad.validate("k"), doctest::Contains("k.curve[2].row_ns"), invalid_argument);
-  // The built-in D 128 speeds: seven runs; a row of 2.7 tiles costs twice as much per tile as one of 203.
+  // The built-in D 128 speeds: seven runs; a row of 2.7 tiles costs nearly twice as much per tile as
+  // one of 203 (1.92x in the fit to 481fc28's results, 2.1x in the one before, whose call cost was
+  // 2 us less).
   const cost::kernel_throughput h200 = cost::h200_kernel_throughput(128);
   CHECK_NOTHROW(h200.validate());
   REQUIRE(h200.forward.curve.size() == 7);
   const cost::speed_point &shortest = h200.forward.curve.front(), &longest = h200.forward.curve.back();
-  CHECK(shortest.row_ns / shortest.flops_per_row > 2 * longest.row_ns / longest.flops_per_row);
+  CHECK(shortest.row_ns / shortest.flops_per_row > 1.8 * longest.row_ns / longest.flops_per_row);
 }
 
 TEST_CASE("cost model: message sizes and link times") {
