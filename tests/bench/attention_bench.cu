@@ -57,6 +57,8 @@ namespace {
 
 /// device::launch_order's values by name (--launch-order).
 constexpr const char* launch_order_names[] = {"automatic", "query_blocks_inner", "kv_group_inner", "heads_inner"};
+/// device::dq_source's values by name (--dq-source).
+constexpr const char* dq_source_names[] = {"automatic", "stored", "recomputed"};
 
 /// Counts entries that are NaN, or infinite where `allow_neg_inf` is false (-inf marks an empty LSE row).
 __global__ void count_bad(const float* x, std::int64_t n, bool allow_neg_inf, unsigned long long* bad) {
@@ -217,11 +219,12 @@ int main(int argc, char** argv) try {
     else if (flag == "--pattern-dir") pattern_dir = value;
     else if (flag == "--json") json_path = value;
     else if (flag == "--dq-source") {
-      if (value != "automatic" && value != "stored" && value != "recomputed") {
+      const auto found = std::find(std::begin(dq_source_names), std::end(dq_source_names), value);
+      if (found == std::end(dq_source_names)) {
         std::fprintf(stderr, "--dq-source = %s: must be automatic, stored or recomputed\n", value.c_str());
         return 2;
       }
-      main_source = value == "stored" ? device::dq_source::stored : value == "recomputed" ? device::dq_source::recomputed : device::dq_source::automatic;
+      main_source = static_cast<device::dq_source>(found - std::begin(dq_source_names));
     }
     else if (flag == "--launch-order") {
       const auto found = std::find(std::begin(launch_order_names), std::end(launch_order_names), value);
@@ -326,36 +329,48 @@ int main(int argc, char** argv) try {
       }
       const double mma_ms = median_ms(repeats, forward(device::forward_kernel::mma_sync));
       const double fwd_ms = median_ms(repeats, forward(device::forward_kernel::automatic));
-      if (launch_orders) {  // the automatic forward in each launch order, timed in turns with query blocks inner; the outputs must agree bit for bit
-        auto ordered = [&](device::launch_order order) {
-          return [&, order] {
-            device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .order = order});
-          };
-        };
+      // --launch-orders: a call in each launch order, after `prepare`, with what it wrote (`written`) compared bit for bit with
+      // query blocks inner's, and timed in turns with query blocks inner (`run(order)`: the call in that order).
+      auto compare_orders = [&](const std::string& what, const char* compared, double flops, auto prepare, auto run, auto written) {
         const device::launch_order orders[] = {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner,
                                                device::launch_order::heads_inner};
-        std::vector<std::vector<float>> outputs;
+        std::vector<std::vector<float>> results;
         for (auto order : orders) {
-          out.fill_bytes(0xff);
-          lse.fill_bytes(0xff);
-          ordered(order)();
-          bad += non_finite(out, false) + non_finite(lse, true);
-          outputs.push_back(out.download());
-          const std::vector<float> l = lse.download();
-          outputs.back().insert(outputs.back().end(), l.begin(), l.end());
+          prepare();
+          run(order)();
+          results.push_back(written());
         }
-        const double flops = 4.0 * double(entries) * dim;
         for (std::size_t i = 1; i < std::size(orders); ++i) {
-          const bool same = std::memcmp(outputs[0].data(), outputs[i].data(), outputs[0].size() * sizeof(float)) == 0;
-          const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, ordered(orders[0]), nullptr, ordered(orders[i]), nullptr);
-          std::printf("%-8d %-6s forward launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s\n", s, name.c_str(),
-                      launch_order_names[static_cast<int>(orders[0])], base_ms, flops / base_ms * 1e-9,
-                      launch_order_names[static_cast<int>(orders[i])], order_ms, flops / order_ms * 1e-9,
-                      100.0 * (base_ms / order_ms - 1.0), same ? "outputs identical" : "OUTPUTS DIFFER");
+          const bool same = results[i].size() == results[0].size() &&
+                            std::memcmp(results[i].data(), results[0].data(), results[0].size() * sizeof(float)) == 0;
+          const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, run(orders[0]), nullptr, run(orders[i]), nullptr);
+          std::printf("%-8d %-6s %s launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s %s\n", s, name.c_str(),
+                      what.c_str(), launch_order_names[static_cast<int>(orders[0])], base_ms, flops / base_ms * 1e-9,
+                      launch_order_names[static_cast<int>(orders[i])], order_ms, flops / order_ms * 1e-9, 100.0 * (base_ms / order_ms - 1.0),
+                      compared, same ? "identical" : "DIFFER");
           std::fflush(stdout);
           if (!same) orders_differ = true;
         }
-      }
+      };
+      if (launch_orders)  // the automatic forward
+        compare_orders(
+            "forward", "outputs", 4.0 * double(entries) * dim,
+            [&] {
+              out.fill_bytes(0xff);
+              lse.fill_bytes(0xff);
+            },
+            [&](device::launch_order order) {
+              return [&, order] {
+                device::sparse_forward<T>(index, operands, scale, nullptr, {.state = device::running_state::overwrite, .order = order});
+              };
+            },
+            [&] {
+              bad += non_finite(out, false) + non_finite(lse, true);
+              std::vector<float> written = out.download();
+              const std::vector<float> l = lse.download();
+              written.insert(written.end(), l.begin(), l.end());
+              return written;
+            });
 
       device::write_output<T>(out_view, tensor_view<T, 3>(out_t.data(), {s, hq, dim}), nullptr);
       device::backward_delta<T>(tensor_view<const T, 3>(out_t.data(), {s, hq, dim}), dov, delta_view, nullptr);
@@ -388,42 +403,26 @@ int main(int argc, char** argv) try {
           recomputed_ms = median_ms(repeats, backward(device::determinism::atomic, device::backward_kernel::automatic, device::dq_source::recomputed));
       }
       if (with_backward && hopper && launch_orders) {
-        // The atomic backward with its dQ pass launched in each order (stored and recomputed dS), timed in turns with query
-        // blocks inner; each dq row has one writer, so dq must agree bit for bit.
-        // (At D 64 automatic recomputes: one source.)
+        // The atomic backward with its dQ passes in each order (stored and recomputed dS; at D 64 automatic recomputes: one
+        // source). Each dq row has one writer, so dq must agree bit for bit.
         std::vector<device::dq_source> sources{device::dq_source::recomputed};
         if ((dim == 128 && main_source != device::dq_source::recomputed) || main_source == device::dq_source::stored)
           sources.insert(sources.begin(), main_source);
-        for (auto source : sources) {
-          auto ordered = [&](device::launch_order order) {
-            return [&, order, source] {
-              device::sparse_backward<T>(index, gradients, scale, nullptr, {.source = source, .order = order});
-            };
-          };
-          const device::launch_order orders[] = {device::launch_order::query_blocks_inner, device::launch_order::kv_group_inner,
-                                                 device::launch_order::heads_inner};
-          std::vector<std::vector<float>> dqs;
-          for (auto order : orders) {
-            dq.fill_bytes(0);
-            dk.fill_bytes(0);
-            dv.fill_bytes(0);
-            ordered(order)();
-            bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
-            dqs.push_back(dq.download());
-          }
-          const double flops = 10.0 * double(entries) * dim;
-          for (std::size_t i = 1; i < std::size(orders); ++i) {
-            const bool same = std::memcmp(dqs[0].data(), dqs[i].data(), dqs[0].size() * sizeof(float)) == 0;
-            const auto [base_ms, order_ms] = bench::median_ms_alternating(repeats, ordered(orders[0]), nullptr, ordered(orders[i]), nullptr);
-            std::printf("%-8d %-6s backward (dS %s) dQ launch order, in turns: %s %.3f ms (%.1f TF), %s %.3f ms (%.1f TF, %+.1f%%) %s\n", s,
-                        name.c_str(), source == device::dq_source::recomputed ? "recomputed" : source == device::dq_source::stored ? "stored" : "automatic",
-                        launch_order_names[static_cast<int>(orders[0])], base_ms, flops / base_ms * 1e-9,
-                        launch_order_names[static_cast<int>(orders[i])], order_ms, flops / order_ms * 1e-9,
-                        100.0 * (base_ms / order_ms - 1.0), same ? "dq identical" : "DQ DIFFERS");
-            std::fflush(stdout);
-            if (!same) orders_differ = true;
-          }
-        }
+        for (auto source : sources)
+          compare_orders(
+              std::string("backward (dS ") + dq_source_names[static_cast<int>(source)] + ") dQ", "dq", 10.0 * double(entries) * dim,
+              [&] {
+                dq.fill_bytes(0);
+                dk.fill_bytes(0);
+                dv.fill_bytes(0);
+              },
+              [&, source](device::launch_order order) {
+                return [&, order, source] { device::sparse_backward<T>(index, gradients, scale, nullptr, {.source = source, .order = order}); };
+              },
+              [&] {
+                bad += non_finite(dq, false) + non_finite(dk, false) + non_finite(dv, false);
+                return dq.download();
+              });
       }
 
       const double fwd_flops = 4.0 * double(entries) * dim, bwd_flops = 2.5 * fwd_flops;

@@ -229,9 +229,9 @@ int main() {
                 h100.forward.tflops, h100.forward.row_ns, h100.forward.call_us, h100.backward.tflops, h100.backward.row_ns, h100.backward.call_us);
     std::printf("| run | phase | predicted ms | measured ms | error | measured in |\n|---|---|---|---|---|---|\n");
     // The same runs in four H100 calls (the sixth entry's; the seventh's on a fresh machine, which
-    // GPU not recorded; 2026-12-06's on GPU-0842db49 and 2026-12-06 (third)'s on GPU-ff5bf430, without
-    // the solver's tasks; the same kernels and timing code), all predicted with the speed fitted on the first call's attention_bench
-    // rows: the spread between calls beside the model's error.
+    // GPU not recorded; 2026-12-06's on GPU-0842db49 and 2026-12-06 (third)'s on GPU-ff5bf430,
+    // without the solver's tasks; the same kernels and timing code), all predicted with the speed
+    // fitted on the first call's attention_bench rows: the spread between calls beside the model's error.
     struct h100_run {
       const char* source;
       double work_ms[2], local_device_ms[2];                   // ring_bench's table, fwd+bwd: striped, zigzag
