@@ -68,10 +68,11 @@ __device__ T* block_start(T* base, index_t block, index_t heads, index_t h, int 
   return base + (std::int64_t{block} * block_tokens * heads + h) * d;
 }
 
-/// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride
-/// for j < count (1 .. 64), zeros after.
-template <class Layout, class T, int D>
-__device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride, index_t count = block_tokens) {
+/// Queues cp.async copies of the 64 rows of a tile by tile_copy_plan: row j (of pass p) from first +
+/// offset(j, p) elements for j < count, zeros after. Every lane calls `offset` for every pass, past
+/// the end too (the gathers below shuffle in it); a value it returns there is not used.
+template <class Layout, class T, int D, class Offset>
+__device__ void load_rows_async(void* tile, const T* first, index_t count, Offset offset) {
   using plan = tile_copy_plan<T, D>;
   static_assert(plan::template fits<Layout>(), "the tile layout must advance by whole row pitches between a thread's rows");
   const plan at;
@@ -80,26 +81,24 @@ __device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t
 #pragma unroll
   for (int pass = 0; pass < plan::passes; ++pass) {
     const int j = at.row0 + pass * plan::rows_per_pass;
+    const std::int64_t from = offset(j, pass);
     const bool valid = j < count;  // past the end: zero-fill, still naming a readable address (row 0)
-    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, column + (valid ? j * stride : 0), valid);
+    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, column + (valid ? from : 0), valid);
   }
+}
+
+/// Queues cp.async copies of 64 rows at a constant stride (elements): row j from first + j x stride
+/// for j < count (1 .. 64), zeros after.
+template <class Layout, class T, int D>
+__device__ void load_strided_rows_async(void* tile, const T* first, std::int64_t stride, index_t count = block_tokens) {
+  load_rows_async<Layout, T, D>(tile, first, count, [stride](int j, int) { return j * stride; });
 }
 
 /// Queues cp.async copies of gathered rows: row j from base + tokens[j] x stride for j < count,
 /// zeros after.
 template <class Layout, class T, int D>
 __device__ void load_gathered_rows_async(void* tile, const T* base, std::int64_t stride, const index_t* tokens, index_t count) {
-  using plan = tile_copy_plan<T, D>;
-  static_assert(plan::template fits<Layout>(), "the tile layout must advance by whole row pitches between a thread's rows");
-  const plan at;
-  unsigned char* to = static_cast<unsigned char*>(tile) + Layout::offset(at.row0, at.chunk);
-  const T* column = base + at.chunk * (16 / static_cast<int>(sizeof(T)));
-#pragma unroll
-  for (int pass = 0; pass < plan::passes; ++pass) {
-    const int j = at.row0 + pass * plan::rows_per_pass;
-    const bool valid = j < count;  // past the end: zero-fill, still naming a readable address
-    cp_async_16(to + pass * plan::rows_per_pass * Layout::row_pitch, column + (valid ? std::int64_t{tokens[j]} * stride : 0), valid);
-  }
+  load_rows_async<Layout, T, D>(tile, base, count, [=](int j, int) { return j < count ? tokens[j] * stride : 0; });
 }
 
 /// acc (16 x 64, this warp's rows of A) += A B^T, where A and B are 64-row shared tiles of D
@@ -204,6 +203,42 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
   } else {
     const index_t first = (t - row.num_blocks) * block_tokens;
     load_gathered_rows_async<Layout, T, D>(tile, head, stride, row.tokens + first, row.num_tokens - first);
+  }
+}
+
+/// What a thread of a warpgroup copying by tile_copy_plan reads of the index for tile t of a row,
+/// ahead of its copies (load_row_tile_ahead_async): for a block tile its local KV block, for a
+/// gathered tile one token. A warp copies 16 rows of a gathered tile: its R = 32 / chunks first rows
+/// and those rows plus each pass's rows_per_pass; lane L (and L + 16) reads row R w + L % R +
+/// rows_per_pass ((L % 16) / R) of warp w, so that each pass finds its row's token one shuffle away.
+/// 0 past the end.
+template <class T, int D>
+__device__ index_t planned_token(const row_tiles& row, index_t t) {
+  using plan = tile_copy_plan<T, D>;
+  constexpr int first_rows = 32 / plan::chunks;
+  static_assert(32 % plan::chunks == 0 && first_rows * plan::passes == 16, "a warp copies 16 rows of a tile, one per lane of a half");
+  if (t >= row.count()) return 0;
+  if (row.is_block(t)) return row.blocks[t];
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32) % 4;
+  const int read_row = first_rows * warp + lane % first_rows + plan::rows_per_pass * ((lane % 16) / first_rows);
+  const index_t first = (t - row.num_blocks) * block_tokens;
+  return read_row < row.num_tokens - first ? row.tokens[first + read_row] : 0;
+}
+
+/// load_row_tile_async with the index read ahead by the caller: `read` is planned_token<T, D>(row,
+/// t), so that no copy of the tile waits for a global-memory round trip to the index.
+template <class Layout, class T, int D>
+__device__ void load_row_tile_ahead_async(void* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk, index_t read) {
+  constexpr int chunks = tile_copy_plan<T, D>::chunks;
+  const std::int64_t stride = std::int64_t{heads_kv} * D;
+  const T* head = base + std::int64_t{hk} * D;
+  if (row.is_block(t)) {
+    load_strided_rows_async<Layout, T, D>(tile, head + std::int64_t{read} * block_tokens * stride, stride);
+  } else {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    load_rows_async<Layout, T, D>(tile, head, row.num_tokens - (t - row.num_blocks) * block_tokens, [=](int, int pass) {
+      return __shfl_sync(0xffffffffu, read, lane / chunks + (32 / chunks) * pass) * stride;
+    });
   }
 }
 

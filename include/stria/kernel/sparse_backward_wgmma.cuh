@@ -667,7 +667,8 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
   const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r] - p.ds_first_block} * block_tokens * block_tokens;
   const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r] - p.ds_first_vertical} * block_tokens;
 
-  auto load = [&](index_t t) {
+  // `read`: planned_token<T, D>(row, t), read one tile earlier.
+  auto load = [&](index_t t, index_t read) {
     if (row.is_block(t)) {
       detail::load_strided_rows_async<swizzled_tile<64>, T, 64>(ds_tile(t), block_rows + std::int64_t{t} * block_tokens * block_tokens, block_tokens);
     } else {
@@ -676,17 +677,21 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
       detail::load_strided_rows_async<swizzled_tile<64>, T, 64>(ds_tile(t), vertical_rows + std::int64_t{first} * block_tokens, block_tokens,
                                                                 row.num_tokens - first);
     }
-    detail::load_row_tile_async<swizzled_tile<D>, T, D>(k_tile(t), p.k, row, t, p.heads_kv, hk);
+    detail::load_row_tile_ahead_async<swizzled_tile<D>, T, D>(k_tile(t), p.k, row, t, p.heads_kv, hk, read);
   };
   // One copy group per tile, empty past the end, so that the count of groups in flight is fixed.
 #pragma unroll 1
   for (index_t t = 0; t < stages - 1; ++t) {
-    if (t < tiles) load(t);
+    if (t < tiles) load(t, detail::planned_token<T, D>(row, t));
     detail::cp_async_commit();
   }
 
   float dq[D / 8][4] = {};
+  index_t read = detail::planned_token<T, D>(row, stages - 1);
   for (index_t t = 0; t < tiles; ++t) {
+    // The index of the tile copied in the next step, read now: a read just before the copies put a
+    // global round trip into every step's critical path.
+    const index_t read_next = detail::planned_token<T, D>(row, t + stages);
     detail::cp_async_wait<stages - 2>();  // tile t has landed
     detail::fence_async_shared();
     // Every warp's copies of tile t are visible, and every warp is done with tile t - 1, whose
@@ -700,8 +705,9 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
     detail::wgmma_commit();
     // The copies of tile t + stages - 1 are queued while the product runs (a gather's token reads
     // are global-memory round trips).
-    if (t + stages - 1 < tiles) load(t + stages - 1);
+    if (t + stages - 1 < tiles) load(t + stages - 1, read);
     detail::cp_async_commit();
+    read = read_next;
     detail::wgmma_wait<0>();
     detail::fence_registers(reinterpret_cast<float(&)[D / 2]>(dq));
   }
