@@ -70,7 +70,7 @@ __device__ T* block_start(T* base, index_t block, index_t heads, index_t h, int 
 
 /// Queues cp.async copies of the 64 rows of a tile by tile_copy_plan: row j (of pass p) from first +
 /// offset(j, p) elements for j < count, zeros after. Every lane calls `offset` for every pass, past
-/// the end too (the gathers below shuffle in it); a value it returns there is not used.
+/// the end too (load_row_tile_ahead_async shuffles in it); a value it returns there is not used.
 template <class Layout, class T, int D, class Offset>
 __device__ void load_rows_async(void* tile, const T* first, index_t count, Offset offset) {
   using plan = tile_copy_plan<T, D>;
@@ -226,7 +226,8 @@ __device__ index_t planned_token(const row_tiles& row, index_t t) {
 }
 
 /// load_row_tile_async with the index read ahead by the caller: `read` is planned_token<T, D>(row,
-/// t), so that no copy of the tile waits for a global-memory round trip to the index.
+/// t), so that no copy of the tile waits for a global-memory round trip to the index. By a whole
+/// warpgroup, its warps converged (they shuffle).
 template <class Layout, class T, int D>
 __device__ void load_row_tile_ahead_async(void* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk, index_t read) {
   constexpr int chunks = tile_copy_plan<T, D>::chunks;

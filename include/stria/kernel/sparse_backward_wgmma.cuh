@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
   const T* const block_rows = p.ds_blocks + std::int64_t{p.index.block_ptr[r] - p.ds_first_block} * block_tokens * block_tokens;
   const T* const vertical_rows = p.ds_vertical + std::int64_t{p.index.col_ptr[r] - p.ds_first_vertical} * block_tokens;
 
-  // `read`: planned_token<T, D>(row, t), read one tile earlier.
+  // `read`: planned_token<T, D>(row, t), read a step earlier (in the prologue, just before).
   auto load = [&](index_t t, index_t read) {
     if (row.is_block(t)) {
       detail::load_strided_rows_async<swizzled_tile<64>, T, 64>(ds_tile(t), block_rows + std::int64_t{t} * block_tokens * block_tokens, block_tokens);
@@ -703,8 +703,8 @@ __global__ void __launch_bounds__(attention_threads, stored_dq_ctas_per_sm) spar
       detail::wgmma_ss<T, D, 1, 1>(reinterpret_cast<float(&)[D / 2]>(dq), detail::mn_major_operand<64>(ds_tile(t), k),
                                    detail::mn_major_operand<D>(k_tile(t), k), true);
     detail::wgmma_commit();
-    // The copies of tile t + stages - 1 are queued while the product runs (a gather's token reads
-    // are global-memory round trips).
+    // The copies of tile t + stages - 1 are queued while the product runs, from the index read a
+    // step earlier.
     if (t + stages - 1 < tiles) load(t + stages - 1, read);
     detail::cp_async_commit();
     read = read_next;
