@@ -236,3 +236,32 @@ TEST_CASE("the dQ passes' launch covers a range of heads once, in sections where
       CHECK(std::count(seen.begin(), seen.end(), 1) == static_cast<std::ptrdiff_t>(seen.size()));
     }
 }
+
+// The read-ahead of the stored-dS dQ pass (kernel::detail::token_plan): for every thread of the
+// warpgroup and every pass of its copies, the lane it takes its token from read the token of exactly
+// the row it copies (tile_copy_plan's row0 + pass x rows_per_pass), and every row of the tile is read
+// by some lane. Host-only: the GPU tests check the pass's dQ against the reference.
+template <int D>
+void check_token_plan() {
+  using plan = kernel::detail::tile_copy_plan<T, D>;
+  using tokens = kernel::detail::token_plan<T, D>;
+  std::vector<int> read(block_tokens, 0);
+  for (int thread = 0; thread < kernel::attention_threads; ++thread) {
+    const int lane = thread % 32, warp = thread / 32, row0 = thread / plan::chunks;
+    ++read[static_cast<std::size_t>(tokens::row_read(lane, warp))];
+    for (int pass = 0; pass < plan::passes; ++pass) {
+      CAPTURE(thread);
+      CAPTURE(pass);
+      const int source = tokens::source_lane(lane, pass);
+      REQUIRE((source >= 0 && source < 32));
+      CHECK(tokens::row_read(source, warp) == row0 + pass * plan::rows_per_pass);
+    }
+  }
+  // Each row read by two lanes (L and L + 16) of the warp that copies it.
+  CHECK(std::count(read.begin(), read.end(), 2) == block_tokens);
+}
+
+TEST_CASE("the dQ pass's read-ahead hands every copy the token of its own row (head dims 64 and 128)") {
+  check_token_plan<64>();
+  check_token_plan<128>();
+}

@@ -206,21 +206,31 @@ __device__ void load_row_tile_async(void* tile, const T* base, const row_tiles& 
   }
 }
 
+/// Which token of a gathered tile each lane of a warpgroup copying by tile_copy_plan reads ahead
+/// (planned_token), and where each of its copies finds the token of its row (load_row_tile_ahead_async).
+/// A warp copies 16 rows of a tile: its R = 32 / chunks first rows and those rows plus each pass's
+/// rows_per_pass. Lane L (and L + 16) of warp w reads row R w + L % R + rows_per_pass ((L % 16) / R);
+/// the pass p copy of lane L's row, R w + L / chunks + rows_per_pass p, is then in lane L / chunks +
+/// R p. On the host too, where a test checks every thread and pass.
+template <class T, int D>
+struct token_plan {
+  using plan = tile_copy_plan<T, D>;
+  static constexpr int first_rows = 32 / plan::chunks;
+  static_assert(32 % plan::chunks == 0 && first_rows * plan::passes == 16, "a warp copies 16 rows of a tile, one per lane of a half");
+  STRIA_HOST_DEVICE static constexpr int row_read(int lane, int warp) {
+    return first_rows * warp + lane % first_rows + plan::rows_per_pass * ((lane % 16) / first_rows);
+  }
+  STRIA_HOST_DEVICE static constexpr int source_lane(int lane, int pass) { return lane / plan::chunks + first_rows * pass; }
+};
+
 /// What a thread of a warpgroup copying by tile_copy_plan reads of the index for tile t of a row,
 /// ahead of its copies (load_row_tile_ahead_async): for a block tile its local KV block, for a
-/// gathered tile one token. A warp copies 16 rows of a gathered tile: its R = 32 / chunks first rows
-/// and those rows plus each pass's rows_per_pass; lane L (and L + 16) reads row R w + L % R +
-/// rows_per_pass ((L % 16) / R) of warp w, so that each pass finds its row's token one shuffle away.
-/// 0 past the end.
+/// gathered tile the token of row token_plan::row_read. 0 past the end.
 template <class T, int D>
 __device__ index_t planned_token(const row_tiles& row, index_t t) {
-  using plan = tile_copy_plan<T, D>;
-  constexpr int first_rows = 32 / plan::chunks;
-  static_assert(32 % plan::chunks == 0 && first_rows * plan::passes == 16, "a warp copies 16 rows of a tile, one per lane of a half");
   if (t >= row.count()) return 0;
   if (row.is_block(t)) return row.blocks[t];
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32) % 4;
-  const int read_row = first_rows * warp + lane % first_rows + plan::rows_per_pass * ((lane % 16) / first_rows);
+  const int read_row = token_plan<T, D>::row_read(static_cast<int>(threadIdx.x % 32), static_cast<int>(threadIdx.x / 32) % 4);
   const index_t first = (t - row.num_blocks) * block_tokens;
   return read_row < row.num_tokens - first ? row.tokens[first + read_row] : 0;
 }
@@ -230,7 +240,6 @@ __device__ index_t planned_token(const row_tiles& row, index_t t) {
 /// warpgroup, its warps converged (they shuffle).
 template <class Layout, class T, int D>
 __device__ void load_row_tile_ahead_async(void* tile, const T* base, const row_tiles& row, index_t t, index_t heads_kv, index_t hk, index_t read) {
-  constexpr int chunks = tile_copy_plan<T, D>::chunks;
   const std::int64_t stride = std::int64_t{heads_kv} * D;
   const T* head = base + std::int64_t{hk} * D;
   if (row.is_block(t)) {
@@ -238,7 +247,7 @@ __device__ void load_row_tile_ahead_async(void* tile, const T* base, const row_t
   } else {
     const int lane = static_cast<int>(threadIdx.x % 32);
     load_rows_async<Layout, T, D>(tile, head, row.num_tokens - (t - row.num_blocks) * block_tokens, [=](int, int pass) {
-      return __shfl_sync(0xffffffffu, read, lane / chunks + (32 / chunks) * pass) * stride;
+      return __shfl_sync(0xffffffffu, read, token_plan<T, D>::source_lane(lane, pass)) * stride;
     });
   }
 }
