@@ -266,11 +266,12 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// which grouped the paired kernel too; RESULTS, 2026-12-06, second). Over the union of two sparse
 /// rows the probe measured 8-25% slower than two CTAs of one row each, so sparse rows keep those.
 ///
-/// A CTA per row, not persistent CTAs: a form in which each CTA walked rows blockIdx.x, + gridDim.x,
-/// ... with its producer streaming the next row's tiles behind the last measured 5-6% slower at D 128
-/// and 12-16% at D 64 on an H100 (ptxas spilled the producer's 32 registers, and the static walk
-/// loses the hardware's placement of CTAs); with two or three CTAs per SM a CTA's start already
-/// overlaps the others' main loops (RESULTS, 2026-12-06, fifth; branch persistent-forward).
+/// A CTA per row, not persistent CTAs. Four persistent forms, each CTA walking rows with its
+/// producer streaming the next row's tiles behind the last (static walks, a dynamic walk from a
+/// counter), none faster by more than 1% anywhere and most slower, by up to 19% (dense 128K), with
+/// ptxas spilling the producer's 32 registers in every one; with two or three CTAs per SM a CTA's
+/// start already overlaps the others' main loops (RESULTS, 2026-12-03 second, 2026-12-04,
+/// 2026-12-04 second, 2026-12-06 fifth).
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;
