@@ -467,7 +467,7 @@ int main(int argc, char** argv) try {
         cudaPointerAttributes attributes{};
         const double mem_info = bench::median_host_us(repeats, [&] { STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes)); });
         const double pointer = bench::median_host_us(repeats, [&] { STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, q.data())); });
-        const double limit = bench::median_host_us(repeats, [&] { static_cast<void>(device::detail::automatic_ds_workspace_limit()); });
+        const double limit = bench::median_host_us(repeats, [&] { static_cast<void>(device::detail::device_ds_workspace_limit(device::dq_source::automatic)); });
         const double allocation = bench::median_host_us(repeats, [&] { device_buffer<float> x(std::size_t{1} << 20, nullptr); });
         std::printf("%-8d %-6s host time of a runtime call: cudaMemGetInfo %.1f us, cudaPointerGetAttributes %.1f us, the stored dS's "
                     "workspace limit %.1f us, a 4 MiB pool allocation and free %.1f us\n",

@@ -237,6 +237,23 @@ TEST_CASE("the dQ passes' launch covers a range of heads once, in sections where
     }
 }
 
+// The stored dS's workspace limit where backward_options gives none: automatic takes a quarter of the
+// device and at most half of what is available; stored what is available less a sixteenth of the
+// device (so that a workspace past it goes by ranges of heads instead of failing to allocate), and
+// nothing where less than that is available (then a head's dS is refused by name, not allocated).
+TEST_CASE("the stored dS's default workspace limit, by dq_source") {
+  using device::dq_source;
+  using device::detail::default_ds_workspace_limit;
+  constexpr std::size_t gib = std::size_t{1} << 30, total = 80 * gib;
+  CHECK(default_ds_workspace_limit(dq_source::automatic, 70 * gib, total) == 20 * gib);  // a quarter of the device
+  CHECK(default_ds_workspace_limit(dq_source::automatic, 30 * gib, total) == 15 * gib);  // half of what is available
+  CHECK(default_ds_workspace_limit(dq_source::recomputed, 30 * gib, total) == 15 * gib);  // read only by automatic and stored
+  CHECK(default_ds_workspace_limit(dq_source::stored, 70 * gib, total) == 65 * gib);
+  CHECK(default_ds_workspace_limit(dq_source::stored, 5 * gib, total) == 0);
+  CHECK(default_ds_workspace_limit(dq_source::stored, 6 * gib, total) == gib);
+  static_assert(default_ds_workspace_limit(dq_source::stored, 0, 0) == 0);
+}
+
 // The read-ahead of the stored-dS dQ pass (kernel::detail::token_plan): for every thread of the
 // warpgroup and every pass of its copies, the lane it takes its token from read the token of exactly
 // the row it copies (tile_copy_plan's row0 + pass x rows_per_pass), and every row of the tile is read

@@ -80,9 +80,9 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// Where the Hopper backward's dQ pass gets dS from. `stored`: the dK/dV passes write each active
 /// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
 /// instead of three; the passes run over ranges of query heads whose workspace fits
-/// backward_options' `ds_workspace_limit` (0: no limit for `stored`; for `automatic`, a quarter of the
-/// device's memory and at most half of what is available); a head alone past it is an error for
-/// `stored`, and `automatic` then recomputes (as it does where the workspace cannot be allocated after
+/// backward_options' `ds_workspace_limit` (0: for `stored`, what the device has available less a
+/// sixteenth of its memory; for `automatic`, a quarter of the device's memory and at most half of what
+/// is available); a head alone past it is an error for `stored`, and `automatic` then recomputes (as it does where the workspace cannot be allocated after
 /// all). The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the dQ pass forms
 /// S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
 /// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
@@ -118,10 +118,19 @@ inline bool hopper_kernels_available() {
 
 namespace detail {
 
-/// The stored dS's workspace limit under dq_source::automatic: a quarter of the device's memory, and
-/// at most half of what is available now (free, plus what stria's pool holds unused), so that the
-/// backward leaves the memory that the caller's own allocator (PyTorch's, say) holds alone.
-inline std::size_t automatic_ds_workspace_limit() {
+/// The stored dS's workspace limit where backward_options gives none, from the device's memory
+/// (`total`) and what is available now (`available`: free, plus what stria's pool holds unused).
+/// `automatic`: a quarter of the memory and at most half of what is available, so that the backward
+/// leaves the memory that the caller's own allocator (PyTorch's, say) holds alone. `stored`: what is
+/// available less a sixteenth of the memory (room for the step's smaller buffers), so that a workspace
+/// too large for the device is stored by ranges of heads instead of failing to allocate.
+constexpr std::size_t default_ds_workspace_limit(dq_source source, std::size_t available, std::size_t total) {
+  if (source == dq_source::stored) return available > total / 16 ? available - total / 16 : 0;
+  return std::min(total / 4, available / 2);
+}
+
+/// default_ds_workspace_limit on the current device.
+inline std::size_t device_ds_workspace_limit(dq_source source) {
   std::size_t free_bytes = 0, total_bytes = 0;
   STRIA_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   std::uint64_t reserved = 0, used = 0;
@@ -129,7 +138,7 @@ inline std::size_t automatic_ds_workspace_limit() {
   STRIA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   STRIA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   const std::size_t available = free_bytes + static_cast<std::size_t>(reserved > used ? reserved - used : 0);
-  return std::min(total_bytes / 4, available / 2);
+  return default_ds_workspace_limit(source, available, total_bytes);
 }
 
 /// The layout rules every tensor of a kernel call obeys: contiguous, and aligned for the kernel's
@@ -467,9 +476,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
   const std::size_t total_rows = block_entries * block_tokens + vertical_entries;
   const std::size_t row_bytes = block_tokens * sizeof(T);
   if (hopper && total_rows > 0 && (source == dq_source::stored || (source == dq_source::automatic && shape.head_dim == 128))) {
-    const std::size_t limit = ds_workspace_limit != 0             ? ds_workspace_limit
-                              : source == dq_source::stored ? SIZE_MAX
-                                                            : detail::automatic_ds_workspace_limit();
+    const std::size_t limit = ds_workspace_limit != 0 ? ds_workspace_limit : detail::device_ds_workspace_limit(source);
     if (total_rows * row_bytes <= limit) {
       head_ranges.push_back({0, shape.heads_q, 0, 0, block_entries * block_tokens, total_rows});
     } else {
@@ -495,10 +502,15 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       for (std::size_t begin = 0; begin < heads;) {
         std::size_t end = begin + 1;
         if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
-          if (source == dq_source::stored)
+          if (source == dq_source::stored && ds_workspace_limit != 0)
             throw invalid_argument("options.ds_workspace_limit", limit,
                                    "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
                                        " bytes): raise it, or let dq_source::automatic recompute dS");
+          if (source == dq_source::stored)
+            throw invalid_argument("options.dq_source", "dq_source::stored",
+                                   "needs query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
+                                       " bytes) at once, more than the device has available for it (" + std::to_string(limit) +
+                                       " bytes): free device memory, or let dq_source::automatic recompute dS");
           head_ranges.clear();
           break;
         }
