@@ -250,6 +250,7 @@ TEST_CASE("the stored dS's default workspace limit, by dq_source") {
   CHECK(default_ds_workspace_limit(dq_source::recomputed, 30 * gib, total) == 15 * gib);  // read only by automatic and stored
   CHECK(default_ds_workspace_limit(dq_source::stored, 70 * gib, total) == 65 * gib);
   CHECK(default_ds_workspace_limit(dq_source::stored, 5 * gib, total) == 0);
+  CHECK(default_ds_workspace_limit(dq_source::stored, 4 * gib, total) == 0);  // less than the sixteenth held back: no underflow
   CHECK(default_ds_workspace_limit(dq_source::stored, 6 * gib, total) == gib);
   static_assert(default_ds_workspace_limit(dq_source::stored, 0, 0) == 0);
 }

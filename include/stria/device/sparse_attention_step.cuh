@@ -81,10 +81,12 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// entry's dS (one T per entry of workspace), and the dQ pass is one product per tile (dQ += dS K)
 /// instead of three; the passes run over ranges of query heads whose workspace fits
 /// backward_options' `ds_workspace_limit` (0: for `stored`, what the device has available less a
-/// sixteenth of its memory; for `automatic`, a quarter of the device's memory and at most half of what
-/// is available); a head alone past it is an error for `stored`, and `automatic` then recomputes (as it does where the workspace cannot be allocated after
-/// all). The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the dQ pass forms
-/// S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
+/// sixteenth of its memory, in ranges of about equal size; for `automatic`, a quarter of the device's
+/// memory and at most half of what is available); a head alone past it is an error for `stored`, and
+/// `automatic` then recomputes (as it does where the workspace cannot be allocated after all). Where
+/// the ranges split a GQA group, the deterministic mode's bits depend on the device's free memory.
+/// The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the
+/// dQ pass forms S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
 /// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
 /// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
 enum class dq_source { automatic, stored, recomputed };
@@ -464,8 +466,8 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
     STRIA_CUDA_CHECK_LAUNCH("log2_lse");
   }
   // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry, for a
-  // range of query heads at a time, each range's within the workspace limit (automatic: a quarter of
-  // the device's memory). No range: the dQ pass recomputes dS.
+  // range of query heads at a time, each range's within the workspace limit (detail::
+  // default_ds_workspace_limit where options give none). No range: the dQ pass recomputes dS.
   struct head_range {
     index_t begin, end;                      // query heads
     std::size_t first_block, first_vertical;  // their first forward-form entries
@@ -481,7 +483,8 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       head_ranges.push_back({0, shape.heads_q, 0, 0, block_entries * block_tokens, total_rows});
     } else {
       // Each head's first entries (one synchronisation, only where the whole does not fit): heads
-      // gathered greedily while their rows fit; a head alone past the limit leaves dS recomputed.
+      // gathered greedily while their rows fit; a head alone past the limit leaves dS recomputed
+      // (automatic) or is refused (stored).
       const auto heads = static_cast<std::size_t>(shape.heads_q), pitch = static_cast<std::size_t>(index.shape.num_query_blocks) * sizeof(index_t);
       std::vector<index_t> block_at(heads + 1), vertical_at(heads + 1);
       STRIA_CUDA_CHECK(cudaMemcpy2DAsync(block_at.data(), sizeof(index_t), index.block_ptr.data(), pitch, sizeof(index_t), heads + 1,
@@ -499,6 +502,14 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       // V twice, and its dK/dV sums in a different order (deterministic bits that would depend on the
       // device's memory).
       const auto group = static_cast<std::size_t>(shape.group_size());
+      // stored with no limit given: ranges of about equal size, the fewest that the available memory
+      // allows, so that the workspace (which stria's pool keeps for the next layer) is no larger than
+      // the work needs rather than nearly all the memory there was.
+      std::size_t fill = limit;
+      if (source == dq_source::stored && ds_workspace_limit == 0 && limit > 0) {
+        const std::size_t whole = total_rows * row_bytes, pieces = (whole + limit - 1) / limit;
+        fill = (whole + pieces - 1) / pieces;
+      }
       for (std::size_t begin = 0; begin < heads;) {
         std::size_t end = begin + 1;
         if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
@@ -509,12 +520,13 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           if (source == dq_source::stored)
             throw invalid_argument("options.dq_source", "dq_source::stored",
                                    "needs query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
-                                       " bytes) at once, more than the device has available for it (" + std::to_string(limit) +
-                                       " bytes): free device memory, or let dq_source::automatic recompute dS");
+                                       " bytes) at once, more than the device has available less a sixteenth of its memory (" +
+                                       std::to_string(limit) +
+                                       " bytes): free device memory, give options.ds_workspace_limit, or let dq_source::automatic recompute dS");
           head_ranges.clear();
           break;
         }
-        while (end < heads && range_of(begin, end + 1).rows * row_bytes <= limit) ++end;
+        while (end < heads && range_of(begin, end + 1).rows * row_bytes <= fill) ++end;
         if (end < heads && end % group != 0 && end - end % group > begin) end -= end % group;
         head_ranges.push_back(range_of(begin, end));
         begin = end;
