@@ -86,9 +86,9 @@ enum class backward_kernel { automatic, mma_sync, wgmma };
 /// `automatic` then recomputes (as it does where the workspace cannot be allocated after all). Where
 /// the ranges split a GQA group, the deterministic mode's bits depend on the device's free memory.
 /// The workspace returns to stria's memory pool, which keeps it for the next layer. `recomputed`: the
-/// dQ pass forms S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim 128 only: the
-/// stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger head dim's
-/// recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
+/// dQ pass forms S, dP and dS again from Q, K, V and dO (no workspace). `automatic` stores at head dim
+/// 128 only: the stored dS costs DRAM traffic (2 bytes per entry out and back) that only the larger
+/// head dim's recomputation outweighs (RESULTS, 2026-12-02). The mma.sync backward ignores it.
 enum class dq_source { automatic, stored, recomputed };
 
 /// Whether the current device runs stria's wgmma kernels: an sm_90 device and code built for
