@@ -243,7 +243,7 @@ static_assert(stria::device_communicator<local_device> && stria::device_collecti
 /// (as host_world does); a peer that never arrives raises comm_error after the timeout.
 class local_device_world {
  public:
-  explicit local_device_world(index_t world_size, int device = current_device(),
+  explicit local_device_world(index_t world_size, int device = stria::detail::current_device(),
                               std::chrono::milliseconds timeout = std::chrono::seconds(300))
       : host_(world_size, timeout), device_(device) {}
 
@@ -259,12 +259,6 @@ class local_device_world {
   }
 
  private:
-  static int current_device() {
-    int device = 0;
-    STRIA_CUDA_CHECK(cudaGetDevice(&device));
-    return device;
-  }
-
   host_world host_;
   int device_;
 };

@@ -19,6 +19,13 @@ inline void check_cuda(cudaError_t status, const char* call, std::source_locatio
   }
 }
 
+/// The calling thread's current device.
+inline int current_device() {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice(&device)", std::source_location::current());
+  return device;
+}
+
 }  // namespace stria::detail
 
 #define STRIA_CUDA_CHECK(call) ::stria::detail::check_cuda((call), #call, std::source_location::current())

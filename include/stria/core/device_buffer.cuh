@@ -25,8 +25,7 @@ namespace detail {
 /// synchronisation, so the same sizes allocated each layer cost almost nothing; the user's default
 /// pool is left as it is.
 inline cudaMemPool_t memory_pool() {
-  int device = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = current_device();
   static std::mutex mutex;
   static std::map<int, cudaMemPool_t> pools;
   const std::lock_guard lock(mutex);

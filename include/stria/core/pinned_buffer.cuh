@@ -43,8 +43,7 @@ inline pinned_cache& pinned_blocks() {
 /// A block of at least `bytes` (sizes round up to powers of two, at least 4 KiB, so that blocks are
 /// reused) whose previous work has finished, from the cache or newly page-locked.
 inline pinned_block acquire_pinned(std::size_t bytes) {
-  int device = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = current_device();
   const std::size_t size = std::bit_ceil(std::max<std::size_t>(bytes, 4096));
   {
     pinned_cache& cache = pinned_blocks();

@@ -43,11 +43,7 @@ void with_head_dim(index_t head_dim, Launch&& launch) {
 /// without a lock; others take a mutex each time.
 inline constexpr int lock_free_devices = 64;
 
-inline int current_device() {
-  int device = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
+using stria::detail::current_device;
 
 /// Lets `Kernel` launch with `bytes` of dynamic shared memory on the current device. The attribute
 /// is set once per kernel and device, and raised only where a call needs more: set before every

@@ -157,8 +157,7 @@ void check_layout(tensor_view<T, Rank> view, const char* name, std::size_t align
 /// tensors must live on the GPU its kernels run on): the last check of a call, after all the
 /// argument checks, since it asks the CUDA runtime.
 inline void check_on_device(std::initializer_list<std::pair<const void*, const char*>> pointers) {
-  int current = 0;
-  STRIA_CUDA_CHECK(cudaGetDevice(&current));
+  const int current = current_device();
   for (const auto& [pointer, name] : pointers) {
     cudaPointerAttributes attributes{};
     STRIA_CUDA_CHECK(cudaPointerGetAttributes(&attributes, pointer));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -47,6 +48,26 @@ void check_backward_tensors(const attention_shape& shape, const Out& out, const 
   check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
   check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+}
+
+/// Tokens [first, first + tokens) of each of `xs` in turn (tokens < 0: all of each), as fp32 rows
+/// [tokens, heads, D].
+template <class T>
+std::vector<float> to_float(std::initializer_list<tensor_view<const T, 3>> xs, index_t first = 0, index_t tokens = -1) {
+  std::vector<float> y;
+  for (const tensor_view<const T, 3>& x : xs)
+    for (index_t t = first; t < (tokens < 0 ? x.extent(0) : first + tokens); ++t)
+      for (index_t h = 0; h < x.extent(1); ++h)
+        for (index_t d = 0; d < x.extent(2); ++d) y.push_back(float(x(t, h, d)));
+  return y;
+}
+
+/// Tokens [first, first + tokens) of y (tokens < 0: all) = the fp32 rows x, rounded to T.
+template <class T>
+void from_float(const float* x, tensor_view<T, 3> y, index_t first = 0, index_t tokens = -1) {
+  for (index_t t = first, i = 0; t < (tokens < 0 ? y.extent(0) : first + tokens); ++t)
+    for (index_t h = 0; h < y.extent(1); ++h)
+      for (index_t d = 0; d < y.extent(2); ++d) y(t, h, d) = T(x[i++]);
 }
 
 }  // namespace detail

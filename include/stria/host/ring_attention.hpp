@@ -27,26 +27,6 @@ namespace stria::host {
 
 namespace detail {
 
-/// x as fp32, token-major; `more` (same extents) appended after it.
-template <class T>
-std::vector<float> to_float(tensor_view<const T, 3> x, tensor_view<const T, 3> more = {}) {
-  std::vector<float> y;
-  y.reserve(static_cast<std::size_t>(x.size() + more.size()));
-  for (const auto* part : {&x, &more})
-    for (index_t t = 0; t < part->extent(0); ++t)
-      for (index_t h = 0; h < part->extent(1); ++h)
-        for (index_t d = 0; d < part->extent(2); ++d) y.push_back(float((*part)(t, h, d)));
-  return y;
-}
-
-/// y = x (fp32, token-major), rounded to T.
-template <class T>
-void from_float(const float* x, tensor_view<T, 3> y) {
-  for (index_t t = 0, i = 0; t < y.extent(0); ++t)
-    for (index_t h = 0; h < y.extent(1); ++h)
-      for (index_t d = 0; d < y.extent(2); ++d) y(t, h, d) = T(x[i++]);
-}
-
 /// The host backend of the ring engine. A KV chunk and a dK/dV partial are one message each
 /// ([2, Sk, Hkv, D]: K then V, dK then dV). Sends never block and a receive returns with the data,
 /// so no buffer is ever in flight.
@@ -107,13 +87,13 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const step_ind
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
   check_extents(lse, {s.heads_q, s.query_tokens}, "lse");
 
-  const std::vector<float> q32 = detail::to_float(q);
+  const std::vector<float> q32 = detail::to_float<T>({q});
   std::vector<float> running_out(q32.size(), 0.0f), part_out(q32.size());
   std::vector<float> running_lse(static_cast<std::size_t>(s.heads_q) * s.query_tokens, -std::numeric_limits<float>::infinity());
   std::vector<float> part_lse(running_lse.size());
   const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim};
   const std::array<index_t, 2> lse_extents{s.heads_q, s.query_tokens};
-  detail::ring_backend<Comm> backend{comm, detail::to_float(k, v), {s.kv_tokens, s.heads_kv, s.head_dim}};
+  detail::ring_backend<Comm> backend{comm, detail::to_float<T>({k, v}), {s.kv_tokens, s.heads_kv, s.head_dim}};
   engine::ring_forward(
       backend, topology, check,
       [&](index_t step, int slot) {
@@ -147,11 +127,12 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const step_in
   detail::check_indices(indices);
   detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 
-  const std::vector<float> q32 = detail::to_float(q), out32 = detail::to_float(out), d_out32 = detail::to_float(d_out);
+  const std::vector<float> q32 = detail::to_float<T>({q}), out32 = detail::to_float<T>({out}),
+                           d_out32 = detail::to_float<T>({d_out});
   std::vector<float> dq32(q32.size(), 0.0f);
   const auto kv_elems = static_cast<std::size_t>(k.size());
   const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim}, kv_extents{s.kv_tokens, s.heads_kv, s.head_dim};
-  detail::ring_backend<Comm> backend{comm, detail::to_float(k, v), kv_extents};
+  detail::ring_backend<Comm> backend{comm, detail::to_float<T>({k, v}), kv_extents};
   const std::vector<float> own = engine::ring_backward(
       backend, topology, check,
       [&](index_t step, int slot) {

@@ -8,7 +8,6 @@
 #pragma once
 
 #include <cstddef>
-#include <initializer_list>
 #include <limits>
 #include <map>
 #include <span>
@@ -33,18 +32,6 @@
 namespace stria::host {
 
 namespace detail {
-
-/// Rows of one of this rank's chunks in fp32 ([tokens, heads, D]), each of `xs` in turn.
-template <class T>
-std::vector<float> chunk_rows(const solver::rank_chunks& me, std::initializer_list<tensor_view<const T, 3>> xs, index_t chunk) {
-  std::vector<float> y;
-  const index_t first = me.first_token(chunk);
-  for (const tensor_view<const T, 3>& x : xs)
-    for (index_t t = first; t < first + me.tokens(); ++t)
-      for (index_t h = 0; h < x.extent(1); ++h)
-        for (index_t d = 0; d < x.extent(2); ++d) y.push_back(float(x(t, h, d)));
-  return y;
-}
 
 /// The value of `key` in `cache`, made by make(key) the first time (an own chunk is converted once).
 template <class Value, class Make>
@@ -94,7 +81,7 @@ struct solver_backend_base {
   }
   std::vector<float>& kv_chunk(index_t c) {
     if (!me.owns(c)) return moved_kv.at(c);
-    return cached(own_kv, c, [&](index_t x) { return chunk_rows(me, {k, v}, x); });
+    return cached(own_kv, c, [&](index_t x) { return to_float<T>({k, v}, me.first_token(x), ct); });
   }
   void receive_kv(const solver::chunk_move& move) {
     moved_kv.emplace(move.chunk, receive(2 * kv_elems, me.owner(move.chunk), solver::message::kv, move.chunk));
@@ -107,12 +94,7 @@ struct solver_backend_base {
   template <class X>
   tensor_view<X, 2> columns(X* x) const { return {x, {hq, ct}}; }
   /// Rounds rank chunk c's fp32 rows [tokens, heads, D] to T into `y`.
-  void write_rows(const float* x, index_t c, tensor_view<T, 3> y) const {
-    const index_t first = me.first_token(c);
-    for (index_t t = 0, i = 0; t < ct; ++t)
-      for (index_t h = 0; h < y.extent(1); ++h)
-        for (index_t d = 0; d < dim; ++d) y(first + t, h, d) = T(x[i++]);
-  }
+  void write_rows(const float* x, index_t c, tensor_view<T, 3> y) const { from_float(x, y, me.first_token(c), ct); }
 };
 
 /// The forward: per query chunk an fp32 running O [tokens, Hq, D] and LSE [Hq, tokens]; those of a
@@ -132,7 +114,9 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
 
   partial empty() const { return {std::vector<float>(q_elems, 0.0f), std::vector<float>(lse_elems, -std::numeric_limits<float>::infinity())}; }
   partial& state(index_t c) { return me.owns(c) ? cached(running, c, [&](index_t) { return empty(); }) : moved_out.at(c); }
-  std::vector<float>& query(index_t c) { return me.owns(c) ? cached(own_q, c, [&](index_t x) { return chunk_rows(me, {q}, x); }) : moved_q.at(c); }
+  std::vector<float>& query(index_t c) {
+    return me.owns(c) ? cached(own_q, c, [&](index_t x) { return to_float<T>({q}, me.first_token(x), ct); }) : moved_q.at(c);
+  }
   void merge(partial& into, const partial& x) const {
     merge_partial<float>(rows(into.out.data(), hq), columns(into.lse.data()), rows(x.out.data(), hq), columns(x.lse.data()));
   }
@@ -210,7 +194,7 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
   query_side& query(index_t c) {
     if (!me.owns(c)) return moved_q.at(c);
     return cached(own_q, c, [&](index_t x) {
-      query_side s{chunk_rows(me, {q, out, d_out}, x), {}};
+      query_side s{to_float<T>({q, out, d_out}, me.first_token(x), ct), {}};
       for (index_t h = 0; h < hq; ++h)
         for (index_t t = me.first_token(x); t < me.first_token(x) + ct; ++t) s.lse.push_back(lse(h, t));
       return s;
