@@ -255,6 +255,70 @@ TEST_CASE("the stored dS's default workspace limit, by dq_source") {
   static_assert(default_ds_workspace_limit(dq_source::stored, 0, 0) == 0);
 }
 
+// The ranges of query heads whose dS a backward stores at once (device::detail::ds_head_ranges), on
+// made-up row pointers: heads of `blocks` block tiles and `verticals` vertical entries each, dS rows
+// of 128 bytes (64 bf16 values). A head here is 10 x 64 + 64 = 704 rows, 90112 bytes.
+TEST_CASE("the stored dS's ranges of query heads: within the limit, on whole GQA groups, of equal size where no limit is given") {
+  using device::dq_source;
+  using device::detail::ds_head_range;
+  constexpr std::size_t row_bytes = 128, head_bytes = 704 * row_bytes;
+  auto pointers = [](const std::vector<index_t>& counts) {
+    std::vector<index_t> at(counts.size() + 1, 0);
+    for (std::size_t h = 0; h < counts.size(); ++h) at[h + 1] = at[h] + counts[h];
+    return at;
+  };
+  const std::vector<index_t> block_at = pointers(std::vector<index_t>(8, 10)), vertical_at = pointers(std::vector<index_t>(8, 64));
+  auto heads_of = [](const std::vector<ds_head_range>& ranges) {
+    std::vector<std::pair<index_t, index_t>> h;
+    for (const ds_head_range& r : ranges) h.emplace_back(r.begin, r.end);
+    return h;
+  };
+  using pairs = std::vector<std::pair<index_t, index_t>>;
+  auto ranges = [&](index_t group, dq_source source, std::size_t given, std::size_t limit) {
+    return device::detail::ds_head_ranges(block_at, vertical_at, group, row_bytes, source, given, limit);
+  };
+  // A given limit, filled greedily: ranges end on a group of 4 where one fits, else split it.
+  CHECK(heads_of(ranges(4, dq_source::stored, 5 * head_bytes, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
+  CHECK(heads_of(ranges(4, dq_source::automatic, 3 * head_bytes, 3 * head_bytes)) == pairs{{0, 3}, {3, 4}, {4, 7}, {7, 8}});
+  CHECK(heads_of(ranges(1, dq_source::stored, 5 * head_bytes, 5 * head_bytes)) == pairs{{0, 5}, {5, 8}});
+  // stored with no limit given: the fewest ranges that fit, of about equal size.
+  CHECK(heads_of(ranges(1, dq_source::stored, 0, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
+  CHECK(heads_of(ranges(1, dq_source::stored, 0, 8 * head_bytes)) == pairs{{0, 8}});
+  // Each range's first entries and rows.
+  const std::vector<ds_head_range> r = ranges(4, dq_source::stored, 4 * head_bytes, 4 * head_bytes);
+  REQUIRE(r.size() == 2);
+  CHECK(r[1].first_block == 40);
+  CHECK(r[1].first_vertical == 256);
+  CHECK(r[1].block_rows == 40 * 64);
+  CHECK(r[1].rows == 40 * 64 + 256);
+  // Heads of unequal size: the ranges cover every head once, each within the limit.
+  const std::vector<index_t> uneven_blocks = pointers({1, 30, 2, 2, 25, 3, 9, 14}), uneven_verticals = pointers({0, 5, 900, 1, 0, 64, 7, 3});
+  for (const std::size_t limit : {40 * 64 * row_bytes, 60 * 64 * row_bytes}) {
+    for (const std::size_t given : {limit, std::size_t{0}}) {
+      CAPTURE(limit);
+      CAPTURE(given);
+      const std::vector<ds_head_range> u =
+          device::detail::ds_head_ranges(uneven_blocks, uneven_verticals, 2, row_bytes, dq_source::stored, given, limit);
+      index_t next = 0;
+      for (const ds_head_range& range : u) {
+        CHECK(range.begin == next);
+        CHECK(range.rows * row_bytes <= limit);
+        next = range.end;
+      }
+      CHECK(next == 8);
+    }
+  }
+  // A head alone past the limit: automatic recomputes dS (no range); stored is refused, naming the
+  // option that set the limit.
+  CHECK(ranges(4, dq_source::automatic, 0, head_bytes - 1).empty());
+  const std::string given = message([&] { ranges(4, dq_source::stored, head_bytes - 1, head_bytes - 1); });
+  CHECK(contains(given, "options.ds_workspace_limit"));
+  CHECK(contains(given, "query head 0's stored dS (90112 bytes)"));
+  const std::string available = message([&] { ranges(4, dq_source::stored, 0, head_bytes - 1); });
+  CHECK(contains(available, "options.dq_source"));
+  CHECK(contains(available, "less a sixteenth of its memory"));
+}
+
 // The read-ahead of the stored-dS dQ pass (kernel::detail::token_plan): for every thread of the
 // warpgroup and every pass of its copies, the lane it takes its token from read the token of exactly
 // the row it copies (tile_copy_plan's row0 + pass x rows_per_pass), and every row of the tile is read

@@ -14,6 +14,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -141,6 +142,61 @@ inline std::size_t device_ds_workspace_limit(dq_source source) {
   STRIA_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
   const std::size_t available = free_bytes + static_cast<std::size_t>(reserved > used ? reserved - used : 0);
   return default_ds_workspace_limit(source, available, total_bytes);
+}
+
+/// A range of query heads whose dS a backward stores at once.
+struct ds_head_range {
+  index_t begin, end;                       // query heads
+  std::size_t first_block, first_vertical;  // their first forward-form entries
+  std::size_t block_rows, rows;             // dS rows of their block tiles, and in all
+};
+
+/// The ranges of query heads whose dS is stored one after another, each at most `limit` bytes of
+/// `row_bytes` rows; `block_at` and `vertical_at` hold each head's first block and vertical entry
+/// (heads + 1 values). Ranges end on whole GQA groups of `group` heads where they can: a group split
+/// between ranges loads its K and V twice, and its dK/dV sums in a different order (deterministic
+/// bits that would depend on the device's memory). `stored` with no limit given (`given_limit` 0)
+/// takes ranges of about equal size, the fewest that fit, so that the workspace (which stria's pool
+/// keeps for the next layer) is no larger than the work needs rather than nearly all the memory
+/// there was. A head alone past the limit leaves dS recomputed (automatic: no range) or is refused
+/// (stored), naming the option that set the limit.
+inline std::vector<ds_head_range> ds_head_ranges(std::span<const index_t> block_at, std::span<const index_t> vertical_at, index_t group,
+                                                 std::size_t row_bytes, dq_source source, std::size_t given_limit, std::size_t limit) {
+  const std::size_t heads = block_at.size() - 1;
+  auto range_of = [&](std::size_t begin, std::size_t end) {
+    const std::size_t blocks = static_cast<std::size_t>(block_at[end] - block_at[begin]) * block_tokens;
+    return ds_head_range{static_cast<index_t>(begin), static_cast<index_t>(end), static_cast<std::size_t>(block_at[begin]),
+                         static_cast<std::size_t>(vertical_at[begin]), blocks,
+                         blocks + static_cast<std::size_t>(vertical_at[end] - vertical_at[begin])};
+  };
+  std::size_t fill = limit;
+  if (source == dq_source::stored && given_limit == 0 && limit > 0) {
+    const std::size_t whole = range_of(0, heads).rows * row_bytes, pieces = (whole + limit - 1) / limit;
+    fill = (whole + pieces - 1) / pieces;
+  }
+  const auto g = static_cast<std::size_t>(group);
+  std::vector<ds_head_range> ranges;
+  for (std::size_t begin = 0; begin < heads;) {
+    std::size_t end = begin + 1;
+    if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
+      if (source == dq_source::stored && given_limit != 0)
+        throw invalid_argument("options.ds_workspace_limit", limit,
+                               "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
+                                   " bytes): raise it, or let dq_source::automatic recompute dS");
+      if (source == dq_source::stored)
+        throw invalid_argument("options.dq_source", "dq_source::stored",
+                               "needs query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
+                                   " bytes) at once, more than the device has available less a sixteenth of its memory (" +
+                                   std::to_string(limit) +
+                                   " bytes): free device memory, give options.ds_workspace_limit, or let dq_source::automatic recompute dS");
+      return {};
+    }
+    while (end < heads && range_of(begin, end + 1).rows * row_bytes <= fill) ++end;
+    if (end < heads && end % g != 0 && end - end % g > begin) end -= end % g;
+    ranges.push_back(range_of(begin, end));
+    begin = end;
+  }
+  return ranges;
 }
 
 /// The layout rules every tensor of a kernel call obeys: contiguous, and aligned for the kernel's
@@ -465,14 +521,9 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
     STRIA_CUDA_CHECK_LAUNCH("log2_lse");
   }
   // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry, for a
-  // range of query heads at a time, each range's within the workspace limit (detail::
-  // default_ds_workspace_limit where options give none). No range: the dQ pass recomputes dS.
-  struct head_range {
-    index_t begin, end;                      // query heads
-    std::size_t first_block, first_vertical;  // their first forward-form entries
-    std::size_t block_rows, rows;             // dS rows of their block tiles, and in all
-  };
-  std::vector<head_range> head_ranges;
+  // range of query heads at a time (detail::ds_head_ranges), each within the workspace limit
+  // (detail::default_ds_workspace_limit where options give none). No range: the dQ pass recomputes dS.
+  std::vector<detail::ds_head_range> head_ranges;
   const std::size_t block_entries = index.block_col.size(), vertical_entries = index.col_token.size();
   const std::size_t total_rows = block_entries * block_tokens + vertical_entries;
   const std::size_t row_bytes = block_tokens * sizeof(T);
@@ -480,10 +531,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
     const std::size_t limit = ds_workspace_limit != 0 ? ds_workspace_limit : detail::device_ds_workspace_limit(source);
     if (total_rows * row_bytes <= limit) {
       head_ranges.push_back({0, shape.heads_q, 0, 0, block_entries * block_tokens, total_rows});
-    } else {
-      // Each head's first entries (one synchronisation, only where the whole does not fit): heads
-      // gathered greedily while their rows fit; a head alone past the limit leaves dS recomputed
-      // (automatic) or is refused (stored).
+    } else {  // each head's first entries (one synchronisation, only where the whole does not fit)
       const auto heads = static_cast<std::size_t>(shape.heads_q), pitch = static_cast<std::size_t>(index.shape.num_query_blocks) * sizeof(index_t);
       std::vector<index_t> block_at(heads + 1), vertical_at(heads + 1);
       STRIA_CUDA_CHECK(cudaMemcpy2DAsync(block_at.data(), sizeof(index_t), index.block_ptr.data(), pitch, sizeof(index_t), heads + 1,
@@ -491,49 +539,11 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       STRIA_CUDA_CHECK(cudaMemcpy2DAsync(vertical_at.data(), sizeof(index_t), index.col_ptr.data(), pitch, sizeof(index_t), heads + 1,
                                          cudaMemcpyDeviceToHost, stream));
       STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      auto range_of = [&](std::size_t begin, std::size_t end) {
-        const std::size_t blocks = static_cast<std::size_t>(block_at[end] - block_at[begin]) * block_tokens;
-        return head_range{static_cast<index_t>(begin), static_cast<index_t>(end), static_cast<std::size_t>(block_at[begin]),
-                          static_cast<std::size_t>(vertical_at[begin]), blocks,
-                          blocks + static_cast<std::size_t>(vertical_at[end] - vertical_at[begin])};
-      };
-      // Ranges end on whole GQA groups where they can: a group split between ranges loads its K and
-      // V twice, and its dK/dV sums in a different order (deterministic bits that would depend on the
-      // device's memory).
-      const auto group = static_cast<std::size_t>(shape.group_size());
-      // stored with no limit given: ranges of about equal size, the fewest that the available memory
-      // allows, so that the workspace (which stria's pool keeps for the next layer) is no larger than
-      // the work needs rather than nearly all the memory there was.
-      std::size_t fill = limit;
-      if (source == dq_source::stored && ds_workspace_limit == 0 && limit > 0) {
-        const std::size_t whole = total_rows * row_bytes, pieces = (whole + limit - 1) / limit;
-        fill = (whole + pieces - 1) / pieces;
-      }
-      for (std::size_t begin = 0; begin < heads;) {
-        std::size_t end = begin + 1;
-        if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
-          if (source == dq_source::stored && ds_workspace_limit != 0)
-            throw invalid_argument("options.ds_workspace_limit", limit,
-                                   "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
-                                       " bytes): raise it, or let dq_source::automatic recompute dS");
-          if (source == dq_source::stored)
-            throw invalid_argument("options.dq_source", "dq_source::stored",
-                                   "needs query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
-                                       " bytes) at once, more than the device has available less a sixteenth of its memory (" +
-                                       std::to_string(limit) +
-                                       " bytes): free device memory, give options.ds_workspace_limit, or let dq_source::automatic recompute dS");
-          head_ranges.clear();
-          break;
-        }
-        while (end < heads && range_of(begin, end + 1).rows * row_bytes <= fill) ++end;
-        if (end < heads && end % group != 0 && end - end % group > begin) end -= end % group;
-        head_ranges.push_back(range_of(begin, end));
-        begin = end;
-      }
+      head_ranges = detail::ds_head_ranges(block_at, vertical_at, shape.group_size(), row_bytes, source, ds_workspace_limit, limit);
     }
   }
   std::size_t workspace_rows = 0;
-  for (const head_range& r : head_ranges) workspace_rows = std::max(workspace_rows, r.rows);
+  for (const detail::ds_head_range& r : head_ranges) workspace_rows = std::max(workspace_rows, r.rows);
   device_buffer<T> ds;
   try {
     ds = device_buffer<T>(workspace_rows * block_tokens, stream);
@@ -644,7 +654,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           dkdv_passes();
           return;
         }
-        for (const head_range& range : head_ranges) {  // dK/dV accumulate over the ranges; each dq row has one
+        for (const detail::ds_head_range& range : head_ranges) {  // dK/dV accumulate over the ranges; each dq row has one
           params.head_begin = range.begin;
           params.head_end = range.end;
           params.ds_first_block = static_cast<index_t>(range.first_block);
