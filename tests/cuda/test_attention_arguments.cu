@@ -256,8 +256,8 @@ TEST_CASE("the stored dS's default workspace limit, by dq_source") {
 }
 
 // The ranges of query heads whose dS a backward stores at once (device::detail::ds_head_ranges), on
-// made-up row pointers: heads of `blocks` block tiles and `verticals` vertical entries each, dS rows
-// of 128 bytes (64 bf16 values). A head here is 10 x 64 + 64 = 704 rows, 90112 bytes.
+// made-up row pointers (`pointers`: each head's entries, summed) and dS rows of 128 bytes (64 bf16
+// values). A head of the even set holds 10 block tiles and 64 vertical entries: 704 rows, 90112 bytes.
 TEST_CASE("the stored dS's ranges of query heads: within the limit, on whole GQA groups, of equal size where no limit is given") {
   using device::dq_source;
   using device::detail::ds_head_range;
@@ -274,18 +274,22 @@ TEST_CASE("the stored dS's ranges of query heads: within the limit, on whole GQA
     return h;
   };
   using pairs = std::vector<std::pair<index_t, index_t>>;
-  auto ranges = [&](index_t group, dq_source source, std::size_t given, std::size_t limit) {
+  auto ranges = [&](index_t group, dq_source source, bool given, std::size_t limit) {
     return device::detail::ds_head_ranges(block_at, vertical_at, group, row_bytes, source, given, limit);
   };
-  // A given limit, filled greedily: ranges end on a group of 4 where one fits, else split it.
-  CHECK(heads_of(ranges(4, dq_source::stored, 5 * head_bytes, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
-  CHECK(heads_of(ranges(4, dq_source::automatic, 3 * head_bytes, 3 * head_bytes)) == pairs{{0, 3}, {3, 4}, {4, 7}, {7, 8}});
-  CHECK(heads_of(ranges(1, dq_source::stored, 5 * head_bytes, 5 * head_bytes)) == pairs{{0, 5}, {5, 8}});
-  // stored with no limit given: the fewest ranges that fit, of about equal size.
-  CHECK(heads_of(ranges(1, dq_source::stored, 0, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
-  CHECK(heads_of(ranges(1, dq_source::stored, 0, 8 * head_bytes)) == pairs{{0, 8}});
+  // A given limit, or automatic's: filled greedily, ending on a group of 4 where one fits, else splitting it.
+  CHECK(heads_of(ranges(4, dq_source::stored, true, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
+  CHECK(heads_of(ranges(4, dq_source::automatic, true, 3 * head_bytes)) == pairs{{0, 3}, {3, 4}, {4, 7}, {7, 8}});
+  CHECK(heads_of(ranges(1, dq_source::stored, true, 5 * head_bytes)) == pairs{{0, 5}, {5, 8}});
+  CHECK(heads_of(ranges(1, dq_source::automatic, false, 5 * head_bytes)) == pairs{{0, 5}, {5, 8}});
+  // stored with no limit given: ranges filled to about whole / ceil(whole / limit).
+  CHECK(heads_of(ranges(1, dq_source::stored, false, 5 * head_bytes)) == pairs{{0, 4}, {4, 8}});
+  CHECK(heads_of(ranges(1, dq_source::stored, false, 8 * head_bytes)) == pairs{{0, 8}});
+  // ... where a head past that fill but within the limit runs alone, not refused.
+  CHECK(heads_of(device::detail::ds_head_ranges(pointers({1, 1, 1, 1, 1, 1, 1, 10}), pointers(std::vector<index_t>(8, 0)), 1, row_bytes,
+                                                dq_source::stored, false, 10 * 64 * row_bytes)) == pairs{{0, 7}, {7, 8}});
   // Each range's first entries and rows.
-  const std::vector<ds_head_range> r = ranges(4, dq_source::stored, 4 * head_bytes, 4 * head_bytes);
+  const std::vector<ds_head_range> r = ranges(4, dq_source::stored, true, 4 * head_bytes);
   REQUIRE(r.size() == 2);
   CHECK(r[1].first_block == 40);
   CHECK(r[1].first_vertical == 256);
@@ -294,7 +298,7 @@ TEST_CASE("the stored dS's ranges of query heads: within the limit, on whole GQA
   // Heads of unequal size: the ranges cover every head once, each within the limit.
   const std::vector<index_t> uneven_blocks = pointers({1, 30, 2, 2, 25, 3, 9, 14}), uneven_verticals = pointers({0, 5, 900, 1, 0, 64, 7, 3});
   for (const std::size_t limit : {40 * 64 * row_bytes, 60 * 64 * row_bytes}) {
-    for (const std::size_t given : {limit, std::size_t{0}}) {
+    for (const bool given : {true, false}) {
       CAPTURE(limit);
       CAPTURE(given);
       const std::vector<ds_head_range> u =
@@ -310,11 +314,11 @@ TEST_CASE("the stored dS's ranges of query heads: within the limit, on whole GQA
   }
   // A head alone past the limit: automatic recomputes dS (no range); stored is refused, naming the
   // option that set the limit.
-  CHECK(ranges(4, dq_source::automatic, 0, head_bytes - 1).empty());
-  const std::string given = message([&] { ranges(4, dq_source::stored, head_bytes - 1, head_bytes - 1); });
+  CHECK(ranges(4, dq_source::automatic, false, head_bytes - 1).empty());
+  const std::string given = message([&] { ranges(4, dq_source::stored, true, head_bytes - 1); });
   CHECK(contains(given, "options.ds_workspace_limit"));
   CHECK(contains(given, "query head 0's stored dS (90112 bytes)"));
-  const std::string available = message([&] { ranges(4, dq_source::stored, 0, head_bytes - 1); });
+  const std::string available = message([&] { ranges(4, dq_source::stored, false, head_bytes - 1); });
   CHECK(contains(available, "options.dq_source"));
   CHECK(contains(available, "less a sixteenth of its memory"));
 }

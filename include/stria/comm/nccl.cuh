@@ -295,9 +295,9 @@ class nccl {
     world_ = world;
     // The own stream lives on the communicator's GPU, whichever device is current here:
     // create_all makes every rank's wrapper from one thread.
-    int comm_device = 0, current = 0;
+    int comm_device = 0;
     STRIA_NCCL_CHECK(ncclCommCuDevice(comm, &comm_device));
-    STRIA_CUDA_CHECK(cudaGetDevice(&current));
+    const int current = stria::detail::current_device();
     STRIA_CUDA_CHECK(cudaSetDevice(comm_device));
     const cudaError_t created = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
     STRIA_CUDA_CHECK(cudaSetDevice(current));

@@ -19,10 +19,10 @@ inline void check_cuda(cudaError_t status, const char* call, std::source_locatio
   }
 }
 
-/// The calling thread's current device.
-inline int current_device() {
+/// The calling thread's current device (a failure reports the caller's file:line).
+inline int current_device(std::source_location where = std::source_location::current()) {
   int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice(&device)", std::source_location::current());
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice", where);
   return device;
 }
 

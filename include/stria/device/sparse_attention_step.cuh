@@ -153,15 +153,15 @@ struct ds_head_range {
 
 /// The ranges of query heads whose dS is stored one after another, each at most `limit` bytes of
 /// `row_bytes` rows; `block_at` and `vertical_at` hold each head's first block and vertical entry
-/// (heads + 1 values). Ranges end on whole GQA groups of `group` heads where they can: a group split
-/// between ranges loads its K and V twice, and its dK/dV sums in a different order (deterministic
-/// bits that would depend on the device's memory). `stored` with no limit given (`given_limit` 0)
-/// takes ranges of about equal size, the fewest that fit, so that the workspace (which stria's pool
-/// keeps for the next layer) is no larger than the work needs rather than nearly all the memory
-/// there was. A head alone past the limit leaves dS recomputed (automatic: no range) or is refused
-/// (stored), naming the option that set the limit.
+/// (heads + 1 values each). Ranges end on whole GQA groups of `group` heads where they can: a group
+/// split between ranges loads its K and V twice, and its dK/dV sums in a different order
+/// (deterministic bits that would depend on the device's memory). `stored` with a limit the caller
+/// did not give fills its ranges to about whole / ceil(whole / limit) bytes each, so that the
+/// workspace (which stria's pool keeps for the next layer) is no larger than the work needs rather
+/// than nearly all the memory there was. A head alone past the limit leaves dS recomputed
+/// (automatic: no range) or is refused (stored), naming the option that set the limit.
 inline std::vector<ds_head_range> ds_head_ranges(std::span<const index_t> block_at, std::span<const index_t> vertical_at, index_t group,
-                                                 std::size_t row_bytes, dq_source source, std::size_t given_limit, std::size_t limit) {
+                                                 std::size_t row_bytes, dq_source source, bool limit_given, std::size_t limit) {
   const std::size_t heads = block_at.size() - 1;
   auto range_of = [&](std::size_t begin, std::size_t end) {
     const std::size_t blocks = static_cast<std::size_t>(block_at[end] - block_at[begin]) * block_tokens;
@@ -170,7 +170,7 @@ inline std::vector<ds_head_range> ds_head_ranges(std::span<const index_t> block_
                          blocks + static_cast<std::size_t>(vertical_at[end] - vertical_at[begin])};
   };
   std::size_t fill = limit;
-  if (source == dq_source::stored && given_limit == 0 && limit > 0) {
+  if (source == dq_source::stored && !limit_given && limit > 0) {
     const std::size_t whole = range_of(0, heads).rows * row_bytes, pieces = (whole + limit - 1) / limit;
     fill = (whole + pieces - 1) / pieces;
   }
@@ -179,7 +179,7 @@ inline std::vector<ds_head_range> ds_head_ranges(std::span<const index_t> block_
   for (std::size_t begin = 0; begin < heads;) {
     std::size_t end = begin + 1;
     if (const std::size_t bytes = range_of(begin, end).rows * row_bytes; bytes > limit) {
-      if (source == dq_source::stored && given_limit != 0)
+      if (source == dq_source::stored && limit_given)
         throw invalid_argument("options.ds_workspace_limit", limit,
                                "is smaller than query head " + std::to_string(begin) + "'s stored dS (" + std::to_string(bytes) +
                                    " bytes): raise it, or let dq_source::automatic recompute dS");
@@ -539,7 +539,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       STRIA_CUDA_CHECK(cudaMemcpy2DAsync(vertical_at.data(), sizeof(index_t), index.col_ptr.data(), pitch, sizeof(index_t), heads + 1,
                                          cudaMemcpyDeviceToHost, stream));
       STRIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-      head_ranges = detail::ds_head_ranges(block_at, vertical_at, shape.group_size(), row_bytes, source, ds_workspace_limit, limit);
+      head_ranges = detail::ds_head_ranges(block_at, vertical_at, shape.group_size(), row_bytes, source, ds_workspace_limit != 0, limit);
     }
   }
   std::size_t workspace_rows = 0;

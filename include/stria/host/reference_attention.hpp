@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host reference attention on a step index: forward (O, LSE), backward (dQ, dK, dV), and the LSE
-// merge of partial results. The oracle every kernel and the host ring backend are tested against.
+// merge of partial results. The oracle every kernel and the host ring backend are tested against;
+// the fp32 row conversions the host ring and solver share.
 #pragma once
 
 #include <cmath>
@@ -50,22 +51,28 @@ void check_backward_tensors(const attention_shape& shape, const Out& out, const 
   check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
 }
 
-/// Tokens [first, first + tokens) of each of `xs` in turn (tokens < 0: all of each), as fp32 rows
-/// [tokens, heads, D].
+/// Tokens [first, first + tokens) of each of `xs` in turn as fp32 rows [tokens, heads, D]; tokens < 0:
+/// from `first` to each view's end.
 template <class T>
-std::vector<float> to_float(std::initializer_list<tensor_view<const T, 3>> xs, index_t first = 0, index_t tokens = -1) {
+std::vector<float> rows_to_float(std::initializer_list<tensor_view<const T, 3>> xs, index_t first = 0, index_t tokens = -1) {
+  auto end = [&](const tensor_view<const T, 3>& x) { return tokens < 0 ? x.extent(0) : first + tokens; };
   std::vector<float> y;
+  std::size_t size = 0;
+  for (const tensor_view<const T, 3>& x : xs) size += static_cast<std::size_t>(end(x) - first) * x.extent(1) * x.extent(2);
+  y.reserve(size);
   for (const tensor_view<const T, 3>& x : xs)
-    for (index_t t = first; t < (tokens < 0 ? x.extent(0) : first + tokens); ++t)
+    for (index_t t = first; t < end(x); ++t)
       for (index_t h = 0; h < x.extent(1); ++h)
         for (index_t d = 0; d < x.extent(2); ++d) y.push_back(float(x(t, h, d)));
   return y;
 }
 
-/// Tokens [first, first + tokens) of y (tokens < 0: all) = the fp32 rows x, rounded to T.
+/// Tokens [first, first + tokens) of y = the fp32 rows x, rounded to T; tokens < 0: from `first` to
+/// y's end.
 template <class T>
-void from_float(const float* x, tensor_view<T, 3> y, index_t first = 0, index_t tokens = -1) {
-  for (index_t t = first, i = 0; t < (tokens < 0 ? y.extent(0) : first + tokens); ++t)
+void rows_from_float(const float* x, tensor_view<T, 3> y, index_t first = 0, index_t tokens = -1) {
+  std::size_t i = 0;
+  for (index_t t = first; t < (tokens < 0 ? y.extent(0) : first + tokens); ++t)
     for (index_t h = 0; h < y.extent(1); ++h)
       for (index_t d = 0; d < y.extent(2); ++d) y(t, h, d) = T(x[i++]);
 }

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstddef>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -87,13 +88,13 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const step_ind
   check_extents(out, {s.query_tokens, s.heads_q, s.head_dim}, "out");
   check_extents(lse, {s.heads_q, s.query_tokens}, "lse");
 
-  const std::vector<float> q32 = detail::to_float<T>({q});
+  const std::vector<float> q32 = detail::rows_to_float<T>({q});
   std::vector<float> running_out(q32.size(), 0.0f), part_out(q32.size());
   std::vector<float> running_lse(static_cast<std::size_t>(s.heads_q) * s.query_tokens, -std::numeric_limits<float>::infinity());
   std::vector<float> part_lse(running_lse.size());
   const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim};
   const std::array<index_t, 2> lse_extents{s.heads_q, s.query_tokens};
-  detail::ring_backend<Comm> backend{comm, detail::to_float<T>({k, v}), {s.kv_tokens, s.heads_kv, s.head_dim}};
+  detail::ring_backend<Comm> backend{comm, detail::rows_to_float<T>({k, v}), {s.kv_tokens, s.heads_kv, s.head_dim}};
   engine::ring_forward(
       backend, topology, check,
       [&](index_t step, int slot) {
@@ -108,7 +109,7 @@ void ring_forward(Comm& comm, const Topology& topology, std::span<const step_ind
                      phase);
         check_finite(std::span<const float>(running_lse), checked_tensor::lse(s.heads_q, s.query_tokens), comm.rank(), step, phase);
       });
-  detail::from_float(running_out.data(), out);
+  detail::rows_from_float(running_out.data(), out);
   for (index_t h = 0; h < s.heads_q; ++h)
     for (index_t t = 0; t < s.query_tokens; ++t) lse(h, t) = running_lse[static_cast<std::size_t>(h * s.query_tokens + t)];
 }
@@ -127,12 +128,12 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const step_in
   detail::check_indices(indices);
   detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 
-  const std::vector<float> q32 = detail::to_float<T>({q}), out32 = detail::to_float<T>({out}),
-                           d_out32 = detail::to_float<T>({d_out});
+  const std::vector<float> q32 = detail::rows_to_float<T>({q}), out32 = detail::rows_to_float<T>({out}),
+                           d_out32 = detail::rows_to_float<T>({d_out});
   std::vector<float> dq32(q32.size(), 0.0f);
   const auto kv_elems = static_cast<std::size_t>(k.size());
   const std::array<index_t, 3> q_extents{s.query_tokens, s.heads_q, s.head_dim}, kv_extents{s.kv_tokens, s.heads_kv, s.head_dim};
-  detail::ring_backend<Comm> backend{comm, detail::to_float<T>({k, v}), kv_extents};
+  detail::ring_backend<Comm> backend{comm, detail::rows_to_float<T>({k, v}), kv_extents};
   const std::vector<float> own = engine::ring_backward(
       backend, topology, check,
       [&](index_t step, int slot) {
@@ -148,9 +149,9 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const step_in
         for (const auto& [name, half] : {std::pair{"dK", std::span(sum).first(kv_elems)}, std::pair{"dV", std::span(sum).subspan(kv_elems)}})
           check_finite<float>(half, checked_tensor::kv_gradient(name, s.kv_tokens, s.heads_kv, s.head_dim, owner), comm.rank(), step, phase);
       });
-  detail::from_float(own.data(), dk);
-  detail::from_float(own.data() + kv_elems, dv);
-  detail::from_float(dq32.data(), dq);
+  detail::rows_from_float(own.data(), dk);
+  detail::rows_from_float(own.data() + kv_elems, dv);
+  detail::rows_from_float(dq32.data(), dq);
 }
 
 }  // namespace stria::host

@@ -81,7 +81,7 @@ struct solver_backend_base {
   }
   std::vector<float>& kv_chunk(index_t c) {
     if (!me.owns(c)) return moved_kv.at(c);
-    return cached(own_kv, c, [&](index_t x) { return to_float<T>({k, v}, me.first_token(x), ct); });
+    return cached(own_kv, c, [&](index_t x) { return rows_to_float<T>({k, v}, me.first_token(x), ct); });
   }
   void receive_kv(const solver::chunk_move& move) {
     moved_kv.emplace(move.chunk, receive(2 * kv_elems, me.owner(move.chunk), solver::message::kv, move.chunk));
@@ -94,7 +94,7 @@ struct solver_backend_base {
   template <class X>
   tensor_view<X, 2> columns(X* x) const { return {x, {hq, ct}}; }
   /// Rounds rank chunk c's fp32 rows [tokens, heads, D] to T into `y`.
-  void write_rows(const float* x, index_t c, tensor_view<T, 3> y) const { from_float(x, y, me.first_token(c), ct); }
+  void write_rows(const float* x, index_t c, tensor_view<T, 3> y) const { rows_from_float(x, y, me.first_token(c), ct); }
 };
 
 /// The forward: per query chunk an fp32 running O [tokens, Hq, D] and LSE [Hq, tokens]; those of a
@@ -115,7 +115,7 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
   partial empty() const { return {std::vector<float>(q_elems, 0.0f), std::vector<float>(lse_elems, -std::numeric_limits<float>::infinity())}; }
   partial& state(index_t c) { return me.owns(c) ? cached(running, c, [&](index_t) { return empty(); }) : moved_out.at(c); }
   std::vector<float>& query(index_t c) {
-    return me.owns(c) ? cached(own_q, c, [&](index_t x) { return to_float<T>({q}, me.first_token(x), ct); }) : moved_q.at(c);
+    return me.owns(c) ? cached(own_q, c, [&](index_t x) { return rows_to_float<T>({q}, me.first_token(x), ct); }) : moved_q.at(c);
   }
   void merge(partial& into, const partial& x) const {
     merge_partial<float>(rows(into.out.data(), hq), columns(into.lse.data()), rows(x.out.data(), hq), columns(x.lse.data()));
@@ -194,7 +194,7 @@ struct solver_backward_backend : solver_backend_base<Comm, T> {
   query_side& query(index_t c) {
     if (!me.owns(c)) return moved_q.at(c);
     return cached(own_q, c, [&](index_t x) {
-      query_side s{to_float<T>({q, out, d_out}, me.first_token(x), ct), {}};
+      query_side s{rows_to_float<T>({q, out, d_out}, me.first_token(x), ct), {}};
       for (index_t h = 0; h < hq; ++h)
         for (index_t t = me.first_token(x); t < me.first_token(x) + ct; ++t) s.lse.push_back(lse(h, t));
       return s;
