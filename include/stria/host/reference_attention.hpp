@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <initializer_list>
 #include <limits>
 #include <vector>
