@@ -46,11 +46,7 @@ TEST_CASE("tile traits expose the derived constants") {
   using t128 = tile<64, 64, 128>;
   using t64 = tile<64, 64, 64>;
   static_assert(t128::block_q == 64 && t128::block_kv == 64 && t128::head_dim == 128);
-  static_assert(t128::score_elements == 4096);
   static_assert(t128::q_elements == 8192 && t64::kv_elements == 4096);
-  static_assert(t128::head_dim_mma_steps == 8 && t64::head_dim_mma_steps == 4);
-  static_assert(t128::vectors_per_row_16bit == 16 && t64::vectors_per_row_16bit == 8);
-  static_assert(t128::tile_bytes<std::uint16_t> == 16384);
   CHECK(t64::default_softmax_scale == doctest::Approx(0.125));
   CHECK(t128::default_softmax_scale == doctest::Approx(1.0 / std::sqrt(128.0)).epsilon(1e-15));
   static_assert(tile_traits<t64> && tile_traits<t128>);

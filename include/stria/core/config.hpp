@@ -6,12 +6,8 @@
 
 #if defined(__CUDACC__)
 #define STRIA_HOST_DEVICE __host__ __device__ __forceinline__
-#define STRIA_DEVICE __device__ __forceinline__
-#define STRIA_HAS_CUDA_COMPILER 1
 #else
 #define STRIA_HOST_DEVICE inline
-#define STRIA_DEVICE inline
-#define STRIA_HAS_CUDA_COMPILER 0
 #endif
 
 namespace stria {

@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// tile<64, 64, D>: the kernel tile shape and every constant derived from it.
+// tile<64, 64, D>: the kernel tile shape and the tile sizes and softmax scale derived from it.
 #pragma once
-
-#include <cstddef>
 
 #include "stria/core/concepts.hpp"
 #include "stria/core/config.hpp"
@@ -24,21 +22,8 @@ struct tile {
   static constexpr index_t block_kv = BlockKV;  // keys per tile
   static constexpr index_t head_dim = HeadDim;
 
-  static constexpr index_t score_elements = block_q * block_kv;  // one S/P tile
-  static constexpr index_t q_elements = block_q * head_dim;      // one Q (or O, dO) tile
-  static constexpr index_t kv_elements = block_kv * head_dim;    // one K (or V) tile
-
-  static constexpr index_t mma_k = 16;                        // k extent of one 16-bit mma
-  static constexpr index_t head_dim_mma_steps = head_dim / mma_k;
-  static constexpr index_t vector_bytes = 16;                 // one cp.async / ld.global.v4
-  static constexpr index_t vectors_per_row_16bit = head_dim * 2 / vector_bytes;
-
-  static_assert(head_dim % mma_k == 0);
-  static_assert(block_kv % mma_k == 0);
-
-  /// Bytes of one Q (or K, V) tile of `Element`.
-  template <class Element>
-  static constexpr std::size_t tile_bytes = sizeof(Element) * static_cast<std::size_t>(q_elements);
+  static constexpr index_t q_elements = block_q * head_dim;    // one Q (or O, dO) tile
+  static constexpr index_t kv_elements = block_kv * head_dim;  // one K (or V) tile
 
   /// 1/sqrt(head_dim), the usual softmax scale.
   static constexpr double default_softmax_scale = head_dim == 64 ? 0.125 : 0.08838834764831844055;
