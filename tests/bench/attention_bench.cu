@@ -15,7 +15,9 @@
 // with the output written in T (the last step), against the first step's overwrite in the row above. --launch-orders times the
 // forward, and the atomic backward (its Hopper dQ passes), with the CTAs launched in each order (device::launch_order) in turns
 // with query blocks inner, and checks that they write the same bits (the backward: dq); --launch-order picks the order of the
-// forward and backward rows (device::launch_order's names).
+// forward and backward rows (device::launch_order's names). On Hopper, where the backward stores dS over two or more KV heads,
+// the atomic backward is also timed with backward_options::overlap_passes (its default) in turns with it off (rows `X_overlap`
+// and `X_overlap_serial`).
 //   attention_bench [--seq-len 16384,65536,131072] [--repeats N] [--patterns dense,vs90,vs95,slash90,slash95]
 //                   [--head-dim 128|64] [--heads-kv 1|2|4|8|16] [--forward-only] [--front] [--host-times] [--ring-steps] [--launch-orders] [--launch-order NAME] [--dq-source automatic|stored|recomputed] [--pattern-dir DIR]   (writes each pattern as JSON for
 //                   tests/bench/compare_flex.py) [--json FILE --commit SHA]   (the rows, as tests/bench/results/attention_h200.json)
@@ -377,10 +379,11 @@ int main(int argc, char** argv) try {
       const device::step_backward_tensors<T> gradients{
           .q = qv, .k = kv, .v = vv, .d_out = dov, .lse = lse_view, .delta = delta_view, .dq = dq_view, .dk = dk_view, .dv = dv_view};
       auto backward = [&](device::determinism mode, device::backward_kernel which = device::backward_kernel::automatic,
-                          device::dq_source requested = device::dq_source::automatic) {
+                          device::dq_source requested = device::dq_source::automatic, bool overlap = true) {
         const device::dq_source source = requested == device::dq_source::automatic ? main_source : requested;
-        return [&, mode, which, source] {
-          device::sparse_backward<T>(index, gradients, scale, nullptr, {.mode = mode, .which = which, .source = source, .order = main_order});
+        return [&, mode, which, source, overlap] {
+          device::sparse_backward<T>(index, gradients, scale, nullptr,
+                                     {.mode = mode, .which = which, .source = source, .order = main_order, .overlap_passes = overlap});
         };
       };
       // On Hopper the automatic backward stores dS where the workspace fits; the recomputing dQ pass
@@ -401,6 +404,14 @@ int main(int argc, char** argv) try {
         det_ms = median_ms(repeats, backward(device::determinism::deterministic));
         if (hopper)
           recomputed_ms = median_ms(repeats, backward(device::determinism::atomic, device::backward_kernel::automatic, device::dq_source::recomputed));
+      }
+      // backward_options::overlap_passes (on by default) in turns with the same backward without it: the atomic backward where it
+      // stores dS over two or more KV heads (one range of heads at these lengths), the case the option runs side by side.
+      double serial_ms = NAN, overlap_ms = NAN;
+      const bool stores = main_source == device::dq_source::stored || (main_source == device::dq_source::automatic && dim == 128);
+      if (with_backward && hopper && stores && hkv > 1) {
+        auto atomic = [&](bool overlap) { return backward(device::determinism::atomic, device::backward_kernel::automatic, main_source, overlap); };
+        std::tie(serial_ms, overlap_ms) = bench::median_ms_alternating(repeats, atomic(false), nullptr, atomic(true), nullptr);
       }
       if (with_backward && hopper && launch_orders) {
         // The atomic backward with its dQ passes in each order (stored and recomputed dS; at D 64 automatic recomputes: one
@@ -455,6 +466,13 @@ int main(int argc, char** argv) try {
         std::printf("%-8d %-6s %7.2f%% %10s %9s %9.3f %10.1f   (backward with the dQ pass recomputing dS)\n", s, (name + "_recomputed_dq").c_str(),
                     100.0 * density, "-", "-", recomputed_ms, bwd_flops / recomputed_ms * 1e-9);
         rows.push_back({name + "_recomputed_dq", s, dim, hq, hkv, density, fwd_ms, recomputed_ms, entries});
+      }
+      if (!std::isnan(overlap_ms)) {  // row `X_overlap`, and `X_overlap_serial` timed in turns with it
+        std::printf("%-8d %-6s atomic backward in turns: overlap_passes off %.3f ms (%.1f TF), on %.3f ms (%.1f TF, %+.1f%%)\n", s,
+                    (name + "_overlap").c_str(), serial_ms, bwd_flops / serial_ms * 1e-9, overlap_ms, bwd_flops / overlap_ms * 1e-9,
+                    100.0 * (serial_ms / overlap_ms - 1.0));
+        rows.push_back({name + "_overlap", s, dim, hq, hkv, density, fwd_ms, overlap_ms, entries});
+        rows.push_back({name + "_overlap_serial", s, dim, hq, hkv, density, fwd_ms, serial_ms, entries});
       }
       if (host_times) {
         const double fwd_host = bench::median_host_us(repeats, forward(device::forward_kernel::automatic));

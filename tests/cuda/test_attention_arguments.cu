@@ -203,19 +203,23 @@ TEST_CASE("the forward's launch orders cover every query block and head once, in
 }
 
 // The Hopper dQ passes launch in the forward's order over the heads a pass covers: the stored-dS pass
-// over a range of heads [first, first + count) keeps the sections where they divide both, and covers
-// exactly the range's (query block, head) pairs once (the kernel adds backward_params::head_begin).
+// over a range of heads [first, first + count) keeps the sections where they divide both, else the
+// largest sections inside them that tile the range, and covers exactly the range's (query block,
+// head) pairs once (the kernel adds backward_params::head_begin).
 TEST_CASE("the dQ passes' launch covers a range of heads once, in sections where the range allows") {
   using device::detail::dq_section_heads;
   CHECK(dq_section_heads(8, 0, 16) == 8);
   CHECK(dq_section_heads(8, 8, 8) == 8);
-  CHECK(dq_section_heads(8, 0, 4) == 1);   // a range inside a section
-  CHECK(dq_section_heads(8, 4, 8) == 1);   // a range across two sections
+  CHECK(dq_section_heads(8, 0, 4) == 4);    // a range inside a section
+  CHECK(dq_section_heads(8, 4, 8) == 4);    // a range across two sections
+  CHECK(dq_section_heads(16, 8, 8) == 8);   // heads_inner over half of the heads (backward_options::overlap_passes)
+  CHECK(dq_section_heads(16, 0, 8) == 8);
   CHECK(dq_section_heads(2, 2, 6) == 2);
+  CHECK(dq_section_heads(8, 3, 5) == 1);
   CHECK(dq_section_heads(1, 3, 5) == 1);
   const index_t units = 7;
-  for (const index_t section_heads : {1, 2, 8})
-    for (const auto& [first, count] : {std::pair<index_t, index_t>{0, 16}, {8, 8}, {2, 6}, {3, 5}, {4, 8}}) {
+  for (const index_t section_heads : {1, 2, 8, 16})
+    for (const auto& [first, count] : {std::pair<index_t, index_t>{0, 16}, {8, 8}, {2, 6}, {3, 5}, {4, 8}, {0, 8}, {6, 6}}) {
       CAPTURE(section_heads);
       CAPTURE(first);
       CAPTURE(count);

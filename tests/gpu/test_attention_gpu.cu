@@ -134,7 +134,7 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
                                                 .dk = {},
                                                 .dv = {}};
   auto run_backward = [&](device::determinism mode, device::backward_kernel which, device::dq_source source, std::size_t ds_limit,
-                          device::launch_order order = device::launch_order::automatic) {
+                          device::launch_order order = device::launch_order::automatic, bool overlap = true) {
     struct gradients {
       std::vector<float> dq, dk, dv;
     };
@@ -147,7 +147,7 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
     tensors.dk = dk_view(dk);
     tensors.dv = dk_view(dv);
     device::sparse_backward<T>(on_device, tensors, scale, nullptr,
-                               {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit, .order = order});
+                               {.mode = mode, .which = which, .source = source, .ds_workspace_limit = ds_limit, .order = order, .overlap_passes = overlap});
     return gradients{dq.download(), dk.download(), dv.download()};
   };
   // The same step as a layer's only one: no fp32 dq, dQ written out in T (poisoned first).
@@ -220,6 +220,22 @@ int check_step(test::seeded_rng& rng, const step_index& index, const problem& sh
       CHECK(dq_error < 2 * tolerance<T>());
       CHECK(dk_error < 2 * tolerance<T>());
       CHECK(dv_error < 2 * tolerance<T>());
+      // The atomic Hopper backward with dS stored in one range over two or more KV heads runs the
+      // halves of the KV heads side by side (backward_options::overlap_passes, on by default): also
+      // without it, with it in the heads-inner launch order (each half's dQ pass in sections of its
+      // own heads), and with it writing dQ out in T directly.
+      if (!deterministic && which == device::backward_kernel::wgmma && backward_part == nullptr) {
+        const auto serial = run_backward(mode, which, source, ds_limit, device::launch_order::automatic, false);
+        const auto heads_inner = run_backward(mode, which, source, ds_limit, device::launch_order::heads_inner);
+        for (const auto* other : {&serial, &heads_inner}) {
+          CHECK(max_relative_error(other->dq, dq_ref) < 2 * tolerance<T>());
+          CHECK(max_relative_error(other->dk, dk_ref) < 2 * tolerance<T>());
+          CHECK(max_relative_error(other->dv, dv_ref) < 2 * tolerance<T>());
+        }
+        std::vector<float> dq_out;
+        for (const T x : run_backward_dq_out(mode, which, source, ds_limit)) dq_out.push_back(to_float(x));
+        CHECK(max_relative_error(dq_out, dq_ref) < 2 * tolerance<T>());
+      }
       if (deterministic) {
         const auto again = run_backward(mode, which, source, ds_limit);
         CHECK(std::memcmp(again.dq.data(), grads.dq.data(), grads.dq.size() * sizeof(float)) == 0);
@@ -273,6 +289,15 @@ TEST_CASE("sparse attention kernels on one small problem") {
   CAPTURE(rng.seed);
   const problem shape{4, 2, 128, "Hq4 Hkv2 D128"};
   check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, true, {1, 4, 7}, {1, 4, 7}, 0.5, 0.08), shape);
+}
+
+// Three KV heads: the atomic backward with dS stored splits them into halves of one and two KV
+// groups (backward_options::overlap_passes; check_step runs every backward family).
+TEST_CASE("sparse attention kernels with an odd number of KV heads") {
+  test::seeded_rng rng;
+  CAPTURE(rng.seed);
+  const problem shape{6, 3, 128, "Hq6 Hkv3 D128"};
+  check_step<__nv_bfloat16>(rng, random_index(rng, shape.heads_q, true, {1, 4, 7}, {0, 1, 4, 7}, 0.5, 0.08), shape);
 }
 
 // The atomic backward splits each vertical-token group's queries into ranges of 256 query blocks,

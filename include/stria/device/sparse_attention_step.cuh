@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Sparse attention of one ring step on the device (DESIGN 8): checks the tensors and the step index,
 // then launches the forward (merged into the fp32 running O/LSE) or the three backward passes on the
-// caller's stream. The device counterpart of host/reference_attention.hpp, on the same formats.
+// caller's stream (backward_options::overlap_passes: half of them on a stream beside it, joined
+// before the call returns). The device counterpart of host/reference_attention.hpp, on the same formats.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +15,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -22,6 +24,7 @@
 
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/cuda_check.cuh"
+#include "stria/core/cuda_stream.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/tensor_view.hpp"
 #include "stria/device/launch.cuh"
@@ -298,10 +301,11 @@ inline index_t launched_heads(launch_order order, bool complete, index_t query_b
                              std::to_string(query_blocks) + ": use launch_order::automatic or query_blocks_inner");
 }
 /// The sections of a dQ pass over `heads` query heads from `first_head` (stored dS: a range of
-/// heads) in a launch of `section_heads`: the same where they divide both, else 1 (a range that
-/// splits a section launches a head's query blocks one after another).
+/// heads; backward_options::overlap_passes: half of them) in a launch of `section_heads`: the same
+/// where they divide both, else the largest that divides all three (each inside one of the launch's
+/// sections; 1: a head's query blocks one after another).
 inline index_t dq_section_heads(index_t section_heads, index_t first_head, index_t heads) {
-  return first_head % section_heads == 0 && heads % section_heads == 0 ? section_heads : 1;
+  return std::gcd(std::gcd(section_heads, first_head), heads);
 }
 /// The forward's grid over `units` (query blocks, or pairs) and `heads`, in sections of
 /// `section_heads` (kernel::detail::launched_row_unit): (units, heads), or grouped (heads of a
@@ -460,6 +464,15 @@ struct backward_options {
   // The Hopper dQ passes' CTAs, as forward_options' order; checked (and refused past 65535 query
   // blocks where named grouped) for every kernel family, though the mma.sync passes ignore it.
   launch_order order = launch_order::automatic;
+  // Hopper, atomic mode, dS stored in one range over two or more KV heads: the dK/dV-then-dQ chains
+  // of the two halves of the KV heads, which share no output, run side by side, the second on a
+  // stream beside the caller's (stria::detail::side_stream, joined back before the call returns), so
+  // that a launch's last CTAs leave SMs to the other chain's work instead of idle. H100, vs95, D 128,
+  // in turns with it off: 128K +0.5%, 32K +5.4% (RESULTS, 2026-12-07, second). Not taken where it
+  // was measured slower: the deterministic mode (-1.0% / -5.0%: each half's long vertical-token CTAs
+  // start only behind the other half's launch) and the dQ pass recomputing dS beside the dK/dV
+  // launch (+0.2% / -0.5%; D 64 +0.0%).
+  bool overlap_passes = true;
 };
 
 /// Backward of one ring step: ADDS this step's contribution to dq (fp32, the local queries), and to
@@ -471,7 +484,7 @@ template <class T, index_t HeadDim = any_head_dim>
 void sparse_backward(const device_step_index& index, const step_backward_tensors<T>& tensors, double softmax_scale, cudaStream_t stream,
                      const backward_options& options = {}) {
   const auto& [q, k, v, d_out, lse, delta, dq, dk, dv, dq_out] = tensors;
-  const auto& [mode, which, source, ds_workspace_limit, order] = options;
+  const auto& [mode, which, source, ds_workspace_limit, order, overlap_passes] = options;
   const attention_shape shape = detail::checked_shape(q, k, v, index, softmax_scale);
   detail::check_head_dim<HeadDim>(shape.head_dim);
   const index_t section_heads = detail::launched_heads(order, index.complete, index.shape.num_query_blocks, shape);  // of the dQ passes
@@ -613,7 +626,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
         // The atomic mode differs only in how dK/dV are added: by reductions (the vertical tokens'
         // rows meet the block rows in one launch), with the vertical walks split into query ranges.
         constexpr std::size_t bytes = kernel::backward_wgmma_shared_bytes<D>();
-        auto dkdv_passes = [&] {  // over the heads of params.head_begin .. head_end
+        auto dkdv_passes = [&](cudaStream_t on) {  // over the heads of params.head_begin .. head_end
           // The vertical CTAs, then the block CTAs, in one launch. Deterministic: (head, group of 64
           // entries) with the head fastest, as many groups as any head could have (a head's list
           // holds at most one entry per KV token; a CTA past its head's last group returns).
@@ -625,45 +638,70 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           const std::int64_t ctas = vertical.ctas() + std::int64_t{columns.x} * columns.y;
           if (ctas == 0) return;
           detail::allow_shared_bytes<&kernel::sparse_backward_dkdv_wgmma<T, D>>(bytes);
-          kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, stream>>>(params, vertical);
+          kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, on>>>(params, vertical);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
-        // The dQ pass (dS stored, or recomputed) in the forward's launch order, over `heads` query
-        // heads from `first_head`.
-        auto dq_pass = [&](dq_source pass, index_t first_head, index_t heads) {
-          const index_t section = detail::dq_section_heads(section_heads, first_head, heads);
-          const dim3 grid = detail::forward_grid(section, index.shape.num_query_blocks, heads);
+        // The dQ pass in the forward's launch order: dS stored, over query heads [begin, end) (the
+        // dK/dV launch's params.head_begin .. head_end, which it sets); or recomputed, over all heads.
+        auto dq_pass = [&](dq_source pass, index_t begin, index_t end, cudaStream_t on) {
+          params.head_begin = begin;
+          params.head_end = end;
+          const index_t section = detail::dq_section_heads(section_heads, begin, end - begin);
+          const dim3 grid = detail::forward_grid(section, index.shape.num_query_blocks, end - begin);
           auto launch = [&]<bool Grouped>() {
             if (pass == dq_source::stored) {
               constexpr std::size_t bytes = kernel::backward_dq_stored_shared_bytes<D>();
               detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped>>(bytes);
-              kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+              kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, on>>>(params);
               STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
             } else {
               constexpr std::size_t bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
               detail::allow_shared_bytes<&kernel::sparse_backward_dq_wgmma<T, D, Grouped>>(bytes);
-              kernel::sparse_backward_dq_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
+              kernel::sparse_backward_dq_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, on>>>(params);
               STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
             }
           };
           if (detail::grouped_launch(section)) launch.template operator()<true>();
           else launch.template operator()<false>();
         };
+        auto cover_heads = [&](index_t begin, index_t end) {
+          params.head_begin = begin;
+          params.head_end = end;
+        };
         if (!store_ds) {
-          dq_pass(dq_source::recomputed, 0, shape.heads_q);
-          dkdv_passes();
+          dq_pass(dq_source::recomputed, 0, shape.heads_q, stream);
+          dkdv_passes(stream);
           return;
         }
-        for (const detail::ds_head_range& range : head_ranges) {  // dK/dV accumulate over the ranges; each dq row has one
-          params.head_begin = range.begin;
-          params.head_end = range.end;
+        auto workspace = [&](const detail::ds_head_range& range) {
           params.ds_first_block = static_cast<index_t>(range.first_block);
           params.ds_first_vertical = static_cast<index_t>(range.first_vertical);
           params.ds_blocks = ds.data();
           params.ds_vertical = ds.data() + range.block_rows * block_tokens;
-          dkdv_passes();
+        };
+        if (overlap_passes && Atomic && head_ranges.size() == 1 && shape.heads_kv > 1) {
+          // Two halves of the KV heads (whole GQA groups, so that each dK/dV row and each dS entry
+          // has one chain) over the one workspace at the whole range's offsets (one range: all
+          // heads). Both dK/dV launches go first: in practice the GPU hands out the CTAs of launches
+          // in the order they were issued, and each dQ pass can start only once its own half's
+          // dK/dV launch is done.
+          workspace(head_ranges.front());
+          const index_t split = shape.heads_kv / 2 * shape.group_size();
+          const forked_stream side(stream, stria::detail::side_stream(stream));  // joined when it goes
+          cover_heads(0, split);
+          dkdv_passes(stream);
+          cover_heads(split, shape.heads_q);
+          dkdv_passes(side.get());
+          dq_pass(dq_source::stored, 0, split, stream);
+          dq_pass(dq_source::stored, split, shape.heads_q, side.get());
+          return;
+        }
+        for (const detail::ds_head_range& range : head_ranges) {  // dK/dV accumulate over the ranges; each dq row has one
+          cover_heads(range.begin, range.end);
+          workspace(range);
+          dkdv_passes(stream);
           // After both dK/dV passes, which wrote every dS it reads.
-          dq_pass(dq_source::stored, range.begin, range.end - range.begin);
+          dq_pass(dq_source::stored, range.begin, range.end, stream);
         }
         return;
       }
