@@ -469,9 +469,9 @@ struct backward_options {
   // stream beside the caller's (stria::detail::side_stream, joined back before the call returns), so
   // that a launch's last CTAs leave SMs to the other chain's work instead of idle. H100, vs95, D 128,
   // in turns with it off: 128K +0.5%, 32K +5.4% (RESULTS, 2026-12-07, second). Not taken where it
-  // was measured slower: the deterministic mode (-1.0% / -5.0%: each half's long vertical-token CTAs
-  // start only behind the other half's launch) and the dQ pass recomputing dS beside the dK/dV
-  // launch (+0.2% / -0.5%; D 64 +0.0%).
+  // was measured slower: the deterministic mode (-1.0% / -5.0%; not profiled, most likely because
+  // the second half's long vertical-token CTAs start only behind the first half's launch) and the
+  // dQ pass recomputing dS beside the dK/dV launch (+0.2% / -0.5%; D 64 +0.0%).
   bool overlap_passes = true;
 };
 
