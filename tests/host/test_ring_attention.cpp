@@ -199,7 +199,12 @@ TEST_CASE("the host ring refuses a step index that breaks its invariants") {
   // kv_global_block (ASan heap-buffer-overflow in row_keys), col_token 100000 read past the KV
   // shard (SEGV in reference_forward), a short block_ptr read past its end.
   STRIA_SEEDED_RNG(rng);
-  const global_selection selection = test::random_selection(rng, 512, 2, true, 0.4, 0.03);
+  global_selection selection = test::random_selection(rng, 512, 2, true, 0.4, 0.03);
+  // Every rank's second step must hold a block entry (the first corruption writes block_col[0]):
+  // the diagonal just below the main one pairs each striped block with the other rank's block
+  // before it. A seed whose selection lacked it failed with std::out_of_range (CI, 2026-12-07).
+  for (head_selection& head : selection.heads)
+    if (!std::ranges::binary_search(head.slash_deltas, 1)) head.slash_deltas.insert(std::ranges::upper_bound(head.slash_deltas, 1), 1);
   const topology::flat_ring ring(2);
   std::vector<float> q(256 * 2 * 64, 0.5f), k(256 * 1 * 64, 0.25f), out(q.size()), lse(2 * 256), dq(q.size()), dk(k.size()), dv(k.size());
   auto refused = [&](auto corrupt, const char* text) {
