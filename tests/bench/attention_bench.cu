@@ -389,6 +389,8 @@ int main(int argc, char** argv) try {
       // On Hopper the automatic backward stores dS where the workspace fits; the recomputing dQ pass
       // is measured beside it.
       const bool hopper = device::hopper_kernels_available();
+      // The main rows' dS source stores it (dq_source::automatic does at D 128).
+      const bool main_rows_store_ds = main_source == device::dq_source::stored || (main_source == device::dq_source::automatic && dim == 128);
       double bwd_ms = NAN, det_ms = NAN, mma_bwd_ms = NAN, recomputed_ms = NAN;
       if (with_backward) {
         for (auto source : {device::dq_source::automatic, device::dq_source::recomputed})
@@ -408,8 +410,7 @@ int main(int argc, char** argv) try {
       // backward_options::overlap_passes (on by default) in turns with the same backward without it: the atomic backward where it
       // stores dS over two or more KV heads (one range of heads at these lengths), the case the option runs side by side.
       double serial_ms = NAN, overlap_ms = NAN;
-      const bool stores = main_source == device::dq_source::stored || (main_source == device::dq_source::automatic && dim == 128);
-      if (with_backward && hopper && stores && hkv > 1) {
+      if (with_backward && hopper && main_rows_store_ds && hkv > 1) {
         auto atomic = [&](bool overlap) { return backward(device::determinism::atomic, device::backward_kernel::automatic, main_source, overlap); };
         std::tie(serial_ms, overlap_ms) = bench::median_ms_alternating(repeats, atomic(false), nullptr, atomic(true), nullptr);
       }
@@ -417,8 +418,7 @@ int main(int argc, char** argv) try {
         // The atomic backward with its dQ passes in each order (stored and recomputed dS; at D 64 automatic recomputes: one
         // source). Each dq row has one writer, so dq must agree bit for bit.
         std::vector<device::dq_source> sources{device::dq_source::recomputed};
-        if ((dim == 128 && main_source != device::dq_source::recomputed) || main_source == device::dq_source::stored)
-          sources.insert(sources.begin(), main_source);
+        if (main_rows_store_ds) sources.insert(sources.begin(), main_source);
         for (auto source : sources)
           compare_orders(
               std::string("backward (dS ") + dq_source_names[static_cast<int>(source)] + ") dQ", "dq", 10.0 * double(entries) * dim,

@@ -14,12 +14,11 @@
 
 namespace stria {
 
-/// A non-blocking stream (it does not synchronise with the legacy default stream).
+/// A non-blocking stream (it does not synchronise with the legacy default stream), of a priority
+/// (cudaDeviceGetStreamPriorityRange: lower numbers are higher; 0, the default, is the lowest).
 class cuda_stream {
  public:
-  cuda_stream() { STRIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  /// Of a priority (cudaDeviceGetStreamPriorityRange: lower numbers are higher priorities).
-  explicit cuda_stream(int priority) { STRIA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority)); }
+  explicit cuda_stream(int priority = 0) { STRIA_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority)); }
   ~cuda_stream() {
     if (stream_) (void)cudaStreamDestroy(stream_);  // never throws from a destructor
   }
@@ -99,11 +98,12 @@ namespace detail {
 /// life. A thread that has used 64 releases them all before it makes another (a stream destroyed
 /// with work queued finishes it first). The handles do not outlive a cudaDeviceReset.
 inline cudaStream_t side_stream(cudaStream_t caller) {
-  int priority = 0;
-  STRIA_CUDA_CHECK(cudaStreamGetPriority(caller, &priority));
   thread_local std::map<std::pair<int, std::uintptr_t>, cuda_stream> streams;
   const std::pair key{current_device(), reinterpret_cast<std::uintptr_t>(caller)};
-  if (streams.size() >= 64 && !streams.contains(key)) streams.clear();
+  if (const auto found = streams.find(key); found != streams.end()) return found->second.get();
+  if (streams.size() >= 64) streams.clear();
+  int priority = 0;
+  STRIA_CUDA_CHECK(cudaStreamGetPriority(caller, &priority));
   return streams.try_emplace(key, priority).first->second.get();
 }
 }  // namespace detail

@@ -641,11 +641,14 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, on>>>(params, vertical);
           STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
         };
+        auto cover_heads = [&](index_t begin, index_t end) {  // the query heads of the passes launched next
+          params.head_begin = begin;
+          params.head_end = end;
+        };
         // The dQ pass in the forward's launch order: dS stored, over query heads [begin, end) (the
         // dK/dV launch's params.head_begin .. head_end, which it sets); or recomputed, over all heads.
         auto dq_pass = [&](dq_source pass, index_t begin, index_t end, cudaStream_t on) {
-          params.head_begin = begin;
-          params.head_end = end;
+          cover_heads(begin, end);
           const index_t section = detail::dq_section_heads(section_heads, begin, end - begin);
           const dim3 grid = detail::forward_grid(section, index.shape.num_query_blocks, end - begin);
           auto launch = [&]<bool Grouped>() {
@@ -663,10 +666,6 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           };
           if (detail::grouped_launch(section)) launch.template operator()<true>();
           else launch.template operator()<false>();
-        };
-        auto cover_heads = [&](index_t begin, index_t end) {
-          params.head_begin = begin;
-          params.head_end = end;
         };
         if (!store_ds) {
           dq_pass(dq_source::recomputed, 0, shape.heads_q, stream);
