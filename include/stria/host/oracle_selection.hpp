@@ -83,18 +83,13 @@ oracle_selections oracle_vs_selection(tensor_view<const T, 3> q, tensor_view<con
 
   auto run_head = [&](index_t h) {
     const index_t hk = shape.kv_head(h);
-    std::vector<float> kt(static_cast<std::size_t>(dim) * s);
-    for (index_t m = 0; m < s; ++m)
-      for (index_t d = 0; d < dim; ++d) kt[static_cast<std::size_t>(d) * s + m] = float(k(m, hk, d));
-    constexpr float log2e = 1.4426950408889634f;
+    const std::vector<float> kt = detail::transposed_keys(k, hk);
     std::vector<float> qs(static_cast<std::size_t>(block_tokens) * dim), score(static_cast<std::size_t>(block_tokens) * block_tokens);
     // mass[i][m]: probability mass of key token m summed over the rows of sampled query block i.
     std::vector<float> mass(sampled.size() * static_cast<std::size_t>(s), 0.0f);
     for (std::size_t i = 0; i < sampled.size(); ++i) {
       const index_t qb = sampled[i];
-      for (index_t a = 0; a < block_tokens; ++a)
-        for (index_t d = 0; d < dim; ++d)
-          qs[static_cast<std::size_t>(a) * dim + d] = float(q(qb * block_tokens + a, h, d)) * float(softmax_scale) * log2e;
+      detail::scaled_queries(q, h, qb, softmax_scale, qs.data());
       // (1) the row max and normaliser, over all causal keys.
       float row_max[block_tokens];
       double row_sum[block_tokens] = {};

@@ -77,6 +77,27 @@ inline void score_tile(const float* qs, const float* kt, index_t seq_len, index_
   }
 }
 
+/// A head's keys transposed, [D, S] (score_tile's kt): KV head hk of k [S, Hkv, D].
+template <class T>
+std::vector<float> transposed_keys(tensor_view<const T, 3> k, index_t hk) {
+  const index_t s = k.extent(0), dim = k.extent(2);
+  std::vector<float> kt(static_cast<std::size_t>(dim) * s);
+  for (index_t m = 0; m < s; ++m)
+    for (index_t d = 0; d < dim; ++d) kt[static_cast<std::size_t>(d) * s + m] = float(k(m, hk, d));
+  return kt;
+}
+
+/// Query block qb of head h, pre-scaled by softmax_scale * log2(e) (score_tile's qs, [64, D]): the
+/// scores come out in the exp2 domain.
+template <class T>
+void scaled_queries(tensor_view<const T, 3> q, index_t h, index_t qb, double softmax_scale, float* qs) {
+  constexpr float log2e = 1.4426950408889634f;
+  const index_t dim = q.extent(2);
+  for (index_t a = 0; a < block_tokens; ++a)
+    for (index_t d = 0; d < dim; ++d)
+      qs[static_cast<std::size_t>(a) * dim + d] = float(q(qb * block_tokens + a, h, d)) * float(softmax_scale) * log2e;
+}
+
 }  // namespace detail
 
 struct recall_summary {
@@ -114,14 +135,10 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
   auto run_head = [&](index_t h) {
     const head_selection& sel = selection.heads[static_cast<std::size_t>(h)];
     const index_t hk = shape.kv_head(h);
-    // Keys transposed, [D, S], so the score loop runs over contiguous keys (vectorisable).
-    std::vector<float> kt(static_cast<std::size_t>(dim) * s);
-    for (index_t m = 0; m < s; ++m)
-      for (index_t d = 0; d < dim; ++d) kt[static_cast<std::size_t>(d) * s + m] = float(k(m, hk, d));
+    const std::vector<float> kt = detail::transposed_keys(k, hk);
     std::vector<unsigned char> on_slash(static_cast<std::size_t>(2 * nb - 1), 0), vertical(static_cast<std::size_t>(s), 0);
     for (const index_t delta : sel.slash_deltas) on_slash[static_cast<std::size_t>(delta + nb - 1)] = 1;
     for (const index_t t : sel.vertical_tokens) vertical[static_cast<std::size_t>(t)] = 1;
-    constexpr float log2e = 1.4426950408889634f;
     std::vector<float> qs(static_cast<std::size_t>(block_tokens) * dim), score(static_cast<std::size_t>(block_tokens) * block_tokens);
     std::vector<float> keep(static_cast<std::size_t>(block_tokens)), exps(static_cast<std::size_t>(block_tokens));
     // valid[count * 64 + b]: 1 for the first `count` keys of a tile, else 0 (row `count` is unused padding).
@@ -130,10 +147,7 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
       for (index_t b = 0; b < block_tokens; ++b) valid[static_cast<std::size_t>(c * block_tokens + b)] = b < c ? 1.0f : 0.0f;
     head_result& out = results[static_cast<std::size_t>(h)];
     for (index_t qb = (nb - 1) % query_block_stride; qb < nb; qb += query_block_stride) {
-      // Queries pre-scaled by scale * log2(e): scores come out in the exp2 domain.
-      for (index_t a = 0; a < block_tokens; ++a)
-        for (index_t d = 0; d < dim; ++d)
-          qs[static_cast<std::size_t>(a) * dim + d] = float(q(qb * block_tokens + a, h, d)) * float(softmax_scale) * log2e;
+      detail::scaled_queries(q, h, qb, softmax_scale, qs.data());
       float row_max[block_tokens];
       double total[block_tokens] = {}, kept[block_tokens] = {};
       std::fill(row_max, row_max + block_tokens, -1e30f);
@@ -203,6 +217,147 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
   }
   summary.mean = summary.rows ? sum / double(summary.rows) : 0.0;
   return summary;
+}
+
+/// Every (sampled) row's attention probabilities, binned by value: what a selection of any shape can
+/// recall. best_mean_recall(d) bounds the mean row recall of every selection that holds a share d of
+/// the rows' entries, VS or not, the oracle's included: it takes the entries of largest probability,
+/// pooled over heads and rows. A bin holds probabilities within a factor 1 + 1/128 of each other (the
+/// float's exponent and top 7 mantissa bits); the bin that straddles the budget counts each entry
+/// taken at the bin's upper edge, so the bound is never under the exact one and at most 1/128 over it.
+struct attention_mass_profile {
+  static constexpr std::uint32_t top_key = 127u << 7;    // p = 1: exponent 127, mantissa 0
+  static constexpr std::size_t bins = top_key + 1;       // bin 0: p = 1; the last: p below 2^-126
+  std::vector<std::int64_t> count = std::vector<std::int64_t>(bins, 0);
+  std::vector<double> mass = std::vector<double>(bins, 0.0);
+  std::int64_t rows = 0, entries = 0;
+
+  /// The bin of a probability p in [0, 1].
+  static std::size_t bin(float p) noexcept { return top_key - std::min(std::bit_cast<std::uint32_t>(p) >> 16, top_key); }
+  /// The largest probability bin b holds.
+  static double upper_edge(std::size_t b) noexcept {
+    return b == 0 ? 1.0 : double(std::bit_cast<float>(((top_key - static_cast<std::uint32_t>(b)) << 16) | 0xffffu));
+  }
+
+  /// The best mean row recall of a selection holding a share `density` in (0, 1] of the entries.
+  double best_mean_recall(double density) const {
+    if (!(density > 0.0 && density <= 1.0)) throw invalid_argument("density", density, "must lie in (0, 1]");
+    double budget = density * double(entries), kept = 0;
+    for (std::size_t b = 0; b < bins && budget > 0; ++b) {
+      const double take = std::min(budget, double(count[b]));
+      kept += take == double(count[b]) ? mass[b] : std::min(mass[b], take * upper_edge(b));
+      budget -= take;
+    }
+    return rows ? kept / double(rows) : 0.0;
+  }
+};
+
+/// The share of the (sampled) rows' entries that `selection` holds: the density at which to read an
+/// attention_mass_profile made with the same query_block_stride.
+inline double selected_share(const global_selection& selection, index_t query_block_stride = 1) {
+  selection.validate();
+  const index_t nb = selection.seq_len / block_tokens;
+  if (query_block_stride < 1 || query_block_stride > nb)
+    throw invalid_argument("query_block_stride", query_block_stride, "must lie in [1, seq_len / 64]");
+  constexpr std::int64_t tile = std::int64_t{block_tokens} * block_tokens, triangle = tile / 2 + block_tokens / 2;
+  std::int64_t held = 0, all = 0;
+  for (const head_selection& head : selection.heads) {
+    std::vector<std::int64_t> verticals(static_cast<std::size_t>(nb), 0);  // per key block
+    for (const index_t t : head.vertical_tokens) ++verticals[static_cast<std::size_t>(t / block_tokens)];
+    std::vector<unsigned char> on_slash(static_cast<std::size_t>(2 * nb - 1), 0);
+    for (const index_t delta : head.slash_deltas) on_slash[static_cast<std::size_t>(delta + nb - 1)] = 1;
+    for (index_t qb = (nb - 1) % query_block_stride; qb < nb; qb += query_block_stride)
+      for (index_t kb = 0; kb < (selection.causal ? qb + 1 : nb); ++kb) {
+        const bool diagonal = selection.causal && kb == qb;
+        all += diagonal ? triangle : tile;
+        if (on_slash[static_cast<std::size_t>(qb - kb + nb - 1)] ||
+            std::binary_search(head.blocks.begin(), head.blocks.end(), block_pair{qb, kb}))
+          held += diagonal ? triangle : tile;
+        else if (!diagonal)
+          held += block_tokens * verticals[static_cast<std::size_t>(kb)];
+        else  // row a of the diagonal tile sees the verticals at offsets <= a
+          for (const index_t t : head.vertical_tokens)
+            if (t / block_tokens == kb) held += block_tokens - t % block_tokens;
+      }
+  }
+  return all ? double(held) / double(all) : 0.0;
+}
+
+/// The mass profile of causal (or full) attention of q [S, Hq, D] against k [S, Hkv, D], two passes
+/// over every tile (the rows' normalisers, then their probabilities). query_block_stride samples
+/// rows as attention_recall does. Scores that are not finite are refused after the passes.
+template <class T>
+attention_mass_profile attention_mass_profile_of(tensor_view<const T, 3> q, tensor_view<const T, 3> k, double softmax_scale, bool causal,
+                                                 unsigned threads = 0, index_t query_block_stride = 1) {
+  const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
+  shape.validate();
+  check_extents(k, {shape.query_tokens, shape.heads_kv, shape.head_dim}, "k");
+  const index_t s = shape.query_tokens, nb = s / block_tokens, dim = shape.head_dim;
+  if (s % block_tokens != 0) throw invalid_argument("q.extent(0)", s, "must be a multiple of 64");
+  if (query_block_stride < 1 || query_block_stride > nb)
+    throw invalid_argument("query_block_stride", query_block_stride, "must lie in [1, seq_len / 64]");
+  if (!(std::fabs(softmax_scale) <= double(std::numeric_limits<float>::max())))
+    throw invalid_argument("softmax_scale", softmax_scale, "must be finite in float");
+  std::vector<attention_mass_profile> per_head(static_cast<std::size_t>(shape.heads_q));
+  std::vector<unsigned char> not_finite(static_cast<std::size_t>(shape.heads_q), 0);
+
+  auto run_head = [&](index_t h) {
+    attention_mass_profile& out = per_head[static_cast<std::size_t>(h)];
+    const index_t hk = shape.kv_head(h);
+    const std::vector<float> kt = detail::transposed_keys(k, hk);
+    std::vector<float> qs(static_cast<std::size_t>(block_tokens) * dim), score(static_cast<std::size_t>(block_tokens) * block_tokens);
+    for (index_t qb = (nb - 1) % query_block_stride; qb < nb; qb += query_block_stride) {
+      detail::scaled_queries(q, h, qb, softmax_scale, qs.data());
+      const index_t key_blocks = causal ? qb + 1 : nb;
+      float row_max[block_tokens];
+      double total[block_tokens] = {};
+      std::fill(row_max, row_max + block_tokens, -1e30f);
+      for (int pass = 0; pass < 2; ++pass)
+        for (index_t kb = 0; kb < key_blocks; ++kb) {
+          detail::score_tile(qs.data(), kt.data(), s, dim, kb, score.data());
+          for (index_t a = 0; a < block_tokens; ++a) {
+            const index_t keys = causal && kb == qb ? a + 1 : block_tokens;
+            const float* row = score.data() + static_cast<std::size_t>(a) * block_tokens;
+            if (pass == 0) {  // the normaliser, online
+              const float tile_max = std::max(row_max[a], *std::max_element(row, row + keys));
+              double sum = 0;
+              for (index_t b = 0; b < keys; ++b) sum += detail::exp2_nonpositive(row[b] - tile_max);
+              total[a] = total[a] * std::exp2(double(row_max[a]) - double(tile_max)) + sum;
+              row_max[a] = tile_max;
+              continue;
+            }
+            const double inverse = 1.0 / total[a];
+            for (index_t b = 0; b < keys; ++b) {
+              const double p = double(detail::exp2_nonpositive(row[b] - row_max[a])) * inverse;
+              if (!(p >= 0.0 && p <= 1.0)) {  // a score that is not finite
+                not_finite[static_cast<std::size_t>(h)] = 1;
+                return;
+              }
+              const std::size_t i = attention_mass_profile::bin(static_cast<float>(p));
+              ++out.count[i];
+              out.mass[i] += p;
+            }
+            out.entries += keys;
+          }
+        }
+      out.rows += block_tokens;
+    }
+  };
+  detail::for_each_head(shape.heads_q, threads, run_head);
+  for (index_t h = 0; h < shape.heads_q; ++h)
+    if (not_finite[static_cast<std::size_t>(h)])
+      throw invalid_argument("q, k", "head " + std::to_string(h), "must give finite scores (softmax_scale * q . k)");
+
+  attention_mass_profile profile;
+  for (const attention_mass_profile& head : per_head) {
+    profile.rows += head.rows;
+    profile.entries += head.entries;
+    for (std::size_t b = 0; b < attention_mass_profile::bins; ++b) {
+      profile.count[b] += head.count[b];
+      profile.mass[b] += head.mass[b];
+    }
+  }
+  return profile;
 }
 
 }  // namespace stria::host
