@@ -47,12 +47,13 @@ struct head_scan {
   row_bounds rows;
 };
 
-/// One head's exact probabilities, block row by block row: the mass outside `sel` per tile and per
-/// column segment, and each row's own best `share` of its keys and the keys it needs to hold 0.8.
+/// One head's exact probabilities, block row by block row: the mass outside `sel`'s verticals and
+/// slashes (an estimate has no explicit tiles) per tile and per column segment, every off-diagonal
+/// segment's mass, and each row's own best `share` of its keys and the keys it needs to hold 0.8.
 template <class T>
-head_scan scan_head(const head_selection& sel, tensor_view<const T, 3> q, tensor_view<const T, 3> k, double scale, index_t h, index_t heads_kv_per_q,
+head_scan scan_head(const head_selection& sel, tensor_view<const T, 3> q, tensor_view<const T, 3> k, double scale, index_t h, index_t heads_q_per_kv,
                     index_t stride, double share) {
-  const index_t s = q.extent(0), nb = s / block_tokens, dim = q.extent(2), hk = h / heads_kv_per_q;
+  const index_t s = q.extent(0), nb = s / block_tokens, dim = q.extent(2), hk = h / heads_q_per_kv;
   std::vector<unsigned char> vertical(static_cast<std::size_t>(s), 0), on_slash(static_cast<std::size_t>(nb), 0);
   for (const index_t t : sel.vertical_tokens) vertical[static_cast<std::size_t>(t)] = 1;
   for (const index_t d : sel.slash_deltas) on_slash[static_cast<std::size_t>(d)] = 1;
@@ -88,9 +89,12 @@ head_scan scan_head(const head_selection& sel, tensor_view<const T, 3> q, tensor
       }
       sorted.assign(row, row + keys);
       std::sort(sorted.begin(), sorted.end(), std::greater<>());
-      const auto take = static_cast<std::size_t>(std::max(1.0, std::ceil(share * double(keys))));
+      // A share of a row's keys (at least one), the last key taken in part.
+      const double take = std::max(1.0, share * double(keys));
+      const auto whole = static_cast<std::size_t>(take);
       double best = 0, held = 0;
-      for (std::size_t i = 0; i < take; ++i) best += sorted[i];
+      for (std::size_t i = 0; i < whole; ++i) best += sorted[i];
+      if (whole < sorted.size()) best += (take - double(whole)) * sorted[whole];
       std::size_t need = 0;
       while (need < sorted.size() && held < 0.8) held += sorted[need++];
       row_bounds& r = out.rows;
@@ -118,7 +122,8 @@ head_scan scan_head(const head_selection& sel, tensor_view<const T, 3> q, tensor
   return out;
 }
 
-/// The candidates of largest mass per entry that fit `budget` entries: their mass, entries and count.
+/// The candidates of largest mass per entry, in that order, up to the first that does not fit `budget`
+/// entries: their mass, entries and count.
 struct filled {
   double mass = 0;
   std::int64_t entries = 0;

@@ -224,10 +224,12 @@ recall_summary attention_recall(const global_selection& selection, tensor_view<c
 /// the rows' entries, VS or not, the oracle's included: it takes the entries of largest probability,
 /// pooled over heads and rows. A bin holds probabilities within a factor 1 + 1/128 of each other (the
 /// float's exponent and top 7 mantissa bits); the bin that straddles the budget counts each entry
-/// taken at the bin's upper edge, so the bound is never under the exact one and at most 1/128 over it.
+/// taken at the bin's upper edge, so the bound is not under the exact one (up to float rounding: p is
+/// binned as a float) and at most 1/128 over it. Bins past 2^-126 (subnormal floats) are wider, with
+/// a mass that no density of interest reaches.
 struct attention_mass_profile {
   static constexpr std::uint32_t top_key = 127u << 7;    // p = 1: exponent 127, mantissa 0
-  static constexpr std::size_t bins = top_key + 1;       // bin 0: p = 1; the last: p below 2^-126
+  static constexpr std::size_t bins = top_key + 1;       // bin 0: p = 1; the last: p below 2^-133
   std::vector<std::int64_t> count = std::vector<std::int64_t>(bins, 0);
   std::vector<double> mass = std::vector<double>(bins, 0.0);
   std::int64_t rows = 0, entries = 0;
