@@ -383,16 +383,12 @@ int main(int argc, char** argv) try {
         recall_min = r.min;
         // The oracle: the estimator's rule on the exact attention of all (sampled) rows, once at
         // the estimate's density (per head), once with its top-p.
-        auto density_of = [&](const stria::global_selection& x) {
-          const stria::ring_workload w = stria::count_ring_workload(x, stria::sharding::sequential{}, stria::topology::flat_ring(1));
-          return double(w.total()) / (double(x.seq_len) * (double(x.seq_len) + 1.0) / 2.0 * x.num_heads());
-        };
         const stria::host::oracle_selections best =
             stria::host::oracle_vs_selection(q, k, scale, {estimator.rule(o.seq_len), &g, recall_stride});
         const stria::host::recall_summary b = stria::host::attention_recall(best.same_density, q, k, scale, 0, recall_stride);
-        oracle = {b.mean, b.min, density_of(best.same_density)};
+        oracle = {b.mean, b.min, stria::host::selected_share(best.same_density)};
         const stria::host::recall_summary t = stria::host::attention_recall(best.top_p, q, k, scale, 0, recall_stride);
-        oracle_top_p = {t.mean, t.min, density_of(best.top_p)};
+        oracle_top_p = {t.mean, t.min, stria::host::selected_share(best.top_p)};
         // What a selection of any shape recalls at the estimate's share of the same rows, and at 10%.
         const stria::host::attention_mass_profile profile = stria::host::attention_mass_profile_of(q, k, scale, g.causal, 0, recall_stride);
         any_shape_recall = profile.best_mean_recall(stria::host::selected_share(g, recall_stride));

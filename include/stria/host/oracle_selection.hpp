@@ -92,23 +92,8 @@ oracle_selections oracle_vs_selection(tensor_view<const T, 3> q, tensor_view<con
       detail::scaled_queries(q, h, qb, softmax_scale, qs.data());
       // (1) the row max and normaliser, over all causal keys.
       float row_max[block_tokens];
-      double row_sum[block_tokens] = {};
-      std::fill(row_max, row_max + block_tokens, -std::numeric_limits<float>::infinity());
-      for (index_t kb = 0; kb <= qb; ++kb) {
-        detail::score_tile(qs.data(), kt.data(), s, dim, kb, score.data());
-        for (index_t a = 0; a < block_tokens; ++a) {
-          const index_t count = kb == qb ? a + 1 : block_tokens;
-          const float* row = score.data() + static_cast<std::size_t>(a) * block_tokens;
-          const float top = *std::max_element(row, row + count);
-          if (top > row_max[a]) {
-            row_sum[a] *= std::exp2(double(row_max[a]) - double(top));
-            row_max[a] = top;
-          }
-          double sum = 0;
-          for (index_t b = 0; b < count; ++b) sum += detail::exp2_nonpositive(row[b] - row_max[a]);
-          row_sum[a] += sum;
-        }
-      }
+      double row_sum[block_tokens];
+      detail::row_normalisers(qs.data(), kt.data(), s, dim, qb, qb + 1, true, score.data(), row_max, row_sum);
       // (2) probabilities summed over the block's rows, per key token.
       float* column = mass.data() + i * static_cast<std::size_t>(s);
       for (index_t kb = 0; kb <= qb; ++kb) {

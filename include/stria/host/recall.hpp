@@ -98,6 +98,30 @@ void scaled_queries(tensor_view<const T, 3> q, index_t h, index_t qb, double sof
       qs[static_cast<std::size_t>(a) * dim + d] = float(q(qb * block_tokens + a, h, d)) * float(softmax_scale) * log2e;
 }
 
+/// Each row's softmax normaliser for query block qb (qs as scaled_queries makes it) over key blocks
+/// [0, key_blocks), the diagonal one masked past each row where causal: row_max[a] and row_sum[a],
+/// the sum of exp2(score - row_max[a]) over the row's keys. `score` is score_tile's workspace.
+inline void row_normalisers(const float* qs, const float* kt, index_t seq_len, index_t dim, index_t qb, index_t key_blocks, bool causal,
+                            float* score, float* row_max, double* row_sum) {
+  std::fill(row_max, row_max + block_tokens, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + block_tokens, 0.0);
+  for (index_t kb = 0; kb < key_blocks; ++kb) {
+    score_tile(qs, kt, seq_len, dim, kb, score);
+    for (index_t a = 0; a < block_tokens; ++a) {
+      const index_t count = causal && kb == qb ? a + 1 : block_tokens;
+      const float* row = score + static_cast<std::size_t>(a) * block_tokens;
+      const float top = *std::max_element(row, row + count);
+      if (top > row_max[a]) {
+        row_sum[a] *= std::exp2(double(row_max[a]) - double(top));
+        row_max[a] = top;
+      }
+      double sum = 0;
+      for (index_t b = 0; b < count; ++b) sum += exp2_nonpositive(row[b] - row_max[a]);
+      row_sum[a] += sum;
+    }
+  }
+}
+
 }  // namespace detail
 
 struct recall_summary {
@@ -286,7 +310,7 @@ inline double selected_share(const global_selection& selection, index_t query_bl
 }
 
 /// The mass profile of causal (or full) attention of q [S, Hq, D] against k [S, Hkv, D], two passes
-/// over every tile (the rows' normalisers, then their probabilities). query_block_stride samples
+/// over every tile (the rows' normalisers, detail::row_normalisers, then their probabilities). query_block_stride samples
 /// rows as attention_recall does. Scores that are not finite are refused after the passes.
 template <class T>
 attention_mass_profile attention_mass_profile_of(tensor_view<const T, 3> q, tensor_view<const T, 3> k, double softmax_scale, bool causal,
@@ -312,36 +336,27 @@ attention_mass_profile attention_mass_profile_of(tensor_view<const T, 3> q, tens
       detail::scaled_queries(q, h, qb, softmax_scale, qs.data());
       const index_t key_blocks = causal ? qb + 1 : nb;
       float row_max[block_tokens];
-      double total[block_tokens] = {};
-      std::fill(row_max, row_max + block_tokens, -1e30f);
-      for (int pass = 0; pass < 2; ++pass)
-        for (index_t kb = 0; kb < key_blocks; ++kb) {
-          detail::score_tile(qs.data(), kt.data(), s, dim, kb, score.data());
-          for (index_t a = 0; a < block_tokens; ++a) {
-            const index_t keys = causal && kb == qb ? a + 1 : block_tokens;
-            const float* row = score.data() + static_cast<std::size_t>(a) * block_tokens;
-            if (pass == 0) {  // the normaliser, online
-              const float tile_max = std::max(row_max[a], *std::max_element(row, row + keys));
-              double sum = 0;
-              for (index_t b = 0; b < keys; ++b) sum += detail::exp2_nonpositive(row[b] - tile_max);
-              total[a] = total[a] * std::exp2(double(row_max[a]) - double(tile_max)) + sum;
-              row_max[a] = tile_max;
-              continue;
+      double total[block_tokens];
+      detail::row_normalisers(qs.data(), kt.data(), s, dim, qb, key_blocks, causal, score.data(), row_max, total);
+      for (index_t kb = 0; kb < key_blocks; ++kb) {
+        detail::score_tile(qs.data(), kt.data(), s, dim, kb, score.data());
+        for (index_t a = 0; a < block_tokens; ++a) {
+          const index_t keys = causal && kb == qb ? a + 1 : block_tokens;
+          const float* row = score.data() + static_cast<std::size_t>(a) * block_tokens;
+          const double inverse = 1.0 / total[a];
+          for (index_t b = 0; b < keys; ++b) {
+            const double p = double(detail::exp2_nonpositive(row[b] - row_max[a])) * inverse;
+            if (!(p >= 0.0 && p <= 1.0)) {  // a score that is not finite
+              not_finite[static_cast<std::size_t>(h)] = 1;
+              return;
             }
-            const double inverse = 1.0 / total[a];
-            for (index_t b = 0; b < keys; ++b) {
-              const double p = double(detail::exp2_nonpositive(row[b] - row_max[a])) * inverse;
-              if (!(p >= 0.0 && p <= 1.0)) {  // a score that is not finite
-                not_finite[static_cast<std::size_t>(h)] = 1;
-                return;
-              }
-              const std::size_t i = attention_mass_profile::bin(static_cast<float>(p));
-              ++out.count[i];
-              out.mass[i] += p;
-            }
-            out.entries += keys;
+            const std::size_t i = attention_mass_profile::bin(static_cast<float>(p));
+            ++out.count[i];
+            out.mass[i] += p;
           }
+          out.entries += keys;
         }
+      }
       out.rows += block_tokens;
     }
   };
