@@ -71,6 +71,7 @@ stria::host::synthetic_vs_options synthetic_input(const options& o, stria::index
   s.heads_kv = o.heads_kv;
   s.head_dim = o.head_dim;
   s.rope_theta = o.rope_theta;
+  s.token_noise = o.token_noise;
   s.density = 1.0 - o.sparsity;
   s.seed = o.seed;
   for (const auto p : {stria::host::vs_pattern::rope, stria::host::vs_pattern::power_law_slash, stria::host::vs_pattern::periodic_slash,

@@ -45,6 +45,8 @@ inline constexpr const char* usage =
     "  --heads-kv H     KV heads (default 2)\n"
     "  --head-dim D     64 or 128 (default 128)\n"
     "  --rope-theta T   RoPE base of the synthetic input (default 1e6)\n"
+    "  --token-noise X  per-element standard deviation of the synthetic Q's and K's token noise, in\n"
+    "                   [0, 1000] (default 0.5; 0: every score is its expected value)\n"
     "  --seed S         seed of the synthetic input (default 1)\n"
     "  --estimate       run the online estimator (vertical_slash_top_p, default settings) on the\n"
     "                   synthetic Q/K over --world simulated ranks and plan its selection; adds\n"
@@ -100,6 +102,7 @@ struct options {
   stria::index_t heads_kv = 2;
   stria::index_t head_dim = 128;
   double rope_theta = 1e6;
+  double token_noise = 0.5;
   unsigned long long seed = 1;
   std::string selection_file;
   bool estimate = false;
@@ -153,7 +156,7 @@ inline constexpr mode_option mode_options[] = {
     {"--recall-stride", "--estimate"}, {"--vertical-max", "--estimate"}, {"--slash-max", "--estimate"},     {"--local-diagonals", "--estimate"},
     {"--sink-tokens", "--estimate"},  {"--p", "--estimate"},           {"--volume-cap", "--solver"}};
 /// What only the synthetic input reads: a recorded selection sets the length and the heads itself.
-inline constexpr std::string_view synthetic_only[] = {"--seq-len", "--sparsity", "--heads-q", "--rope-theta", "--seed", "--pattern"};
+inline constexpr std::string_view synthetic_only[] = {"--seq-len", "--sparsity", "--heads-q", "--rope-theta", "--token-noise", "--seed", "--pattern"};
 
 inline options parse(int argc, char** argv) {
   options o;
@@ -194,6 +197,7 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--heads-kv") o.heads_kv = size();
     else if (arg == "--head-dim") o.head_dim = size();
     else if (arg == "--rope-theta") o.rope_theta = stria::cli::parse_real_above(arg, next(), 1.0);
+    else if (arg == "--token-noise") o.token_noise = stria::cli::parse_real(arg, next(), 0.0, 1000.0);
     else if (arg == "--seed") o.seed = stria::cli::parse_integer<unsigned long long>(arg, next());
     else if (arg == "--selection") o.selection_file = next();
     else if (arg == "--json") o.json = true;

@@ -298,3 +298,51 @@ TEST_CASE("heavy-tailed families: planted lines hold the mass, and each family h
   CHECK_THROWS_WITH_AS(host::plant_vs_selection(bad), doctest::Contains("period_blocks = -1: must be 0 (automatic) or lie in [1, seq_len / 64)"),
                        stria::invalid_argument);
 }
+
+TEST_CASE("token_noise: at 0 a score away from the outlier keys is its offset's expected score; refused outside [0, 1000]") {
+  host::synthetic_vs_options o;
+  o.seq_len = 512;
+  o.heads_q = 2;
+  o.heads_kv = 1;
+  o.head_dim = 64;
+  o.pattern = host::vs_pattern::periodic_slash;
+  const index_t d = o.head_dim;
+  // The largest gap, over rows and offsets, between a scaled score (fp64 dot product of the fp32
+  // tensors) and the model's expected one, f(offset), away from the outlier keys.
+  auto largest_gap = [&](const host::synthetic_vs_options& options) {
+    host::detail::vs_model m;
+    (void)host::plant_vs_selection(options, &m);
+    const host::synthetic_vs x = host::make_synthetic_vs(options);
+    const std::vector<index_t>& outliers = m.vertical[0];
+    double gap = 0;
+    int pairs = 0;
+    for (index_t h = 0; h < options.heads_q; ++h) {
+      const std::vector<double> f = host::detail::expected_logits(m, d, h, 0, options.seq_len);
+      for (const index_t delta : {0, 7, 64, 129, 256})
+        for (index_t n = 299; n < options.seq_len; n += 37) {
+          if (std::binary_search(outliers.begin(), outliers.end(), n - delta)) continue;
+          double s = 0;
+          for (index_t j = 0; j < d; ++j)
+            s += double(x.q[static_cast<std::size_t>((n * options.heads_q + h) * d + j)]) * double(x.k[static_cast<std::size_t>((n - delta) * d + j)]);
+          gap = std::max(gap, std::abs(s * m.scale - f[static_cast<std::size_t>(delta)]));
+          ++pairs;
+        }
+    }
+    REQUIRE(pairs > 40);
+    return gap;
+  };
+  o.token_noise = 0;
+  CHECK(largest_gap(o) < 1e-5);  // float rounding of q and k after RoPE
+  o.token_noise = 0.5;           // the default: the noise moves the largest gap past a logit
+  CHECK(largest_gap(o) > 1.0);
+  o.token_noise = 1000;  // the bound itself is accepted
+  CHECK_NOTHROW(o.validate());
+  for (const double bad : {-0.1, 1000.5, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                           -std::numeric_limits<double>::infinity()}) {
+    o.token_noise = bad;
+    CAPTURE(bad);
+    CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains("token_noise = "), stria::invalid_argument);
+    CHECK_THROWS_WITH_AS(host::plant_vs_selection(o), doctest::Contains(": must lie in [0, 1000]"), stria::invalid_argument);
+  }
+  CHECK(host::synthetic_vs_options{}.token_noise == 0.5);
+}

@@ -32,7 +32,12 @@ namespace stria::host {
 /// is what the benchmarks and GPU tests use); the others are heavy-tailed variants built on it:
 /// - power_law_slash: extra slash lines at random offsets whose peak weights fall as a power law
 ///   (line j: exp(logit) proportional to j^-slash_power);
-/// - periodic_slash: extra slash lines of equal weight every period_blocks block diagonals;
+/// - periodic_slash: extra slash lines of equal weight every period_blocks block diagonals. The
+///   lines share the fast RoPE pairs (18 at D 128) and interfere: off them the expected score's
+///   spread grows about as the square root of the number of lines, and from about 7 lines its
+///   maximum there tops the lines' mean; the grown query mean widens the key noise's spread (2.1
+///   at 16K against rope's 0.5). At 16K (16 lines) their block diagonals hold 12.7% of the mass,
+///   against 8.4% for rope (tests/bench/recall_bounds prints these);
 /// - clustered_vertical: the outlier keys fall in a few clusters of nearby tokens;
 /// - mixture: per query head one of rope, power_law_slash, periodic_slash (head h: h mod 3), and
 ///   clustered outliers on odd KV heads.
@@ -57,6 +62,7 @@ struct synthetic_vs_options {
   double rope_theta = 1e6;   // 1e4 (Llama 2) and 1e6 (Qwen2.5) both work
   double density = 0.05;     // planted fraction of the causal entries (sparsity = 1 - density)
   double slash_share = 0.6;  // of the planted entries, the share on slash diagonals (the rest vertical)
+  double token_noise = 0.5;  // per-element standard deviation of Q's and K's token noise (0: every score is expected)
   index_t sink_tokens = 4;   // the first tokens are always vertical
   std::uint64_t seed = 1;
   vs_pattern pattern = vs_pattern::rope;
@@ -80,6 +86,7 @@ struct synthetic_vs_options {
     if (!(density > 0.0 && density <= 1.0)) throw invalid_argument("density", density, "must lie in (0, 1]");
     if (!(slash_share >= 0.0 && slash_share <= 1.0)) throw invalid_argument("slash_share", slash_share, "must lie in [0, 1]");
     if (!(rope_theta > 1.0)) throw invalid_argument("rope_theta", rope_theta, "must be greater than 1");
+    if (!(token_noise >= 0.0 && token_noise <= 1e3)) throw invalid_argument("token_noise", token_noise, "must lie in [0, 1000]");
     if (sink_tokens < 0 || sink_tokens > seq_len)
       throw invalid_argument("sink_tokens", sink_tokens, "must lie in [0, seq_len]");
     // A family's settings are checked where some head reads them.
@@ -211,7 +218,7 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
   const index_t d = o.head_dim;
   m.pairs = d / 2;
   m.scale = 1.0 / std::sqrt(double(d));
-  m.noise = 0.5;
+  m.noise = o.token_noise;
   m.theta.resize(static_cast<std::size_t>(m.pairs));
   for (index_t i = 0; i < m.pairs; ++i) m.theta[static_cast<std::size_t>(i)] = std::pow(o.rope_theta, -2.0 * i / double(d));
   std::normal_distribution<double> normal(0.0, 1.0);
