@@ -8,8 +8,9 @@
 // lines, and the key noise's spread through the query mean); and the mass on the token offsets and
 // the block diagonals where periodic_slash plants its lines (every pattern: a baseline).
 // Host code, exact attention: seconds at 4K, minutes at 16K (or sample rows, --stride).
-//   recall_bounds [--seq-len S] [--pattern LIST] [--density X] [--stride N] [--heads-q H] [--heads-kv H] [--p X] [--noise X]
-//                 [--vertical-max N] [--slash-max N]
+//   recall_bounds [--seq-len S] [--pattern LIST] [--density X] [--stride N] [--heads-q H] [--heads-kv H] [--p X] [--p-vertical X]
+//                 [--noise X] [--vertical-max N] [--slash-max N]
+// --p sets the estimator's p_vertical and p_slash, --p-vertical (after it) p_vertical alone.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -191,7 +192,8 @@ filled fill(std::vector<candidate> all, double budget) {
 int main(int argc, char** argv) try {
   index_t seq_len = 4096, stride = 1, heads_q = 4, heads_kv = 2, vertical_max = 0, slash_max = 0;
   std::string patterns = "rope,power_law_slash";
-  double density = 0.10, top_p = estimator::vertical_slash_top_p{}.p_vertical, noise = host::synthetic_vs_options{}.token_noise;
+  double density = 0.10, noise = host::synthetic_vs_options{}.token_noise;
+  double top_p = estimator::vertical_slash_top_p{}.p_slash, p_vertical = estimator::vertical_slash_top_p{}.p_vertical;  // --p sets both
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--seq-len" && i + 1 < argc) seq_len = cli::parse_integer<index_t>(flag, argv[++i], 1024, 1 << 20);
@@ -202,18 +204,19 @@ int main(int argc, char** argv) try {
     else if (flag == "--heads-kv" && i + 1 < argc) heads_kv = cli::parse_integer<index_t>(flag, argv[++i], 1, 1024);
     else if (flag == "--vertical-max" && i + 1 < argc) vertical_max = cli::parse_integer<index_t>(flag, argv[++i], 0, 1 << 20);
     else if (flag == "--slash-max" && i + 1 < argc) slash_max = cli::parse_integer<index_t>(flag, argv[++i], 0, 1 << 14);
-    else if (flag == "--p" && i + 1 < argc) top_p = cli::parse_real(flag, argv[++i], 1e-9, 1.0);
+    else if (flag == "--p" && i + 1 < argc) top_p = p_vertical = cli::parse_real(flag, argv[++i], 1e-9, 1.0);
+    else if (flag == "--p-vertical" && i + 1 < argc) p_vertical = cli::parse_real(flag, argv[++i], 1e-9, 1.0);
     else if (flag == "--noise" && i + 1 < argc) noise = cli::parse_real(flag, argv[++i], 0.0, 1e3);
     else
       throw invalid_argument("flag", flag,
                              "must be --seq-len S, --pattern LIST, --density X, --stride N, --heads-q H, --heads-kv H, --vertical-max N, "
-                             "--slash-max N, --p X or --noise X");
+                             "--slash-max N, --p X, --p-vertical X or --noise X");
   }
   if (seq_len % block_tokens != 0) throw invalid_argument("--seq-len", seq_len, "must be a multiple of 64");
   if (stride > seq_len / block_tokens) throw invalid_argument("--stride", stride, "must be at most seq_len / 64");
   const auto wanted = [&](const std::string& p) { return ("," + patterns + ",").find("," + p + ",") != std::string::npos; };
-  std::printf("recall_bounds: heads %d/%d, D 128, token noise %g, estimator p %g, density %.3f of the causal entries, rows of every %d-th query "
-              "block; recall = mean over rows (min)\n", heads_q, heads_kv, noise, top_p, density, stride);
+  std::printf("recall_bounds: heads %d/%d, D 128, token noise %g, estimator p_vertical %g and p_slash %g, density %.3f of the causal entries, rows "
+              "of every %d-th query block; recall = mean over rows (min)\n", heads_q, heads_kv, noise, p_vertical, top_p, density, stride);
   for (const host::vs_pattern pattern : {host::vs_pattern::rope, host::vs_pattern::power_law_slash, host::vs_pattern::periodic_slash,
                                          host::vs_pattern::clustered_vertical, host::vs_pattern::mixture}) {
     if (!wanted(host::pattern_name(pattern))) continue;
@@ -233,7 +236,8 @@ int main(int argc, char** argv) try {
     estimator::vertical_slash_top_p est;
     est.vertical.max = vertical_max;
     est.slash.max = slash_max;
-    est.p_vertical = est.p_slash = top_p;
+    est.p_slash = top_p;
+    est.p_vertical = p_vertical;
     global_selection g;
     comm::host_world one(1);
     one.run([&](comm::host_threads& c) { g = estimator::estimate(est, c, sharding::sequential{}, seq_len, true, q, k, scale); });
