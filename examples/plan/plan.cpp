@@ -360,7 +360,8 @@ int main(int argc, char** argv) try {
   estimator.slash.max = o.slash_max;
   estimator.local_diagonals = o.local_diagonals;
   estimator.sink_tokens = o.sink_tokens;
-  estimator.p_vertical = estimator.p_slash = o.p;
+  estimator.p_vertical = o.p_vertical > 0 ? o.p_vertical : o.p > 0 ? o.p : estimator.p_vertical;
+  estimator.p_slash = o.p_slash > 0 ? o.p_slash : o.p > 0 ? o.p : estimator.p_slash;
   const stria::index_t recall_stride = o.recall_stride > 0 ? o.recall_stride : 1;
   const bool with_recall = o.seq_len <= 16384 || o.recall_stride > 0;
   if (!o.selection_file.empty()) {
@@ -472,7 +473,8 @@ int main(int argc, char** argv) try {
       config["slash_cap"] = estimator.rule(o.seq_len).slash_cap;
       config["local_diagonals"] = estimator.local_diagonals;
       config["sink_tokens"] = estimator.sink_tokens;
-      config["p"] = o.p;
+      config["p_vertical"] = estimator.p_vertical;
+      config["p_slash"] = estimator.p_slash;
     }
     config["pattern"] = o.selection_file.empty() ? nlohmann::ordered_json(o.pattern) : nlohmann::ordered_json();
     nlohmann::ordered_json out = {{"config", config}, {"rows", nlohmann::ordered_json::array()}};

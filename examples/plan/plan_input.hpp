@@ -56,11 +56,12 @@ inline constexpr const char* usage =
     "                   the estimate's top-p (oracle_top_p_*); and the best mean recall of a selection\n"
     "                   of any shape, at the estimate's density and at 10% (any_shape_recall_mean*)\n"
     "  --recall-stride N   recall and oracle over the rows of every N-th query block (default 1)\n"
-    "  --vertical-max N, --slash-max N, --local-diagonals N, --sink-tokens N, --p X\n"
+    "  --vertical-max N, --slash-max N, --local-diagonals N, --sink-tokens N, --p X,\n"
+    "  --p-vertical X, --p-slash X\n"
     "                   the estimator's settings (defaults: vertical_slash_top_p's: vertical cap\n"
     "                   S / 32 tokens in [128, 8192], slash cap 1/32 of the block diagonals in\n"
-    "                   [4, 512], 3 local diagonals, 64 sink tokens, p 0.9; --p sets p_vertical\n"
-    "                   and p_slash)\n"
+    "                   [4, 512], 3 local diagonals, 64 sink tokens, p_vertical 0.99, p_slash\n"
+    "                   0.9; --p sets both, --p-vertical and --p-slash one whatever the order)\n"
     "  --pattern P      synthetic family: rope (default), power_law_slash, periodic_slash,\n"
     "                   clustered_vertical, mixture (stria/host/synthetic_vs.hpp)\n"
     "  --selection F    plan a recorded selection instead: JSON {\"seq_len\": S, \"causal\": true,\n"
@@ -112,7 +113,7 @@ struct options {
   stria::index_t vertical_max = 0, slash_max = 0;  // 0: the default caps
   stria::index_t local_diagonals = stria::estimator::vertical_slash_top_p{}.local_diagonals;
   stria::index_t sink_tokens = stria::estimator::vertical_slash_top_p{}.sink_tokens;
-  double p = 0.9;
+  double p = 0, p_vertical = 0, p_slash = 0;  // 0: not given; --p sets both goals, --p-vertical / --p-slash one
   std::string pattern = "rope";
   stria::index_t solver_chunks = 0;  // 0: no solver plan
   double volume_cap = 1.0;
@@ -154,7 +155,8 @@ inline constexpr mode_option mode_options[] = {
     {"--intra-gbps", "--cluster"},    {"--inter-gbps", "--cluster"},   {"--intra-latency-us", "--cluster"}, {"--inter-latency-us", "--cluster"},
     {"--throughput", "--cluster"},    {"--kernel-scale", "--cluster"}, {"--memory-gbs", "--cluster"},       {"--outer-stream", "--cluster"},
     {"--recall-stride", "--estimate"}, {"--vertical-max", "--estimate"}, {"--slash-max", "--estimate"},     {"--local-diagonals", "--estimate"},
-    {"--sink-tokens", "--estimate"},  {"--p", "--estimate"},           {"--volume-cap", "--solver"}};
+    {"--sink-tokens", "--estimate"},  {"--p", "--estimate"},           {"--p-vertical", "--estimate"},
+    {"--p-slash", "--estimate"},      {"--volume-cap", "--solver"}};
 /// What only the synthetic input reads: a recorded selection sets the length and the heads itself.
 inline constexpr std::string_view synthetic_only[] = {"--seq-len", "--sparsity", "--heads-q", "--rope-theta", "--token-noise", "--seed", "--pattern"};
 
@@ -211,6 +213,8 @@ inline options parse(int argc, char** argv) {
     else if (arg == "--local-diagonals") o.local_diagonals = size();
     else if (arg == "--sink-tokens") o.sink_tokens = stria::cli::parse_integer<stria::index_t>(arg, next(), 0);
     else if (arg == "--p") o.p = stria::cli::parse_real(arg, next(), 1e-9, 1.0);
+    else if (arg == "--p-vertical") o.p_vertical = stria::cli::parse_real(arg, next(), 1e-9, 1.0);
+    else if (arg == "--p-slash") o.p_slash = stria::cli::parse_real(arg, next(), 1e-9, 1.0);
     else if (arg == "--pattern") {
       o.pattern = next();
       if (o.pattern != "rope" && o.pattern != "power_law_slash" && o.pattern != "periodic_slash" && o.pattern != "clustered_vertical" &&

@@ -45,7 +45,7 @@ struct padded_selection {
 /// estimator::vertical_slash_top_p's settings (0 for a max: the default cap at the sequence length),
 /// its defaults (python/stria/_ops.py repeats them).
 struct estimator_options {
-  double p_vertical = 0.9, p_slash = 0.9;
+  double p_vertical = estimator::vertical_slash_top_p{}.p_vertical, p_slash = estimator::vertical_slash_top_p{}.p_slash;
   std::int64_t vertical_max = 0, slash_max = 0, sink_tokens = estimator::vertical_slash_top_p{}.sink_tokens,
                local_diagonals = estimator::vertical_slash_top_p{}.local_diagonals, last_q = estimator::vertical_slash_top_p{}.last_q;
 };

@@ -152,7 +152,7 @@ def _scale(softmax_scale: Optional[float], head_dim: int) -> float:
 
 
 #: The estimator's options and their defaults (binding.hpp's estimator_options, in the operators' order).
-_ESTIMATOR_DEFAULTS = dict(p_vertical=0.9, p_slash=0.9, vertical_max=0, slash_max=0, sink_tokens=64, local_diagonals=3, last_q=64)
+_ESTIMATOR_DEFAULTS = dict(p_vertical=0.99, p_slash=0.9, vertical_max=0, slash_max=0, sink_tokens=64, local_diagonals=3, last_q=64)
 
 
 def _estimator_arguments(options: dict) -> tuple:
@@ -168,7 +168,7 @@ def estimate_selection(q: torch.Tensor, k: torch.Tensor, softmax_scale: Optional
                        **options) -> Selection:
     """The Vertical-Slash selection of every (batch element, query head), estimated online from q and k
     (estimator::vertical_slash_top_p: the last `last_q` queries' attention, top-p of its vertical and
-    slash mass; a max of 0 picks the default cap at this length). Options and defaults: p_vertical 0.9,
+    slash mass; a max of 0 picks the default cap at this length). Options and defaults: p_vertical 0.99,
     p_slash 0.9, vertical_max 0, slash_max 0, sink_tokens 64, local_diagonals 3, last_q 64."""
     _check_inputs(q, k, None)
     arguments = _estimator_arguments(options)

@@ -26,7 +26,7 @@ struct budget {
 /// A top-p selection resolved for one sequence length: what the host select() and the GPU
 /// selection (select.cuh) both follow, so that they pick the same lines.
 struct top_p_rule {
-  double p_vertical = 0.9;
+  double p_vertical = 0.99;
   double p_slash = 0.9;
   index_t vertical_min = 1, vertical_cap = 0;  // tokens
   index_t slash_min = 1, slash_cap = 0;        // block diagonals beyond the local ones
