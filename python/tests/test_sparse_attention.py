@@ -141,7 +141,7 @@ def test_matches_sdpa_math_on_estimated_selections():
 def test_estimated_selection_shape_and_safeguards():
     q, k, _, _ = inputs(2, 1024, 4, 2, 128, torch.bfloat16, 7)
     sel = stria.estimate_selection(q, k, sink_tokens=4, local_diagonals=2)
-    widths = torch.ops.stria.estimate_widths(1024, 4, True, 0.9, 0.9, 0, 0, 4, 2, 64)
+    widths = torch.ops.stria.estimate_widths(1024, 4, True, 0.99, 0.9, 0, 0, 4, 2, 64)
     assert tuple(sel.vertical.shape) == (2, 4, widths[0]) and tuple(sel.slash.shape) == (2, 4, widths[1])
     assert sel.vertical.dtype == torch.int32 and sel.vertical.device == q.device
     for rows, limit in ((sel.vertical, 1024), (sel.slash, 16)):

@@ -242,8 +242,12 @@ TEST_CASE("budgets bound the selection, and safeguards are always present") {
   }
 }
 
-TEST_CASE("top-p defaults: vertical cap S / 32 in [128, 8192], the sink block, three local diagonals (those that exist)") {
+TEST_CASE("top-p defaults: p_vertical 0.99 and p_slash 0.9, vertical cap S / 32 in [128, 8192], the sink block, three local diagonals (those that exist)") {
   const estimator::vertical_slash_top_p e;
+  CHECK(e.p_vertical == 0.99);
+  CHECK(e.p_slash == 0.9);
+  CHECK(estimator::top_p_rule{}.p_vertical == e.p_vertical);  // the plain rule's defaults are the estimator's
+  CHECK(estimator::top_p_rule{}.p_slash == e.p_slash);
   CHECK(e.sink_tokens == 64);
   CHECK(e.local_diagonals == 3);
   struct expected {

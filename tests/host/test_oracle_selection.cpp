@@ -56,7 +56,7 @@ TEST_CASE("the oracle: exact top-p reaches p over all rows, at the estimate's de
     const host::recall_summary top_p = host::attention_recall(best.top_p, q, k, scale);
     CAPTURE(host::pattern_name(pattern));
     CAPTURE(top_p.mean);
-    CHECK(top_p.mean >= 0.9 - 1e-4);
+    CHECK(top_p.mean >= std::max(open.p_vertical, open.p_slash) - 1e-4);
     for (index_t h = 0; h < o.heads_q; ++h)
       CHECK(host::selection_entries(best.same_density.heads[static_cast<std::size_t>(h)], o.seq_len) <=
             host::selection_entries(estimate.heads[static_cast<std::size_t>(h)], o.seq_len));

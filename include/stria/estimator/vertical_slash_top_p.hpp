@@ -22,7 +22,7 @@ struct vertical_slash_top_p {
   /// the key tokens (each covers ~1/seq_len of the causal entries), in [128, 8192]. At S / 64 the cap
   /// left out planted vertical keys: 16K recalled 0.708 of the attention mass, against 0.872 at
   /// S / 32 with the sink block and three local diagonals, for 8.6% of the entries in place of 5.7%
-  /// (tests/bench/RESULTS.md, 2026-12-02 and 2026-12-03). Slashes: 1/32 of the block diagonals.
+  /// (p_vertical 0.9; tests/bench/RESULTS.md, 2026-12-02 and 2026-12-03). Slashes: 1/32 of the block diagonals.
   static constexpr index_t default_vertical_cap(index_t seq_len) {
     return std::min(seq_len, std::clamp<index_t>(seq_len / 32, 128, 8192));
   }
@@ -34,8 +34,8 @@ struct vertical_slash_top_p {
   index_t last_q = 64;        // observation window: the last last_q query tokens of the sequence
   /// Vertical goal 0.99, slash 0.9: at 0.9 the verticals left out a quarter of a noise-free
   /// pattern's mass (16K rope recalled 0.724, 0.977 at 0.99 for 0.44 points more density); on the
-  /// noisy generator 0.99 costs 0.2-5.7% more entries (16% on periodic_slash) for up to 0.09 more
-  /// recall. p_slash 0.99 as well added 2.8 points of density at 128K (rope) for 0.013 more recall
+  /// noisy generator (16K, 128K) 0.99 costs 0.2-5.7% more entries for 0-0.053 more recall, and
+  /// 16% more on periodic_slash for 0.09. p_slash 0.99 as well added 2.8 points of density at 128K (rope) for 0.013 more recall
   /// (tests/bench/RESULTS.md, 2026-12-07, fifth).
   double p_vertical = 0.99;
   double p_slash = 0.9;
