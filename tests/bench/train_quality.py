@@ -197,6 +197,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, d_model, bias=False)
         self.kind, self.dense_backend, self.stria_options = "dense", SDPBackend.CUDNN_ATTENTION, {}
         self.selection = None  # stria's last estimated selection (int32, no grad), for the density report
+        self.captured = None  # (q, k) after RoPE, kept by the next forward when set to True (selection_recall)
         self.all_diagonals = False  # stria's run during --dense-warmup: every block diagonal, no estimate
 
     def forward(self, x, cos, sin):
@@ -205,6 +206,8 @@ class Attention(nn.Module):
         k, v = self.wkv(x).view(batch, seq, 2, self.kv_heads, self.head_dim).unbind(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.to(torch.bfloat16).contiguous()  # stria takes contiguous (batch, seq, heads, dim)
+        if self.captured is True:
+            self.captured = (q.detach().to(torch.bfloat16).contiguous(), k.detach().to(torch.bfloat16).contiguous())
         with torch.autocast("cuda", enabled=False):  # q, k, v are bf16 already; keep autocast off both ops
             if self.kind == "dense":
                 out = dense_attention(q, k, v, self.dense_backend)
@@ -304,6 +307,75 @@ def selection_summary(model, seq_len):
     return out
 
 
+#: The estimator settings whose recall selection_recall reports: the library's defaults, and the
+#: p_vertical of 0.9 that was the default before 2026-12-07.
+RECALL_SETTINGS = {"defaults": {}, "p_vertical_0.9": {"p_vertical": 0.9}}
+
+
+def recalled_mass(q, k, selections, rows_per_chunk=1024):
+    """Exact recall of each selection on q, k (batch, seq, heads, dim), causal, softmax scale 1/sqrt(dim):
+    for every (batch element, query head, query token) row, the share of its softmax mass on the selected
+    entries (key token t in the row's verticals, or key block kb with qb - kb among its slash diagonals;
+    keys <= the query). Returns per selection: mean and min over the rows, the share of rows under 0.8,
+    and the density (selected causal entries over all of them). fp32 scores, rows in chunks."""
+    batch, seq, heads, dim = q.shape
+    group, blocks = heads // k.shape[2], seq // 64
+    scale = 1.0 / math.sqrt(dim)
+    key_pos = torch.arange(seq, device=q.device)
+    key_block = key_pos // 64
+    sums = [torch.zeros((), dtype=torch.float64, device=q.device) for _ in selections]
+    mins = [torch.ones((), dtype=torch.float64, device=q.device) for _ in selections]
+    low = [torch.zeros((), dtype=torch.int64, device=q.device) for _ in selections]
+    kept = [torch.zeros((), dtype=torch.int64, device=q.device) for _ in selections]
+    offset = torch.arange(blocks, device=q.device)[:, None] - torch.arange(blocks, device=q.device)[None, :]  # qb - kb
+    for b in range(batch):
+        for h in range(heads):
+            masks = []
+            for sel in selections:
+                vertical, slash = sel.vertical[b, h].long(), sel.slash[b, h].long()
+                column = torch.zeros(seq, dtype=torch.bool, device=q.device)
+                column[vertical[vertical != stria.PADDING]] = True
+                diagonal = torch.zeros(blocks, dtype=torch.bool, device=q.device)
+                diagonal[slash[slash != stria.PADDING]] = True
+                block_on = (offset >= 0) & diagonal[offset.clamp(min=0)]  # [qb, kb]
+                masks.append((column, block_on))
+            kh = k[b, :, h // group].float()
+            for r0 in range(0, seq, rows_per_chunk):
+                rows = torch.arange(r0, min(seq, r0 + rows_per_chunk), device=q.device)
+                causal = key_pos[None, :] <= rows[:, None]
+                scores = (q[b, rows, h].float() * scale) @ kh.T
+                p = torch.softmax(scores.masked_fill_(~causal, float("-inf")), dim=-1)
+                for i, (column, block_on) in enumerate(masks):
+                    on = (column[None, :] | block_on[rows // 64][:, key_block]) & causal
+                    mass = (p * on).sum(-1, dtype=torch.float64)
+                    sums[i] += mass.sum()
+                    mins[i] = torch.minimum(mins[i], mass.min())
+                    low[i] += (mass < 0.8).sum()
+                    kept[i] += on.sum()
+    rows_total, causal_entries = batch * heads * seq, batch * heads * seq * (seq + 1) // 2
+    return [{"recall_mean": round(sums[i].item() / rows_total, 4), "recall_min": round(mins[i].item(), 4),
+             "rows_under_0.8": round(low[i].item() / rows_total, 4), "density": round(kept[i].item() / causal_entries, 5)}
+            for i in range(len(selections))]
+
+
+def selection_recall(model, seed, args):
+    """Issue 21's recall on a trained model's attention: for each layer, q and k of the first held-out batch
+    (after RoPE), the estimate of each RECALL_SETTINGS entry from them, and its exact recall (recalled_mass)."""
+    for block in model.blocks:
+        block.attn.captured = True
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(*batch_of(HELD_OUT, seed, args))
+    out = []
+    for layer, block in enumerate(model.blocks):
+        q, k = block.attn.captured
+        block.attn.captured = None
+        names = list(RECALL_SETTINGS)
+        selections = [stria.estimate_selection(q, k, **RECALL_SETTINGS[n]) for n in names]
+        out.append({"layer": layer, **dict(zip(names, recalled_mass(q, k, selections)))})
+        del q, k
+    return out
+
+
 def evaluate(model, seed, args):
     """(mean loss, mean accuracy) over the --eval-batches held-out batches, without gradients, with the
     attention the model trains with at this point (stria's run: its estimate, or every diagonal during
@@ -374,6 +446,17 @@ def train(name, base, seed, args, dense_backend, stria_options):
         record["error"] = record["error"] or f"{type(e).__name__}: {e}"
     record["wall_s"] = time.perf_counter() - start
     record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    record["recall"] = []
+    if args.recall and stria is not None and not record["error"]:
+        try:
+            t0 = time.perf_counter()
+            record["recall"] = selection_recall(model, seed, args)
+            for r in record["recall"]:
+                print(f"{name:5} recall, layer {r['layer']}: " + "; ".join(
+                    f"{n} density {r[n]['density']:.4f} recall {r[n]['recall_mean']:.4f} (min {r[n]['recall_min']:.4f}, "
+                    f"rows under 0.8 {r[n]['rows_under_0.8']:.4f})" for n in RECALL_SETTINGS) + f" [{time.perf_counter() - t0:.1f} s]", flush=True)
+        except Exception as e:  # the training figures stand without it
+            print(f"warning: the recall measurement failed: {type(e).__name__}: {e}", flush=True)
     del model, optimizer
     torch.cuda.empty_cache()
     return record
@@ -494,6 +577,8 @@ def main():
     parser.add_argument("--stria-opt", action="append", default=[], metavar="NAME=VALUE",
                         help="an estimator option for stria.sparse_attention (default: the library's)")
     parser.add_argument("--only", choices=("both", "dense", "stria"), default="both")
+    parser.add_argument("--no-recall", dest="recall", action="store_false",
+                        help="skip the recall of the estimate on each trained model's attention (first held-out batch)")
     parser.add_argument("--log-every", type=int, default=1)
     args = parser.parse_args()
     if args.quick:
@@ -562,7 +647,10 @@ def main():
                        + (f", every block diagonal for the first {args.dense_warmup} steps" if args.dense_warmup else ""),
               "held_out": f"{args.eval_batches} batches of {args.batch} never trained on, every {args.eval_every} steps and after the last",
               "torch": torch.__version__, "cuda": torch.version.cuda,
-              "stria_version": getattr(stria, "__version__", "unknown") if stria else "not loaded"}
+              "stria_version": getattr(stria, "__version__", "unknown") if stria else "not loaded",
+              "stria_estimator_defaults": dict(getattr(getattr(stria, "_ops", None), "_ESTIMATOR_DEFAULTS", {})) if stria else {},
+              "recall": f"the estimate's exact recall on each trained model's q and k (first held-out batch), settings {RECALL_SETTINGS}"
+                        if args.recall else "not measured"}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {parameters / 1e6:.2f} M parameters; "
           f"chance: ln(vocab) = {math.log(vocab):.3f}, on the predicted tokens {chance_loss(args):.3f}")
     print(json.dumps(config), flush=True)
@@ -620,6 +708,7 @@ def run_seed(seed, args, vocab, dense_backend, stria_options):
     timing = {name: {"median_step_ms": round(median_step_ms(r), 2), "wall_s": round(r["wall_s"], 1), "peak_gib": round(r["peak_gib"], 2),
                      "error": r["error"]} for name, r in records.items()}
     return {"seed": seed, "rows": rows, "eval": {name: r["eval"] for name, r in records.items()}, "final": final, "timing": timing,
+            "recall": {name: r["recall"] for name, r in records.items()},
             "stria_selection": records["stria"]["selection"] if "stria" in records else []}
 
 
