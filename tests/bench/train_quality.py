@@ -370,8 +370,9 @@ def selection_recall(model, seed, args):
         q, k = block.attn.captured
         block.attn.captured = None
         names = list(RECALL_SETTINGS)
-        selections = [stria.estimate_selection(q, k, **RECALL_SETTINGS[n]) for n in names]
-        out.append({"layer": layer, **dict(zip(names, recalled_mass(q, k, selections)))})
+        with torch.no_grad():
+            selections = [stria.estimate_selection(q, k, **RECALL_SETTINGS[n]) for n in names]
+            out.append({"layer": layer, **dict(zip(names, recalled_mass(q, k, selections)))})
         del q, k
     return out
 
@@ -454,9 +455,12 @@ def train(name, base, seed, args, dense_backend, stria_options):
             for r in record["recall"]:
                 print(f"{name:5} recall, layer {r['layer']}: " + "; ".join(
                     f"{n} density {r[n]['density']:.4f} recall {r[n]['recall_mean']:.4f} (min {r[n]['recall_min']:.4f}, "
-                    f"rows under 0.8 {r[n]['rows_under_0.8']:.4f})" for n in RECALL_SETTINGS) + f" [{time.perf_counter() - t0:.1f} s]", flush=True)
+                    f"rows under 0.8 {r[n]['rows_under_0.8']:.4f})" for n in RECALL_SETTINGS), flush=True)
+            print(f"{name:5} recall measured in {time.perf_counter() - t0:.1f} s", flush=True)
         except Exception as e:  # the training figures stand without it
-            print(f"warning: the recall measurement failed: {type(e).__name__}: {e}", flush=True)
+            record["recall_error"] = f"{type(e).__name__}: {e}"
+            print(f"warning: the recall measurement failed: {record['recall_error']}", flush=True)
+            traceback.print_exc()
     del model, optimizer
     torch.cuda.empty_cache()
     return record
@@ -650,7 +654,8 @@ def main():
               "stria_version": getattr(stria, "__version__", "unknown") if stria else "not loaded",
               "stria_estimator_defaults": dict(getattr(getattr(stria, "_ops", None), "_ESTIMATOR_DEFAULTS", {})) if stria else {},
               "recall": f"the estimate's exact recall on each trained model's q and k (first held-out batch), settings {RECALL_SETTINGS}"
-                        if args.recall else "not measured"}
+                        + (f" (not the --stria-opt options {stria_options} the stria run trained with)" if stria_options else "")
+                        if args.recall and args.only != "dense" else "not measured"}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {parameters / 1e6:.2f} M parameters; "
           f"chance: ln(vocab) = {math.log(vocab):.3f}, on the predicted tokens {chance_loss(args):.3f}")
     print(json.dumps(config), flush=True)
@@ -708,7 +713,7 @@ def run_seed(seed, args, vocab, dense_backend, stria_options):
     timing = {name: {"median_step_ms": round(median_step_ms(r), 2), "wall_s": round(r["wall_s"], 1), "peak_gib": round(r["peak_gib"], 2),
                      "error": r["error"]} for name, r in records.items()}
     return {"seed": seed, "rows": rows, "eval": {name: r["eval"] for name, r in records.items()}, "final": final, "timing": timing,
-            "recall": {name: r["recall"] for name, r in records.items()},
+            "recall": {name: r.get("recall_error") or r["recall"] for name, r in records.items()},
             "stria_selection": records["stria"]["selection"] if "stria" in records else []}
 
 
