@@ -32,13 +32,8 @@ struct vertical_slash_top_p {
   }
 
   index_t last_q = 64;        // observation window: the last last_q query tokens of the sequence
-  /// Vertical goal 0.99, slash 0.9: at 0.9 the verticals left out a quarter of a noise-free
-  /// pattern's mass (16K rope recalled 0.724, 0.977 at 0.99 for 0.44 points more density); on the
-  /// noisy generator (16K, 128K) 0.99 costs 0.2-5.7% more entries for 0-0.053 more recall, and
-  /// 16% more on periodic_slash for 0.09. p_slash 0.99 as well added 2.8 points of density at 128K (rope) for 0.013 more recall
-  /// (tests/bench/RESULTS.md, 2026-12-07, fifth).
-  double p_vertical = 0.99;
-  double p_slash = 0.9;
+  double p_vertical = top_p_rule{}.p_vertical;  // the goals' defaults and why: top_p_rule (select.hpp)
+  double p_slash = top_p_rule{}.p_slash;
   budget vertical{1, 0};      // tokens; max 0: default_vertical_cap(seq_len)
   budget slash{1, 0};         // block diagonals beyond the local ones; max 0: default_slash_cap(seq_len)
   index_t sink_tokens = 64;     // the first tokens, always vertical (64: the sink block)
