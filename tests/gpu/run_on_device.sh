@@ -23,7 +23,8 @@ mode=${1:-full}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv | tee "$OUT/gpu.txt"
+echo "host kernel: $(uname -r) (a -fc kernel: a Firecracker guest; timings of host-side meetings differ between guests)" | tee -a "$OUT/gpu.txt"
 
 bin=.device/bin
 benches=${BENCHES-attention_bench estimator_bench ring_bench}
