@@ -40,8 +40,8 @@ struct given_share {
   std::vector<vertical_candidate> candidates;
 };
 
-/// A rank's share is given; its window is two rows of its rank, its row max (rank, -rank), its sums
-/// (global max + rank / 2, 1). It records the members the engine calls, in order.
+/// A rank's share is given; its window is two rows of its rank, its normaliser normaliser_of(rank)
+/// (`normaliser_size` overrides its size). It records the members the engine calls, in order.
 struct share_backend {
   using floats = std::vector<float>;
   using share = stria::engine::rank_share<floats, std::vector<std::uint64_t>>;
@@ -51,7 +51,8 @@ struct share_backend {
   const stria::engine::window_plan& plan;
   index_t rank;
   const given_share& given;
-  std::vector<float> rows{}, own_max{}, global_max{}, global_sum{};
+  std::size_t normaliser_size = 2 * static_cast<std::size_t>(plan.shape.num_heads * plan.shape.window_rows);
+  std::vector<float> rows{}, every_normaliser{};
   std::vector<std::string> calls{};
 
   template <class Comm>
@@ -65,19 +66,19 @@ struct share_backend {
     return rows;
   }
   void score_window() { calls.emplace_back("score_window"); }
-  const std::vector<float>& row_max() {
-    calls.emplace_back("row_max");
-    own_max = {static_cast<float>(rank), static_cast<float>(-rank)};
-    return own_max;
+  /// Rank r's made-up normaliser of `size` values: every row's max, then its sum (distinct per rank and row).
+  static std::vector<float> normaliser_of(index_t r, std::size_t size) {
+    std::vector<float> values(size);
+    for (std::size_t i = 0; i < size; ++i) values[i] = static_cast<float>(r) + 0.25f * static_cast<float>(i);
+    return values;
   }
-  std::vector<float> row_sum(const std::vector<float>& max) {
-    calls.emplace_back("row_sum");
-    return {max[0] + 0.5f * static_cast<float>(rank), 1.0f};
+  std::vector<float> row_normaliser() {
+    calls.emplace_back("row_normaliser");
+    return normaliser_of(rank, normaliser_size);
   }
-  void place_normaliser(std::vector<float> max, std::vector<float> sum) {
+  void place_normaliser(std::vector<float> every_rank) {
     calls.emplace_back("place_normaliser");
-    global_max = std::move(max);
-    global_sum = std::move(sum);
+    every_normaliser = std::move(every_rank);
   }
   void probabilities() { calls.emplace_back("probabilities"); }
   share rank_share() {
@@ -137,7 +138,7 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
   std::vector<vs_statistics> result(static_cast<std::size_t>(world));
   std::vector<std::vector<std::string>> calls(result.size());
   comm::host_world ranks(world);
-  std::vector<std::vector<float>> rows(result.size()), max(result.size()), sum(result.size());
+  std::vector<std::vector<float>> rows(result.size()), normalisers(result.size());
   std::vector<std::size_t> gathered(result.size());
   std::vector<int> collectives(result.size());
   ranks.run([&](comm::host_threads& c) {
@@ -147,8 +148,7 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
     result[r] = engine::gather_window_statistics(b, counting, plan);
     calls[r] = b.calls;
     rows[r] = b.rows;
-    max[r] = b.global_max;
-    sum[r] = b.global_sum;
+    normalisers[r] = b.every_normaliser;
     gathered[r] = counting.gathered_bytes;
     collectives[r] = counting.broadcasts * 100 + counting.all_reduces * 10 + counting.all_gathers;
   });
@@ -161,14 +161,17 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
       CHECK(calls[rank] == std::vector<std::string>{"score_window", "probabilities", "own_statistics"});
       CHECK(collectives[rank] == 0);
     } else {
-      CHECK(calls[rank] == std::vector<std::string>{"exchange", "window", "score_window", "row_max", "row_sum", "place_normaliser",
-                                                   "probabilities", "rank_share", "global_statistics"});
-      CHECK(collectives[rank] == 122);  // one broadcast, two all-reduces, two all-gathers
+      CHECK(calls[rank] == std::vector<std::string>{"exchange", "window", "score_window", "row_normaliser", "place_normaliser", "probabilities",
+                                                   "rank_share", "global_statistics"});
+      CHECK(collectives[rank] == 103);  // one broadcast, three all-gathers
       CHECK(rows[rank] == std::vector<float>(2, static_cast<float>(plan.window_owner)));
-      CHECK(max[rank] == std::vector<float>{static_cast<float>(world - 1), 0.0f});
-      float first_sum = static_cast<float>(world - 1);
-      for (index_t s = 1; s < world; ++s) first_sum += static_cast<float>(world - 1) + 0.5f * static_cast<float>(s);  // in rank order
-      CHECK(sum[rank] == std::vector<float>{first_sum, static_cast<float>(world)});
+      std::vector<float> every_rank;  // each rank's normaliser, rank after rank
+      const std::size_t size = 2 * static_cast<std::size_t>(heads * plan.shape.window_rows);
+      for (index_t s = 0; s < world; ++s) {
+        const std::vector<float> one = third_party::share_backend::normaliser_of(s, size);
+        every_rank.insert(every_rank.end(), one.begin(), one.end());
+      }
+      CHECK(normalisers[rank] == every_rank);
     }
     const vs_statistics& st = result[rank];
     CHECK(st.slash_mass == result[0].slash_mass);
@@ -196,11 +199,12 @@ void check_engine(const Sharding& sharding, index_t world, index_t vertical_cand
     const std::vector<vertical_candidate> expected(all.begin(), all.begin() + std::min<std::ptrdiff_t>(keep, static_cast<std::ptrdiff_t>(all.size())));
     CHECK(st.vertical[static_cast<std::size_t>(h)] == expected);
   }
-  // The all-gathers carry every rank's masses and its runs of at most `keep` candidates, nothing more.
+  // The all-gathers carry every rank's normaliser, masses and runs of at most `keep` candidates, nothing more.
   CHECK(plan.per_rank == std::min({vertical_candidates, plan.rank_blocks * block_tokens, keep}));
   if (world > 1)
     CHECK(gathered[0] == static_cast<std::size_t>(world * heads) *
-                             (static_cast<std::size_t>(plan.rank_blocks + 1) * sizeof(float) + static_cast<std::size_t>(plan.per_rank) * sizeof(std::uint64_t)));
+                             (2 * static_cast<std::size_t>(plan.shape.window_rows) * sizeof(float) +
+                              static_cast<std::size_t>(plan.rank_blocks + 1) * sizeof(float) + static_cast<std::size_t>(plan.per_rank) * sizeof(std::uint64_t)));
 }
 
 /// combine_shares on given arguments against the plainest reading of its contract: block masses
@@ -349,5 +353,14 @@ TEST_CASE("make_window_plan rejects requests the window cannot satisfy, naming t
     third_party::share_backend b{plan, c.rank(), share};
     CHECK_THROWS_WITH_AS(engine::gather_window_statistics(b, c, plan), doctest::Contains("comm.world_size() = 2: must equal the plan's world 3"),
                          const invalid_argument&);
+  });
+  // A backend whose normaliser has the wrong size is refused before any rank gathers it.
+  const engine::window_plan two = engine::make_window_plan(striped, 1024, 2, true, 2, {64, 10, 1});
+  ranks.run([&](comm::host_threads& c) {
+    const third_party::given_share share;
+    third_party::share_backend b{two, c.rank(), share};
+    b.normaliser_size = 3;
+    CHECK_THROWS_WITH_AS(engine::gather_window_statistics(b, c, two),
+                         doctest::Contains("b.row_normaliser().size() = 3: must be 2 * Hq * window_rows = 256"), const invalid_argument&);
   });
 }

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -44,6 +45,13 @@ struct device_contribution {
   cudaEvent_t ready;
 };
 
+/// A rank's two collective events, recorded anew by each collective: `ready` where its stream
+/// enters, `done` once its copies are queued. local_device_world owns them, so that none is
+/// destroyed with a rank's handle while a peer has yet to queue its wait on it.
+struct collective_events {
+  cuda_event ready, done;
+};
+
 /// Host message tags of a device transfer on user tag `tag` (the descriptor, then the receiver's ack).
 constexpr int transfer_tag(int tag) { return 64 + 2 * tag; }
 constexpr int ack_tag(int tag) { return 65 + 2 * tag; }
@@ -67,7 +75,8 @@ struct reduce_with {
 /// for the peers to arrive, never for the GPU).
 class local_device {
  public:
-  local_device(host_threads& host, int device) : host_(host), device_(device) {}
+  /// `events`: this rank's collective events, which must outlive every rank's handle (local_device_world keeps them).
+  local_device(host_threads& host, int device, detail::collective_events& events) : host_(host), device_(device), events_(events) {}
 
   [[nodiscard]] index_t rank() const { return host_.rank(); }
   [[nodiscard]] index_t world_size() const { return host_.world_size(); }
@@ -207,35 +216,34 @@ class local_device {
     host_.send(&ack, 1, op.peer, detail::ack_tag(op.tag));
   }
 
-  /// Every rank's buffer and readiness, gathered on the host (the events stay alive until
-  /// finish_collective, by when every peer has queued its waits on them).
+  /// Every rank's buffer and readiness, gathered on the host: the first of a collective's two
+  /// meetings. Recording `ready` again is safe here: the last collective's second meeting saw every
+  /// peer past its waits on the previous record.
   std::vector<detail::device_contribution> contribute(const void* data, cudaStream_t stream, const char* what) {
     if (group_depth_ > 0) throw invalid_argument(what, "inside group_start()/group_end()", "only send and recv may be grouped");
-    ready_ = cuda_event{};
-    ready_.record(stream);
-    const detail::device_contribution mine{data, ready_.get()};
+    events_.ready.record(stream);
+    const detail::device_contribution mine{data, events_.ready.get()};
     std::vector<detail::device_contribution> all(static_cast<std::size_t>(world_size()));
     host_.all_gather(&mine, all.data(), 1);
     return all;
   }
 
-  /// No rank's stream runs past the collective before every rank's copies are done (then send
-  /// buffers may be reused), and no event is released before every wait on it is queued.
+  /// The second meeting: no rank's stream runs past the collective before every rank's copies are
+  /// done (then send buffers may be reused). Recording `done` again is safe: this collective's first
+  /// meeting saw every peer past the last one, waits included.
   void finish_collective(cudaStream_t stream) {
-    const cuda_event done;
-    done.record(stream);
-    const detail::device_contribution mine{nullptr, done.get()};
+    events_.done.record(stream);
+    const detail::device_contribution mine{nullptr, events_.done.get()};
     std::vector<detail::device_contribution> all(static_cast<std::size_t>(world_size()));
     host_.all_gather(&mine, all.data(), 1);
     for (const auto& peer : all) STRIA_CUDA_CHECK(cudaStreamWaitEvent(stream, peer.ready, 0));
-    host_.barrier();
   }
 
   host_threads& host_;
   int device_;
   int group_depth_ = 0;
   std::vector<queued> queue_;
-  cuda_event ready_;
+  detail::collective_events& events_;
 };
 static_assert(stria::device_communicator<local_device> && stria::device_collectives<local_device>);
 
@@ -251,9 +259,11 @@ class local_device_world {
 
   template <class Body>
   void run(Body&& body) {
+    // Each rank creates its events on the device; they go only after every rank's thread has ended.
+    std::vector<std::optional<detail::collective_events>> events(static_cast<std::size_t>(world_size()));
     host_.run([&](host_threads& h) {
       STRIA_CUDA_CHECK(cudaSetDevice(device_));
-      local_device comm(h, device_);
+      local_device comm(h, device_, events[static_cast<std::size_t>(h.rank())].emplace());
       body(comm);
     });
   }

@@ -43,12 +43,6 @@ struct device_exchange {
   void broadcast(std::span<T> rows, index_t root) {
     comm.broadcast(rows.data(), rows.size(), root, stream);
   }
-  template <class T>
-  device_buffer<T> all_reduce(const device_buffer<T>& mine, comm::reduce_op op) {
-    device_buffer<T> all(mine.size(), stream);
-    comm.all_reduce(mine.data(), all.data(), mine.size(), op, stream);
-    return all;
-  }
   /// An empty share (no candidates: vertical.max 0, the same on every rank, the plan being global)
   /// makes no call, so no communicator sees a null buffer.
   template <class T>
@@ -116,22 +110,20 @@ class window_backend {
     lap(&estimator::statistics_timing::pass1_ms);
   }
 
-  /// This rank's row max [Hq, rows].
-  const device_buffer<float>& row_max() const { return row_max_; }
-  /// Each row's sum of exp2, rescaled from this rank's max to the global one.
-  device_buffer<float> row_sum(const device_buffer<float>& global_max) const {
-    device_buffer<float> sum(row_count(), stream_);
-    kernel::rescale_row_sums<><<<static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_>>>(
-        row_max_.data(), row_sum_.data(), global_max.data(), static_cast<index_t>(row_count()), sum.data());
-    STRIA_CUDA_CHECK_LAUNCH("rescale_row_sums");
-    return sum;
+  /// This rank's normaliser [2, Hq, rows]: its row max, then its sums of exp2 against it.
+  floats row_normaliser() const {
+    floats own(2 * row_count(), stream_);
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(own.data(), row_max_.data(), row_count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(own.data() + row_count(), row_sum_.data(), row_count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    return own;
   }
-  /// The global max and sums replace this rank's.
-  void place_normaliser(device_buffer<float> global_max, device_buffer<float> global_sum) {
-    for (const auto& [name, size] : {std::pair{"global_max.size()", global_max.size()}, std::pair{"global_sum.size()", global_sum.size()}})
-      if (size != row_count()) throw invalid_argument(name, size, "must be Hq * rows = " + std::to_string(row_count()));
-    row_max_ = std::move(global_max);
-    row_sum_ = std::move(global_sum);
+  /// Every rank's normaliser [W, 2, Hq, rows] becomes the global one (kernel::combine_normalisers).
+  void place_normaliser(floats every_rank) {
+    if (every_rank.size() != 2 * row_count() * static_cast<std::size_t>(plan_.world))
+      throw invalid_argument("every_rank.size()", every_rank.size(), "must be W * 2 * Hq * rows = " + std::to_string(2 * row_count() * static_cast<std::size_t>(plan_.world)));
+    kernel::combine_normalisers<><<<static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_>>>(
+        every_rank.data(), plan_.world, static_cast<index_t>(row_count()), row_max_.data(), row_sum_.data());
+    STRIA_CUDA_CHECK_LAUNCH("combine_normalisers");
   }
 
   /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's first

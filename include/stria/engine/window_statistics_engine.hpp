@@ -95,12 +95,6 @@ struct host_exchange {
     comm.broadcast(rows.data(), rows.size(), root);
   }
   template <class T>
-  std::vector<T> all_reduce(const std::vector<T>& mine, comm::reduce_op op) {
-    std::vector<T> all(mine.size());
-    comm.all_reduce(mine.data(), all.data(), mine.size(), op);
-    return all;
-  }
-  template <class T>
   std::vector<T> all_gather(const std::vector<T>& mine) {
     std::vector<T> all(mine.size() * static_cast<std::size_t>(comm.world_size()));
     comm.all_gather(mine.data(), all.data(), mine.size());
@@ -115,12 +109,14 @@ struct host_exchange {
 /// max and sums are then the global ones.
 /// - `B::floats` (std::vector<float>, or device_buffer<float> on the device) and `B::share` (a
 ///   rank_share of such arrays): where its arrays lie; `b.exchange(comm)` (W > 1): broadcast(rows,
-///   root), all_reduce(array, op) and all_gather(array) on them (engine::host_exchange,
+///   root) and all_gather(array) on them (engine::host_exchange,
 ///   device::detail::device_exchange);
 /// - `b.window()` (W > 1): the window rows, a `B::window_rows` (a span) that the owner has filled and
 ///   the broadcast fills on the other ranks; `b.score_window()`: pass 1 against the local keys;
-/// - `b.row_max()` (W > 1): this rank's row max [Hq, rows]; `b.row_sum(global_max)` (W > 1): its
-///   sums of exp against the global max; `b.place_normaliser(global_max, global_sum)` (W > 1);
+/// - `b.row_normaliser()` (W > 1): this rank's softmax normaliser [2, Hq, rows], each row's max and
+///   then its sum of exp against that max; `b.place_normaliser(all)` (W > 1): every rank's, rank
+///   after rank [W, 2, Hq, rows], combined into the global ones (the max of the maxes, the sums
+///   rescaled to it and added in rank order);
 /// - `b.probabilities()`: pass 2, each key token's and key block's window mass, each head's top
 ///   per_rank candidates;
 /// - `b.rank_share()` (W > 1): this rank's share; `b.global_statistics(all)` (W > 1): the result
@@ -128,13 +124,12 @@ struct host_exchange {
 ///   from this rank's share alone.
 template <class B, class Comm>
 concept window_statistics_backend =
-    requires(B& b, Comm& comm, const typename B::floats& f, typename B::floats g, typename B::floats h, typename B::share all) {
+    requires(B& b, Comm& comm, typename B::floats every_rank, typename B::share all) {
       b.exchange(comm);
       { b.window() } -> std::same_as<typename B::window_rows>;
       b.score_window();
-      { b.row_max() } -> std::convertible_to<const typename B::floats&>;
-      { b.row_sum(f) } -> std::same_as<typename B::floats>;
-      b.place_normaliser(std::move(g), std::move(h));
+      { b.row_normaliser() } -> std::same_as<typename B::floats>;
+      b.place_normaliser(std::move(every_rank));
       b.probabilities();
       { b.rank_share() } -> std::same_as<typename B::share>;
       { b.global_statistics(std::move(all)) } -> std::same_as<typename B::statistics>;
@@ -154,12 +149,10 @@ constexpr bool check_window_statistics_backend() {
                 "stria: Backend must have exchange(Comm&) returning the collectives on its arrays (as engine::host_exchange)");
   static_assert(requires(B& b) { { b.window() } -> std::same_as<typename B::window_rows>; }, "stria: Backend must have window() returning window_rows");
   static_assert(requires(B& b) { b.score_window(); }, "stria: Backend must have score_window()");
-  static_assert(requires(B& b) { { b.row_max() } -> std::convertible_to<const floats&>; },
-                "stria: Backend must have row_max() returning floats (or a const reference to them)");
-  static_assert(requires(B& b, const floats& m) { { b.row_sum(m) } -> std::same_as<floats>; },
-                "stria: Backend must have row_sum(const floats& global_max) returning floats");
-  static_assert(requires(B& b, floats m, floats s) { b.place_normaliser(std::move(m), std::move(s)); },
-                "stria: Backend must have place_normaliser(floats global_max, floats global_sum)");
+  static_assert(requires(B& b) { { b.row_normaliser() } -> std::same_as<floats>; },
+                "stria: Backend must have row_normaliser() returning floats (its row max, then its sums of exp against it)");
+  static_assert(requires(B& b, floats all) { b.place_normaliser(std::move(all)); },
+                "stria: Backend must have place_normaliser(floats every_rank) (every rank's row_normaliser(), rank after rank)");
   static_assert(requires(B& b) { b.probabilities(); }, "stria: Backend must have probabilities()");
   static_assert(requires(B& b) { { b.rank_share() } -> std::same_as<typename B::share>; }, "stria: Backend must have rank_share() returning share");
   static_assert(requires(B& b, typename B::share all) { { b.global_statistics(std::move(all)) } -> std::same_as<typename B::statistics>; },
@@ -290,11 +283,13 @@ inline vs_statistics combine_shares(const window_plan& plan, std::span<const flo
 /// 1. the window (the last window_rows global query tokens, all in the last block, so one rank owns
 ///    them) reaches every rank: its owner broadcasts the rows;
 /// 2. each rank scores it against its local keys (scaled, causal by global position);
-/// 3. the softmax becomes global: all-reduce of the row max, then of every rank's sum of exp against it;
+/// 3. the softmax becomes global: one all-gather of every rank's row max and sum of exp against it,
+///    which each rank combines (as the online softmax merges partial rows);
 /// 4. the probabilities give each key token's and each key block's window mass, and each rank its
 ///    top per_rank vertical candidates per head;
 /// 5. two all-gathers bring every rank's block and window masses and its candidates to every rank,
 ///    and the backend combines them (combine_shares, or its device twin).
+/// So four collectives, whatever the world size (none over one rank).
 /// Every collective runs where the backend's arrays lie (b.exchange): on the device backend the
 /// whole gathering stays on the device, in stream order.
 template <class Backend, class Comm>
@@ -311,9 +306,11 @@ typename Backend::statistics gather_window_statistics(Backend& b, Comm& comm, co
   auto collectives = b.exchange(comm);
   collectives.broadcast(b.window(), plan.window_owner);
   b.score_window();
-  auto global_max = collectives.all_reduce(b.row_max(), comm::reduce_op::max);
-  auto global_sum = collectives.all_reduce(b.row_sum(global_max), comm::reduce_op::sum);
-  b.place_normaliser(std::move(global_max), std::move(global_sum));
+  const std::size_t normaliser = 2 * static_cast<std::size_t>(heads) * static_cast<std::size_t>(plan.shape.window_rows);
+  const typename Backend::floats own = b.row_normaliser();
+  if (own.size() != normaliser)
+    throw invalid_argument("b.row_normaliser().size()", own.size(), "must be 2 * Hq * window_rows = " + std::to_string(normaliser));
+  b.place_normaliser(collectives.all_gather(own));
   b.probabilities();
 
   const typename Backend::share mine = b.rank_share();

@@ -46,7 +46,7 @@ struct device_statistics {
 struct statistics_timing {
   double setup_ms = 0;        // checks, the plan's upload, the window's broadcast
   double pass1_ms = 0;        // row max / sum kernels
-  double softmax_ms = 0;      // the two all-reduces of the global softmax and the sums' rescaling
+  double softmax_ms = 0;      // the normalisers' all-gather and their combination into the global softmax
   double pass2_ms = 0;        // probability kernel
   double topk_ms = 0;         // candidate sort
   double collectives_ms = 0;  // the shares' packing, the masses' and the candidates' all-gathers, their

@@ -83,26 +83,36 @@ class window_backend {
     }
   }
 
-  const std::vector<float>& row_max() const { return max_; }
-  /// Sums of many small terms accumulate in fp64 here, then travel as fp32.
-  std::vector<float> row_sum(const std::vector<float>& global_max) const {
-    std::vector<float> sum(global_max.size());
-    for (std::size_t r = 0; r < sum.size(); ++r) {
-      double total = 0;
-      for (std::size_t j = 0; j < static_cast<std::size_t>(tokens_); ++j)
-        if (const float s = score_[r * static_cast<std::size_t>(tokens_) + j]; s != neg_inf) total += std::exp(double(s) - double(global_max[r]));
-      sum[r] = float(total);
-    }
-    return sum;
+  /// This rank's normaliser [2, Hq, rows]: its row max, then its sums of exp against it.
+  std::vector<float> row_normaliser() const {
+    std::vector<float> own = max_;
+    const std::vector<float> sum = sums_against(max_);
+    own.insert(own.end(), sum.begin(), sum.end());
+    return own;
   }
-  void place_normaliser(std::vector<float> global_max, std::vector<float> global_sum) {
-    max_ = std::move(global_max);
-    sum_ = std::move(global_sum);
+  /// Every rank's normaliser [W, 2, Hq, rows] becomes the global one: the max of the row maxes, and
+  /// each rank's sum rescaled to it in fp64 and added in rank order (a rank with no key for a row adds 0).
+  void place_normaliser(std::vector<float> every_rank) {
+    const std::size_t rows = max_.size();
+    if (rows == 0 || every_rank.empty() || every_rank.size() % (2 * rows) != 0)
+      throw invalid_argument("every_rank.size()", every_rank.size(), "must be a positive multiple of 2 * Hq * rows = " + std::to_string(2 * rows));
+    const std::size_t world = every_rank.size() / (2 * rows);
+    sum_.assign(rows, 0.0f);
+    for (std::size_t i = 0; i < rows; ++i) {
+      float top = neg_inf;
+      for (std::size_t r = 0; r < world; ++r) top = std::max(top, every_rank[r * 2 * rows + i]);
+      double total = 0;
+      for (std::size_t r = 0; r < world; ++r)
+        if (const float own = every_rank[r * 2 * rows + i]; own != neg_inf)
+          total += double(every_rank[r * 2 * rows + rows + i]) * std::exp(double(own) - double(top));
+      max_[i] = top;
+      sum_[i] = float(total);
+    }
   }
 
   /// Probabilities into window mass per key token (the candidates) and per key block; each head's top candidates.
   void probabilities() {
-    if (sum_.empty()) sum_ = row_sum(max_);  // one rank: its own max is the global one
+    if (sum_.empty()) sum_ = sums_against(max_);  // one rank: its own normaliser is the global one
     const index_t heads = shape_.heads_q, blocks = plan_.rank_blocks, per_rank = plan_.per_rank;
     const index_t first_local_block = plan_.shape.num_blocks() - plan_.shape.local_blocks;  // its tokens are never vertical candidates
     mass_.resize(static_cast<std::size_t>(heads) * static_cast<std::size_t>(blocks + 1));
@@ -148,6 +158,18 @@ class window_backend {
 
  private:
   static constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  /// Each row's sum of exp against `max`: many small terms, accumulated in fp64, then rounded.
+  [[nodiscard]] std::vector<float> sums_against(const std::vector<float>& max) const {
+    std::vector<float> sum(max.size());
+    for (std::size_t r = 0; r < sum.size(); ++r) {
+      double total = 0;
+      for (std::size_t j = 0; j < static_cast<std::size_t>(tokens_); ++j)
+        if (const float s = score_[r * static_cast<std::size_t>(tokens_) + j]; s != neg_inf) total += std::exp(double(s) - double(max[r]));
+      sum[r] = float(total);
+    }
+    return sum;
+  }
+
   const engine::window_plan& plan_;
   attention_shape shape_;
   tensor_view<const T, 3> k_;

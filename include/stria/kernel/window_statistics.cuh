@@ -203,15 +203,23 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-/// This rank's sums of exp2 [Hq, rows], rescaled from its own row max to the global one (0 where
-/// the rank has no key for the row), in fp64 then rounded, as the all-reduce of the sums needs.
+/// Every rank's normaliser, [world, 2, count] (each rank's row max, then its sums of exp2 against
+/// it), into the global ones: the max of the maxes, and each rank's sum rescaled to it in fp64 and
+/// added in rank order (a rank with no key for the row, max -inf, adds 0), then rounded.
 /// Grid: ceil(count / 256), 256 threads.
 template <int Unused = 0>
-__global__ void __launch_bounds__(256) rescale_row_sums(const float* __restrict__ own_max, const float* __restrict__ own_sum,
-                                                        const float* __restrict__ global_max, index_t count, float* __restrict__ sum) {
+__global__ void __launch_bounds__(256) combine_normalisers(const float* __restrict__ every_rank, index_t world, index_t count,
+                                                           float* __restrict__ max, float* __restrict__ sum) {
   const index_t i = static_cast<index_t>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= count) return;
-  sum[i] = own_max[i] == -INFINITY ? 0.0f : float(double(own_sum[i]) * exp2(double(own_max[i]) - double(global_max[i])));
+  const std::int64_t stride = 2 * std::int64_t{count};
+  float top = -INFINITY;
+  for (index_t r = 0; r < world; ++r) top = fmaxf(top, every_rank[r * stride + i]);
+  double total = 0;
+  for (index_t r = 0; r < world; ++r)
+    if (const float own = every_rank[r * stride + i]; own != -INFINITY) total += double(every_rank[r * stride + count + i]) * exp2(double(own) - double(top));
+  max[i] = top;
+  sum[i] = float(total);
 }
 
 /// Pass 2, with the global (max, sum) of every row [Hq, rows]: the window probabilities, summed per
