@@ -28,10 +28,6 @@ struct one_rank {
   void all_gather(const T* send, T* receive, std::size_t count, cudaStream_t stream) {
     copy(send, receive, count, stream);
   }
-  template <class T>
-  void all_reduce(const T* send, T* receive, std::size_t count, comm::reduce_op, cudaStream_t stream) {
-    copy(send, receive, count, stream);
-  }
 
  private:
   template <class T>

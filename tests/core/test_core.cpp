@@ -81,6 +81,35 @@ TEST_CASE("merge_lse combines log-sum-exps stably") {
   CHECK(f.weight_a + f.weight_b == doctest::Approx(1.0f));
 }
 
+TEST_CASE("combine_normaliser_row: the max of the ranks' maxes, their sums rescaled to it in rank order; ranks and rows with no key") {
+  // Three ranks, four rows: [world, 2, count], each rank's maxes then its sums.
+  const float neg_inf = -INFINITY;
+  const std::vector<float> every_rank = {
+      1.0f, neg_inf, 2.0f,    neg_inf, /* rank 0 maxes */ 3.0f, 0.0f, 1.5f, 0.0f,  // rank 0 sums
+      4.0f, 0.5f,    neg_inf, neg_inf, /* rank 1 maxes */ 2.0f, 5.0f, 0.0f, 0.0f,  // rank 1 sums
+      -1.0f, 0.5f,   2.0f,    neg_inf, /* rank 2 maxes */ 7.0f, 1.0f, 0.25f, 0.0f,  // rank 2 sums
+  };
+  for (const bool base2 : {false, true}) {
+    CAPTURE(base2);
+    const auto row = [&](std::int64_t i) {
+      return base2 ? combine_normaliser_row<true>(every_rank.data(), 3, 4, i) : combine_normaliser_row<false>(every_rank.data(), 3, 4, i);
+    };
+    const auto scaled = [&](double x) { return base2 ? std::exp2(x) : std::exp(x); };
+    // Row 0: every rank saw keys; the sums rescale to the max 4 and add in rank order, in fp64.
+    CHECK(row(0).max == 4.0f);
+    CHECK(row(0).sum == float(3.0 * scaled(1.0 - 4.0) + 2.0 + 7.0 * scaled(-1.0 - 4.0)));
+    // Row 1: rank 0 saw no key (max -inf): it adds nothing, and no NaN comes of -inf - max.
+    CHECK(row(1).max == 0.5f);
+    CHECK(row(1).sum == 6.0f);
+    // Row 2: two equal maxes.
+    CHECK(row(2).max == 2.0f);
+    CHECK(row(2).sum == 1.75f);
+    // Row 3: no rank saw a key: (-inf, 0), which the probabilities read as a row that adds nothing.
+    CHECK(row(3).max == neg_inf);
+    CHECK(row(3).sum == 0.0f);
+  }
+}
+
 TEST_CASE("the version macros and constants agree") {
   CHECK(version_major == STRIA_VERSION_MAJOR);
   CHECK(version_minor == STRIA_VERSION_MINOR);

@@ -161,7 +161,7 @@ TEST_CASE("distributed statistics and selections are identical on every rank and
     CAPTURE(world);
     const auto [stats, selections] = run_distributed(p, sharding, world, e, true);
     for (index_t r = 1; r < world; ++r) {
-      CHECK(same(stats[static_cast<std::size_t>(r)], stats[0]));  // bit-identical: all-reduce in rank order, same sort
+      CHECK(same(stats[static_cast<std::size_t>(r)], stats[0]));  // bit-identical: every rank combines the same gathered partials in rank order, same sort
       CHECK(same(selections[static_cast<std::size_t>(r)], selections[0]));
     }
     const vs_statistics& a = stats[0];

@@ -36,6 +36,15 @@ void on_local_device(index_t world, const auto& body) {
 
 constexpr auto local_device_runner = [](index_t world, const auto& body) { on_local_device(world, body); };
 
+/// Writes `value` to x[0, n) after about `delay_ns` nanoseconds: a stream that runs behind its peers.
+__global__ void fill_after_delay(float* x, std::size_t n, float value, unsigned delay_ns) {
+  if (threadIdx.x == 0)
+    for (unsigned waited = 0; waited < delay_ns; waited += 1000) __nanosleep(1000);
+  __syncthreads();
+  for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) x[i] = value;
+}
+
+
 }  // namespace
 
 TEST_CASE("the device ring over local_device equals the whole-sequence reference, every sharding x topology") {
@@ -127,6 +136,43 @@ TEST_CASE("local_device collectives: all_gather, all_reduce in rank order, broad
     stream.synchronize();
   }),
                        doctest::Contains("expected 16 bytes from rank 0"), comm_error);
+}
+
+TEST_CASE("local_device collectives back to back: one rank's stream behind the others in turn, send buffers overwritten at once") {
+  // Each collective meets twice on the host and records each rank's same two events again; a record
+  // made before a peer queued its wait on the last one would hang the streams or let a peer read a
+  // buffer that has been overwritten. The host never waits for the device until the end.
+  const index_t world = 4;
+  const int rounds = 200;
+  const std::size_t n = 256, history = static_cast<std::size_t>(rounds);
+  comm::local_device_world ranks(world, 0, std::chrono::seconds(60));
+  ranks.run([&](comm::local_device& c) {
+    const cuda_stream stream;
+    const cudaStream_t st = stream.get();
+    device_buffer<float> send(n, st), gathered(n * static_cast<std::size_t>(world), st), root_value(n, st);
+    device_buffer<float> gathered_history(gathered.size() * history, st), broadcast_history(n * history, st);
+    for (int round = 0; round < rounds; ++round) {
+      const auto at = static_cast<std::size_t>(round);
+      const bool behind = round % world == c.rank();
+      fill_after_delay<<<1, 256, 0, st>>>(send.data(), n, float(round * world + c.rank()), behind ? 20000u : 0u);
+      c.all_gather(send.data(), gathered.data(), n, st);
+      fill_after_delay<<<1, 256, 0, st>>>(send.data(), n, -1.0f, 0u);  // the peers must have read it by now
+      STRIA_CUDA_CHECK(cudaMemcpyAsync(gathered_history.data() + gathered.size() * at, gathered.data(), gathered.size() * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, st));
+      fill_after_delay<<<1, 256, 0, st>>>(root_value.data(), n, float(-round - 2 - c.rank()), behind ? 20000u : 0u);
+      c.broadcast(root_value.data(), n, round % world, st);
+      STRIA_CUDA_CHECK(cudaMemcpyAsync(broadcast_history.data() + n * at, root_value.data(), n * sizeof(float), cudaMemcpyDeviceToDevice, st));
+    }
+    const std::vector<float> g = gathered_history.download(st), b = broadcast_history.download(st);
+    std::size_t wrong = 0;
+    for (int round = 0; round < rounds; ++round)
+      for (std::size_t i = 0; i < n; ++i) {
+        for (index_t r = 0; r < world; ++r)
+          wrong += g[(static_cast<std::size_t>(round * world + r)) * n + i] != float(round * world + r);
+        wrong += b[static_cast<std::size_t>(round) * n + i] != float(-round - 2 - round % world);
+      }
+    CHECK(wrong == 0);
+  });
 }
 
 TEST_CASE("attention run as the dynamic solver plans it, over local_device, equals the whole-sequence reference") {

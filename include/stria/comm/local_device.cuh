@@ -77,6 +77,8 @@ class local_device {
  public:
   /// `events`: this rank's collective events, which must outlive every rank's handle (local_device_world keeps them).
   local_device(host_threads& host, int device, detail::collective_events& events) : host_(host), device_(device), events_(events) {}
+  local_device(const local_device&) = delete;  // a rank's one handle: its collectives' events are its own
+  local_device& operator=(const local_device&) = delete;
 
   [[nodiscard]] index_t rank() const { return host_.rank(); }
   [[nodiscard]] index_t world_size() const { return host_.world_size(); }

@@ -269,10 +269,6 @@ concept comm_world_size = requires(const C& c) {
 template <class C>
 concept comm_host_broadcast = requires(C& c, float* data, std::size_t count, index_t root) { c.broadcast(data, count, root); };
 template <class C>
-concept comm_host_all_reduce = requires(C& c, const float* send, float* recv, std::size_t count, comm::reduce_op op) {
-  c.all_reduce(send, recv, count, op);
-};
-template <class C>
 concept comm_host_all_gather = requires(C& c, const float* send, float* recv, std::size_t count) { c.all_gather(send, recv, count); };
 template <class C>
 concept comm_host_send = requires(C& c, const float* data, std::size_t count, index_t peer, int tag) { c.send(data, count, peer, tag); };
@@ -283,11 +279,11 @@ concept comm_host_recv = requires(C& c, float* data, std::size_t count, index_t 
 /// What the host estimators need of a communicator (window statistics, the exact distributed top-k):
 /// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
 /// - collectives of host arrays, called by every rank in the same order: `c.broadcast(data, count,
-///   root)`, `c.all_reduce(send, recv, count, comm::reduce_op)` (send and recv may alias; identical
-///   results on every rank) and `c.all_gather(send, recv, count)` (rank r's part at r * count).
+///   root)` and `c.all_gather(send, recv, count)` (rank r's part at r * count). The built-in
+///   communicators also offer all_reduce; no estimator needs it.
 template <class C>
-concept host_collectives = detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_host_broadcast<C> &&
-                           detail::comm_host_all_reduce<C> && detail::comm_host_all_gather<C>;
+concept host_collectives =
+    detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_host_broadcast<C> && detail::comm_host_all_gather<C>;
 
 /// What the host backend (host ring and solver execution, and its estimators) needs of a
 /// communicator (built-in: comm::host_threads): host_collectives, and point-to-point messages of
@@ -312,8 +308,6 @@ template <class C>
 constexpr bool check_host_collectives() {
   static_assert(detail::check_rank_and_world_size<C>());
   static_assert(detail::comm_host_broadcast<C>, "stria: Comm must have broadcast(T* data, std::size_t count, index_t root) of host arrays");
-  static_assert(detail::comm_host_all_reduce<C>,
-                "stria: Comm must have all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op) of host arrays");
   static_assert(detail::comm_host_all_gather<C>,
                 "stria: Comm must have all_gather(const T* send, T* recv, std::size_t count) of host arrays");
   return true;

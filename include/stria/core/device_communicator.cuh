@@ -40,10 +40,6 @@ concept comm_device_broadcast = requires(C& c, float* data, std::uint16_t* rows,
   c.broadcast(rows, count, root, stream);
 };
 template <class C>
-concept comm_device_all_reduce = requires(C& c, const float* send, float* recv, std::size_t count, comm::reduce_op op, cudaStream_t stream) {
-  c.all_reduce(send, recv, count, op, stream);
-};
-template <class C>
 concept comm_device_all_gather = requires(C& c, const float* send, float* recv, const std::uint64_t* keys, std::uint64_t* all_keys,
                                           std::size_t count, cudaStream_t stream) {
   c.all_gather(send, recv, count, stream);
@@ -83,12 +79,12 @@ constexpr bool check_device_communicator() {
 /// comm::nccl, comm::nccl_hierarchy), so that they never cross the host:
 /// - `c.rank()`, `c.world_size()` (const, convertible to index_t);
 /// - collectives of device arrays, queued on `stream` and called by every rank in the same order:
-///   `c.broadcast(data, count, root, stream)`, `c.all_reduce(send, recv,
-///   count, comm::reduce_op, stream)` (identical results on every rank) and `c.all_gather(send,
-///   recv, count, stream)` (rank r's part at r * count), each a template over the element type.
+///   `c.broadcast(data, count, root, stream)` and `c.all_gather(send, recv, count, stream)` (rank r's
+///   part at r * count), each a template over the element type. The built-in communicators also
+///   offer all_reduce; the estimator does not need it.
 template <class C>
-concept device_collectives = detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_device_broadcast<C> &&
-                             detail::comm_device_all_reduce<C> && detail::comm_device_all_gather<C>;
+concept device_collectives =
+    detail::comm_rank<C> && detail::comm_world_size<C> && detail::comm_device_broadcast<C> && detail::comm_device_all_gather<C>;
 
 /// device_collectives<C> as one static_assert per requirement, each naming the missing member.
 template <class C>
@@ -96,8 +92,6 @@ constexpr bool check_device_collectives() {
   static_assert(detail::check_rank_and_world_size<C>());
   static_assert(detail::comm_device_broadcast<C>,
                 "stria: Comm must have broadcast(T* data, std::size_t count, index_t root, cudaStream_t stream) of device arrays, for any T");
-  static_assert(detail::comm_device_all_reduce<C>,
-                "stria: Comm must have all_reduce(const T* send, T* recv, std::size_t count, stria::comm::reduce_op, cudaStream_t stream) of device arrays");
   static_assert(detail::comm_device_all_gather<C>,
                 "stria: Comm must have all_gather(const T* send, T* recv, std::size_t count, cudaStream_t stream) of device arrays, for any T");
   return true;

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Merging two partial softmax-attention results by their log-sum-exp (fp32 running state of a ring).
+// Merging partial softmax results: two attention results by their log-sum-exp (fp32 running state of
+// a ring), and a row's normaliser from every rank's max and sum (the window statistics).
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "stria/core/config.hpp"
 
@@ -30,6 +32,34 @@ STRIA_HOST_DEVICE lse_merge<Real> merge_lse(Real lse_a, Real lse_b) {
   const Real eb = exp(lse_b - hi);
   const Real sum = ea + eb;
   return {hi + log(sum), ea / sum, eb / sum};
+}
+
+/// A softmax row's normaliser: its max and its sum of exp(x - max).
+struct row_normaliser {
+  float max;
+  float sum;
+};
+
+/// Row i's global normaliser from every rank's, `every_rank` [world, 2, count] (each rank's row
+/// maxes, then its sums against them), in base 2 (Base2: scores in log2 units, as the kernels keep
+/// them) or e: the max of the maxes, and each rank's sum rescaled to it in fp64, added in rank order
+/// and rounded once. A rank whose max is -inf saw no key of the row and adds 0; a row no rank saw
+/// stays (-inf, 0).
+template <bool Base2>
+STRIA_HOST_DEVICE row_normaliser combine_normaliser_row(const float* every_rank, std::int64_t world, std::int64_t count, std::int64_t i) {
+  using std::exp;
+  using std::exp2;
+  const float neg_inf = -INFINITY;
+  float top = neg_inf;
+  for (std::int64_t r = 0; r < world; ++r)
+    if (const float own = every_rank[2 * r * count + i]; own > top) top = own;
+  double total = 0;
+  for (std::int64_t r = 0; r < world; ++r)
+    if (const float own = every_rank[2 * r * count + i]; own != neg_inf) {
+      const double shift = double(own) - double(top);
+      total += double(every_rank[(2 * r + 1) * count + i]) * (Base2 ? exp2(shift) : exp(shift));
+    }
+  return {top, float(total)};
 }
 
 }  // namespace stria

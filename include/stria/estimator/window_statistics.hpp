@@ -16,6 +16,7 @@
 #include "stria/core/attention_shape.hpp"
 #include "stria/core/concepts.hpp"
 #include "stria/core/error.hpp"
+#include "stria/core/softmax_merge.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/engine/window_statistics_engine.hpp"
 #include "stria/estimator/statistics.hpp"
@@ -90,23 +91,15 @@ class window_backend {
     own.insert(own.end(), sum.begin(), sum.end());
     return own;
   }
-  /// Every rank's normaliser [W, 2, Hq, rows] becomes the global one: the max of the row maxes, and
-  /// each rank's sum rescaled to it in fp64 and added in rank order (a rank with no key for a row adds 0).
+  /// Every rank's normaliser [W, 2, Hq, rows] becomes the global one (combine_normaliser_row per row).
   void place_normaliser(std::vector<float> every_rank) {
-    const std::size_t rows = max_.size();
-    if (rows == 0 || every_rank.empty() || every_rank.size() % (2 * rows) != 0)
-      throw invalid_argument("every_rank.size()", every_rank.size(), "must be a positive multiple of 2 * Hq * rows = " + std::to_string(2 * rows));
-    const std::size_t world = every_rank.size() / (2 * rows);
-    sum_.assign(rows, 0.0f);
+    const std::size_t rows = max_.size(), expected = 2 * rows * static_cast<std::size_t>(plan_.world);
+    if (every_rank.size() != expected) throw invalid_argument("every_rank.size()", every_rank.size(), "must be W * 2 * Hq * rows = " + std::to_string(expected));
+    sum_.resize(rows);
     for (std::size_t i = 0; i < rows; ++i) {
-      float top = neg_inf;
-      for (std::size_t r = 0; r < world; ++r) top = std::max(top, every_rank[r * 2 * rows + i]);
-      double total = 0;
-      for (std::size_t r = 0; r < world; ++r)
-        if (const float own = every_rank[r * 2 * rows + i]; own != neg_inf)
-          total += double(every_rank[r * 2 * rows + rows + i]) * std::exp(double(own) - double(top));
-      max_[i] = top;
-      sum_[i] = float(total);
+      const auto row = combine_normaliser_row<false>(every_rank.data(), plan_.world, static_cast<std::int64_t>(rows), static_cast<std::int64_t>(i));
+      max_[i] = row.max;
+      sum_[i] = row.sum;
     }
   }
 

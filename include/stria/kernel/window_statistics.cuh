@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "stria/core/config.hpp"
+#include "stria/core/softmax_merge.hpp"
 #include "stria/core/numeric.cuh"
 #include "stria/core/tile.hpp"
 #include "stria/estimator/statistics.hpp"
@@ -203,23 +204,17 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-/// Every rank's normaliser, [world, 2, count] (each rank's row max, then its sums of exp2 against
-/// it), into the global ones: the max of the maxes, and each rank's sum rescaled to it in fp64 and
-/// added in rank order (a rank with no key for the row, max -inf, adds 0), then rounded.
+/// Every rank's normaliser, [world, 2, count] (each rank's row maxes, then its sums of exp2 against
+/// them), into the global ones: combine_normaliser_row (core/softmax_merge.hpp) per row.
 /// Grid: ceil(count / 256), 256 threads.
 template <int Unused = 0>
 __global__ void __launch_bounds__(256) combine_normalisers(const float* __restrict__ every_rank, index_t world, index_t count,
                                                            float* __restrict__ max, float* __restrict__ sum) {
   const index_t i = static_cast<index_t>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= count) return;
-  const std::int64_t stride = 2 * std::int64_t{count};
-  float top = -INFINITY;
-  for (index_t r = 0; r < world; ++r) top = fmaxf(top, every_rank[r * stride + i]);
-  double total = 0;
-  for (index_t r = 0; r < world; ++r)
-    if (const float own = every_rank[r * stride + i]; own != -INFINITY) total += double(every_rank[r * stride + count + i]) * exp2(double(own) - double(top));
-  max[i] = top;
-  sum[i] = float(total);
+  const row_normaliser row = combine_normaliser_row<true>(every_rank, world, count, i);
+  max[i] = row.max;
+  sum[i] = row.sum;
 }
 
 /// Pass 2, with the global (max, sum) of every row [Hq, rows]: the window probabilities, summed per
