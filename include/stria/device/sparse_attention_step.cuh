@@ -57,24 +57,16 @@ enum class determinism { atomic, deterministic };
 enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 
 /// The order in which the forward's CTAs are launched (kernel::detail::launched_row_unit; the Hopper
-/// dQ passes' too, backward_options::order), in
-/// sections of heads, longest rows first within a section: `query_blocks_inner` launches a head's
-/// query blocks one after another; `kv_group_inner` the query heads of a KV head for one query block
-/// one after another, so that the heads that read one KV head run at once and share in L2 the tiles
-/// their selections have in common; `heads_inner` every head of a query block one after another.
-/// The paired kernel launches a head's pairs one after another in every order. `automatic` picks
-/// kv_group_inner, and query_blocks_inner (the order before launch orders existed) for an index
-/// that holds every tile the causal rule allows, where grouping showed no gain that held, or for
-/// more than 65535 query blocks. Measured on a first form of the grouped launch (a 1-D grid,
-/// `25c50ce`, the same order), kv_group_inner against query_blocks_inner on an H100, vs95, Hq 16 /
-/// Hkv 2, D 128: 32K +11% (L2 hit rate 85 -> 93%, DRAM reads halved), 128K +1.3-1.5%; Hkv 8 at 32K
-/// +6%; with Hkv 16 it is the same order; D 64 +0.2-1.7%; dense 128K through the paired kernel,
-/// then grouped too, -2.6% in one call. heads_inner: 32K a little faster still, but 128K with Hkv
-/// 16 -3.0 to -4.5% (RESULTS, 2026-12-06, second). The landed 3-D grid (`0140f1d`) on an H200:
-/// 32K +6.1%, 128K +0.0% (RESULTS, 2026-12-06, third). The Hopper dQ passes go the same way, over
-/// the heads a pass covers (detail::dq_section_heads): H200, vs95, D 128, the whole atomic backward
-/// with dS stored 32K +1.2%, 128K +0.7%; with dS recomputed +0.4% / +0.8%; D 64 32K +1.0%;
-/// heads_inner a little more at 32K (+1.8%, D 64 +1.5%), automatic keeping the forward's choice.
+/// dQ passes' too, backward_options::order), in sections of heads, longest rows first within a
+/// section: `query_blocks_inner` launches a head's query blocks one after another; `kv_group_inner`
+/// the query heads of a KV head for one query block one after another, so that the heads that read
+/// one KV head run at once and share in L2 the tiles their selections have in common; `heads_inner`
+/// every head of a query block one after another. The paired kernel launches a head's pairs one
+/// after another in every order. `automatic` picks kv_group_inner, and query_blocks_inner for an
+/// index that holds every tile the causal rule allows (where grouping showed no gain that held) or
+/// for more than 65535 query blocks. kv_group_inner against query_blocks_inner, vs95, D 128: 32K
+/// +6-11% (L2 hits 85 -> 93%), 128K +0-1.5%; heads_inner loses up to 4.5% at 128K with Hkv 16; the
+/// dQ passes gain 0.4-1.2% (RESULTS, 2026-12-06, second and third).
 enum class launch_order { automatic, query_blocks_inner, kv_group_inner, heads_inner };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build
@@ -467,11 +459,9 @@ struct backward_options {
   // Hopper, atomic mode, dS stored in one range over two or more KV heads: the dK/dV-then-dQ chains
   // of the two halves of the KV heads, which share no output, run side by side, the second on a
   // stream beside the caller's (stria::detail::side_stream, joined back before the call returns), so
-  // that a launch's last CTAs leave SMs to the other chain's work instead of idle. H100, vs95, D 128,
-  // in turns with it off: 128K +0.5%, 32K +5.4% (RESULTS, 2026-12-07, second). Not taken where it
-  // was measured slower: the deterministic mode (-1.0% / -5.0%; not profiled, most likely because
-  // the second half's long vertical-token CTAs start only behind the first half's launch) and the
-  // dQ pass recomputing dS beside the dK/dV launch (+0.2% / -0.5%; D 64 +0.0%).
+  // that a launch's last CTAs leave SMs to the other chain's work instead of idle (H100, vs95, D 128:
+  // 128K +0.5%, 32K +5.4%). Not taken where it measured slower: the deterministic mode and the dQ
+  // pass recomputing dS (RESULTS, 2026-12-07, second).
   bool overlap_passes = true;
 };
 

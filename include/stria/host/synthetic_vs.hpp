@@ -33,11 +33,9 @@ namespace stria::host {
 /// - power_law_slash: extra slash lines at random offsets whose peak weights fall as a power law
 ///   (line j: exp(logit) proportional to j^-slash_power);
 /// - periodic_slash: extra slash lines of equal weight every period_blocks block diagonals. The
-///   lines share the fast RoPE pairs (18 at D 128) and interfere: off them the expected score's
-///   spread grows about as the square root of the number of lines, and from about 7 lines its
-///   maximum there tops the lines' mean; the grown query mean widens the key noise's spread (2.1
-///   at 16K against rope's 0.5). At 16K (16 lines) their block diagonals hold 12.7% of the mass,
-///   against 8.4% for rope (tests/bench/recall_bounds prints these);
+///   lines share the fast RoPE pairs and interfere: off them the expected score's spread grows about
+///   as the square root of the number of lines, and from about 7 lines its maximum there tops the
+///   lines' mean (tests/bench/recall_bounds prints the spreads and the lines' masses);
 /// - clustered_vertical: the outlier keys fall in a few clusters of nearby tokens;
 /// - mixture: per query head one of rope, power_law_slash, periodic_slash (head h: h mod 3), and
 ///   clustered outliers on odd KV heads.

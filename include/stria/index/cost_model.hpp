@@ -220,15 +220,11 @@ inline kernel_speed fit_kernel_speed(std::span<const kernel_sample> samples) {
 }
 
 /// Defaults for the H200: fit_kernel_speed over the bare `vs95` rows of
-/// tests/bench/results/attention_lengths_h200.json (commit 89a7cd3, 2026-12-05: 4K to 128K) and
-/// attention_h200.json (481fc28, 2026-12-06: 32K, 128K, 512K; the forward since launched with a KV
-/// head's query heads together, the dQ passes likewise, RESULTS 2026-12-06, third), pooled (bf16, Hq
-/// 16, Hkv 2, 95% sparse VS pattern, atomic backward, dS stored at D 128), each row's executed
-/// entries counted on the selection it ran (its padding: 26% of the active entries at 4K, 3.7% at
-/// 32K, 0.2% at 512K). D 128: a call costs 21 us forward and 152 us backward (the three-term fit
-/// over all nine runs) and a row, by its work, from 25 ns at 2.7 tiles to 997 ns at 203 forward, 56
-/// to 2820 ns backward. D 64 has one run (128K): the plain throughput, its row and call costs
-/// unknown and counted as 0, and a one-point curve through it.
+/// tests/bench/results/attention_lengths_h200.json (89a7cd3: 4K to 128K) and attention_h200.json
+/// (481fc28: 32K, 128K, 512K; RESULTS 2026-12-06, third), pooled (bf16, Hq 16, Hkv 2, atomic
+/// backward, dS stored at D 128), each row's executed entries counted on the selection it ran. D 64
+/// has one run (128K): the plain throughput, its row and call costs unknown and counted as 0, and a
+/// one-point curve through it.
 /// `plan --throughput FILE,FILE` fits files instead; a test checks these numbers against the files.
 inline kernel_throughput h200_kernel_throughput(index_t head_dim) {
   if (head_dim == 128)
@@ -537,9 +533,8 @@ inline double entry_flops(index_t head_dim, bool backward) { return (backward ? 
 /// Entries a step's kernels compute: the active ones and the padding of the tiles that gather
 /// vertical tokens. The forward's padding is count_ring_vertical_padding's; the backward's dQ pass
 /// walks the same tiles, and its dK/dV pass groups a head's distinct vertical tokens 64 at a time
-/// over the union of their query blocks, whose empty columns come to nearly the same count (built
-/// indices, striped vs95: 8.15% of the active entries against 7.87% at 16K tokens per rank, 34.29%
-/// against 34.16% at 4K), so both directions count that padding.
+/// over the union of their query blocks, whose empty columns come to nearly the same count (within
+/// 0.3% of the active entries on built striped vs95 indices), so both directions count that padding.
 inline double executed_entries(std::int64_t active, std::int64_t vertical_padding) { return double(active) + double(vertical_padding); }
 
 /// Bytes of the fp32 running output of `tokens` query tokens that a merging forward call reads
@@ -744,11 +739,7 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
 /// cost (FLOPs over the throughput and active rows x a row's fixed cost: the three terms without
 /// the curve, whose extra time for short rows is then filled) and the slowest rank's call alone,
 /// and never more than the calls one after another (the three terms exceed the curve at some row
-/// works).
-/// Measured at 128K over 8 ranks (RESULTS.md, 2026-12-05, sixth): the forward's calls alone sum to
-/// 15.8 ms and run in 16.5 together, the backward's 51.8 and 35.8. The device copies overlap the
-/// calls and are not counted (1.95 / 3.73 ms per layer at 128K over 8 ranks: RESULTS.md,
-/// 2026-11-29, two GPUs).
+/// works; RESULTS.md, 2026-12-05, sixth). The device copies overlap the calls and are not counted.
 inline layer_prediction predict_shared_gpu(const ring_workload& entries, const ring_workload& rows, const layer_shape& shape,
                                            const kernel_throughput& kernel, const ring_workload& vertical_padding = {}) {
   shape.validate();

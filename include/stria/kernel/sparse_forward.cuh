@@ -256,22 +256,16 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// SM. Block 2p + 1's row holds every tile of block 2p's (local query blocks ascend in their global
 /// blocks), so the producer streams that row once for both consumers and the first masks what lies
 /// past its diagonal: each K and V tile leaves L2 once per 128 query rows instead of 64. Dense causal
-/// 128K on an H200: 138.9-139.8 -> 134.9-135.2 ms; a probe kernel of the same design (branch
-/// paired-forward) ran 119.3-121.6 ms in the same process, with main loops alike in SASS since the
-/// mask test became a warp vote: the gap is not understood yet (RESULTS, 2026-12-04, sixth and
-/// seventh). It is not the producer's index read at each copy: a producer that read none (a complete
-/// index's rows are the ascending local blocks; branch prefix-rows) measured the same on an H100
-/// (RESULTS, 2026-12-06). Nor is it the K and V tiles' L2 locality: launching a KV head's query
-/// heads together moved it by -3.9% to +1.1% on H100s (the first form of device::launch_order,
-/// which grouped the paired kernel too; RESULTS, 2026-12-06, second). Over the union of two sparse
-/// rows the probe measured 8-25% slower than two CTAs of one row each, so sparse rows keep those.
+/// 128K on an H200: 138.9-139.8 -> 134.9-135.2 ms, where a probe kernel of the same design ran
+/// 119.3-121.6 ms; the gap is not understood: neither the producer's index reads nor the tiles' L2
+/// locality explain it (RESULTS, 2026-12-04 sixth and seventh, 2026-12-06 and its second). Over
+/// the union of two sparse rows the probe measured 8-25% slower than two CTAs of one row each, so
+/// sparse rows keep those.
 ///
-/// A CTA per row, not persistent CTAs. Four persistent forms, each CTA walking rows with its
-/// producer streaming the next row's tiles behind the last (static walks, a dynamic walk from a
-/// counter), none faster by more than 1% anywhere and most slower, by up to 19% (dense 128K), with
-/// ptxas spilling the producer's 32 registers in every one; with two or three CTAs per SM a CTA's
-/// start already overlaps the others' main loops (RESULTS, 2026-12-03 second, 2026-12-04,
-/// 2026-12-04 second, 2026-12-06 fifth).
+/// A CTA per row, not persistent CTAs: four persistent forms (static walks, a dynamic walk from a
+/// counter) were none faster by more than 1% and most slower, by up to 19% (dense 128K), with ptxas
+/// spilling the producer's 32 registers in every one; with two or three CTAs per SM a CTA's start
+/// already overlaps the others' main loops (RESULTS, 2026-12-03 second to 2026-12-06 fifth).
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;

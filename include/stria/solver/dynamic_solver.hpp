@@ -25,11 +25,9 @@
 // is sent, the KV chunks the task needs. The pieces are a rank's whole columns, so a busy rank that
 // gives away columns also stops receiving those KV chunks: for causal masks at W = 64 the plan moves
 // less than the query-owner placement of step 1. Deterministic.
-// A task spans all heads (DESIGN 9's optional head groups are not used). Where the mask is the same
-// in every head, a head group's task has 1/G of the area and its moves 1/G of the cost: groups only
-// make tasks finer, which chunks_per_rank does too (and, unlike groups, with moves that shrink where
-// the mask is sparse). On VS selections every head group has work in every task and on every edge
-// (solver_bench's inputs, W 8 and 64: 8 of 8 groups), so groups would save no move either.
+// A task spans all heads (DESIGN 9's optional head groups are not used): groups only make tasks
+// finer, which chunks_per_rank does too (with moves that shrink where the mask is sparse), and on VS
+// selections every head group has work in every task and on every edge, so they save no move.
 #pragma once
 
 #include <algorithm>
