@@ -152,12 +152,8 @@ class sparse_attention {
   void forward(Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v, tensor_view<T, 3> out,
                tensor_view<float, 2> lse, cudaStream_t stream) {
     static_assert(check_device_communicator<Comm>());
-    check_ready(comm);
-    check_shard(q, config_.heads_q, "q");
-    check_shard(k, config_.heads_kv, "k");
-    check_shard(v, config_.heads_kv, "v");
+    const device::run_options run = checked_call(comm, q, k, v, stream);
     const forward_tensors<T> tensors{.q = q, .k = k, .v = v, .out = out, .lse = lse};
-    const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
       device::solver_forward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, run);
     else
@@ -171,12 +167,8 @@ class sparse_attention {
                 tensor_view<const T, 3> d_out, tensor_view<const float, 2> lse, tensor_view<T, 3> dq, tensor_view<T, 3> dk,
                 tensor_view<T, 3> dv, cudaStream_t stream) {
     static_assert(check_device_communicator<Comm>());
-    check_ready(comm);
-    check_shard(q, config_.heads_q, "q");
-    check_shard(k, config_.heads_kv, "k");
-    check_shard(v, config_.heads_kv, "v");
+    const device::run_options run = checked_call(comm, q, k, v, stream);
     const backward_tensors<T> tensors{.q = q, .k = k, .v = v, .out = out, .d_out = d_out, .lse = lse, .dq = dq, .dk = dk, .dv = dv};
-    const device::run_options run{stream, transfer_.get(), config_.check};
     if constexpr (dynamic)
       device::solver_backward<Tile::head_dim>(comm, *problem_, *plan_, solver_indices_, tensors, config_.softmax_scale, config_.backward_mode, run);
     else
@@ -219,10 +211,16 @@ class sparse_attention {
     }
   }
 
-  template <class Comm>
-  void check_ready(const Comm& comm) const {
+  /// The checks forward() and backward() share, and their run options.
+  template <class Comm, class T>
+  device::run_options checked_call(const Comm& comm, tensor_view<const T, 3> q, tensor_view<const T, 3> k, tensor_view<const T, 3> v,
+                                   cudaStream_t stream) const {
     check_comm(comm);
     if (!selection_) throw invalid_argument("forward/backward", "(no index)", "call estimate() or use_selection() first");
+    check_shard(q, config_.heads_q, "q");
+    check_shard(k, config_.heads_kv, "k");
+    check_shard(v, config_.heads_kv, "v");
+    return {stream, transfer_.get(), config_.check};
   }
 
   template <class T>

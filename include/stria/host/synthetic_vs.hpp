@@ -156,6 +156,23 @@ struct vs_model {
 inline constexpr double expected_peak_logit = 6.0;    // scale * f(0): the local window's pull
 inline constexpr double outlier_logit = 9.0;          // scale * q . outlier: the vertical lines' pull
 
+/// Adds `gain` x KV head hk's key mean in RoPE pair i, turned by `angle`, to query head h's mean.
+inline void add_turned_key_mean(vs_model& m, index_t d, index_t h, index_t hk, index_t i, double angle, double gain) {
+  const double ka = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)], kb = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)];
+  m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] += gain * (std::cos(angle) * ka - std::sin(angle) * kb);
+  m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] += gain * (std::sin(angle) * ka + std::cos(angle) * kb);
+}
+
+/// Adds distinct tokens draw(n) (n = 0, 1, ...; at most 4 x count tries) to `tokens` until it holds `count`.
+template <class Draw>
+void draw_vertical_tokens(std::vector<index_t>& tokens, std::vector<bool>& taken, index_t count, index_t seq_len, Draw draw) {
+  for (index_t n = 0; n < 4 * count && static_cast<index_t>(tokens.size()) < count; ++n) {
+    const index_t t = draw(n);
+    if (t < seq_len && !taken[static_cast<std::size_t>(t)]) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
+  }
+  std::sort(tokens.begin(), tokens.end());
+}
+
 /// The heavy-tailed families on top of the rope model (synthetic_vs_options::pattern). They draw
 /// from a stream of their own, so the rope model's draws are untouched.
 ///
@@ -185,12 +202,7 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
         if (height <= 0) break;
       }
       const double c = height / (m.scale * double(fast.size()));
-      for (const index_t i : fast) {
-        const double angle = -m.theta[static_cast<std::size_t>(i)] * delta;
-        const double ka = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)], kb = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)];
-        m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] += c * (std::cos(angle) * ka - std::sin(angle) * kb);
-        m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] += c * (std::sin(angle) * ka + std::cos(angle) * kb);
-      }
+      for (const index_t i : fast) add_turned_key_mean(m, d, h, hk, i, -m.theta[static_cast<std::size_t>(i)] * delta, c);
     }
   }
   // Clustered outliers: the same count per KV head, the sinks kept, the rest near a few centres.
@@ -203,11 +215,9 @@ inline void add_heavy_tail(const synthetic_vs_options& o, vs_model& m, index_t s
     const index_t first = std::min(o.sink_tokens, o.seq_len - 1), width = std::min(o.cluster_tokens, o.seq_len - first);
     std::vector<index_t> centre(static_cast<std::size_t>(o.vertical_clusters));
     for (index_t& c : centre) c = first + static_cast<index_t>(uniform(rng) * double(o.seq_len - first - width + 1));
-    for (index_t n = 0; n < 4 * verticals_per_kv_head && static_cast<index_t>(tokens.size()) < verticals_per_kv_head; ++n) {
-      const index_t t = centre[static_cast<std::size_t>(n % o.vertical_clusters)] + static_cast<index_t>(uniform(rng) * double(width));
-      if (t < o.seq_len && !taken[static_cast<std::size_t>(t)]) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
-    }
-    std::sort(tokens.begin(), tokens.end());
+    draw_vertical_tokens(tokens, taken, verticals_per_kv_head, o.seq_len, [&](index_t n) {
+      return centre[static_cast<std::size_t>(n % o.vertical_clusters)] + static_cast<index_t>(uniform(rng) * double(width));
+    });
   }
 }
 
@@ -238,10 +248,7 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
     const index_t hk = h / group;
     for (index_t i = 0; i < slow_begin; ++i) {
       const double phase = (uniform(rng) - 0.5) * 2.0 * std::numbers::pi / 3.0;
-      const double gain = 0.5 + uniform(rng);
-      const double ka = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i)], kb = m.mean_k[static_cast<std::size_t>(hk * d + 2 * i + 1)];
-      m.mean_q[static_cast<std::size_t>(h * d + 2 * i)] = gain * (std::cos(phase) * ka - std::sin(phase) * kb);
-      m.mean_q[static_cast<std::size_t>(h * d + 2 * i + 1)] = gain * (std::sin(phase) * ka + std::cos(phase) * kb);
+      add_turned_key_mean(m, d, h, hk, i, phase, 0.5 + uniform(rng));  // onto zeros
     }
     // Normalise so that the expected scaled score at delta = 0 (no rotation: scale * q . k) is expected_peak_logit.
     double f0 = 0;
@@ -269,11 +276,7 @@ inline vs_model make_model(const synthetic_vs_options& o, std::mt19937_64& rng, 
     std::vector<bool> taken(static_cast<std::size_t>(o.seq_len));
     for (index_t t = 0; t < std::min(o.sink_tokens, o.seq_len); ++t) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
     std::uniform_int_distribution<index_t> position(std::min(o.sink_tokens, o.seq_len - 1), o.seq_len - 1);
-    for (index_t n = 0; n < 4 * verticals_per_kv_head && static_cast<index_t>(tokens.size()) < verticals_per_kv_head; ++n) {
-      const index_t t = position(rng);
-      if (!taken[static_cast<std::size_t>(t)]) tokens.push_back(t), taken[static_cast<std::size_t>(t)] = true;
-    }
-    std::sort(tokens.begin(), tokens.end());
+    draw_vertical_tokens(tokens, taken, verticals_per_kv_head, o.seq_len, [&](index_t) { return position(rng); });
   }
   // Each query's unit-norm outlier component u: scale * u . (L * u) = outlier_logit.
   for (index_t h = 0; h < o.heads_q; ++h)
