@@ -102,19 +102,17 @@ class window_backend {
                                                                                                                     partial_sum.data());
     });
     STRIA_CUDA_CHECK_LAUNCH("window_partials");
-    row_max_ = device_buffer<float>(row_count(), stream_);
-    row_sum_ = device_buffer<float>(row_count(), stream_);
+    normaliser_ = device_buffer<float>(2 * row_count(), stream_);
     kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), chunks, rows_,
-                                                                                          row_max_.data(), row_sum_.data());
+                                                                                          row_max(), row_sum());
     STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
     lap(&estimator::statistics_timing::pass1_ms);
   }
 
   /// This rank's normaliser [2, Hq, rows]: its row max, then its sums of exp2 against it.
   floats row_normaliser() const {
-    floats own(2 * row_count(), stream_);
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(own.data(), row_max_.data(), row_count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
-    STRIA_CUDA_CHECK(cudaMemcpyAsync(own.data() + row_count(), row_sum_.data(), row_count() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    floats own(normaliser_.size(), stream_);
+    STRIA_CUDA_CHECK(cudaMemcpyAsync(own.data(), normaliser_.data(), normaliser_.size() * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     return own;
   }
   /// Every rank's normaliser [W, 2, Hq, rows] becomes the global one (kernel::combine_normalisers).
@@ -122,7 +120,7 @@ class window_backend {
     if (every_rank.size() != 2 * row_count() * static_cast<std::size_t>(plan_.world))
       throw invalid_argument("every_rank.size()", every_rank.size(), "must be W * 2 * Hq * rows = " + std::to_string(2 * row_count() * static_cast<std::size_t>(plan_.world)));
     kernel::combine_normalisers<><<<static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_>>>(
-        every_rank.data(), plan_.world, static_cast<index_t>(row_count()), row_max_.data(), row_sum_.data());
+        every_rank.data(), plan_.world, static_cast<index_t>(row_count()), row_max(), row_sum());
     STRIA_CUDA_CHECK_LAUNCH("combine_normalisers");
   }
 
@@ -139,7 +137,7 @@ class window_backend {
     with_head_dim<any_head_dim>(dim_, [&]<int D>() {
       allow_shared_bytes<&kernel::window_probabilities<T, D>>(kernel::window_shared_bytes<T, D>());
       kernel::window_probabilities<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(
-          params(), row_max_.data(), row_sum_.data(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
+          params(), row_max(), row_sum(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
           tile_mass_.data());
     });
     STRIA_CUDA_CHECK_LAUNCH("window_probabilities");
@@ -227,6 +225,8 @@ class window_backend {
 
  private:
   [[nodiscard]] std::size_t row_count() const { return static_cast<std::size_t>(heads_ * rows_); }
+  float* row_max() { return normaliser_.data(); }  // [Hq, rows], the normaliser's first half
+  float* row_sum() { return normaliser_.data() + row_count(); }
   /// Statistics in device memory with candidate rows of `width` entries, to be filled on stream_.
   [[nodiscard]] estimator::device_statistics statistics_of_width(index_t width) const {
     const auto heads = static_cast<std::size_t>(heads_);
@@ -278,7 +278,7 @@ class window_backend {
   device_buffer<index_t> every_key_global_block_;  // [world, local blocks]: every rank's key blocks (plan.key_global_block)
   const index_t* key_global_block_;          // [local blocks]: this rank's
   index_t chunk_blocks_;                     // key blocks per CTA of the window kernels
-  device_buffer<float> row_max_, row_sum_;   // [Hq, rows]: this rank's row max and sum of exp2, then the global ones
+  device_buffer<float> normaliser_;          // [2, Hq, rows]: this rank's row max and sum of exp2, then the global ones
   device_buffer<float> tile_mass_;           // [Hq, local blocks]
   device_buffer<std::uint64_t> sorted_keys_;  // [Hq, run_stride_]: each head's candidates, mass descending (descending_bits)
   device_buffer<index_t> sorted_tokens_;      // [Hq, run_stride_]: their global key tokens
