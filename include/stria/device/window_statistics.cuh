@@ -225,8 +225,9 @@ class window_backend {
 
  private:
   [[nodiscard]] std::size_t row_count() const { return static_cast<std::size_t>(heads_ * rows_); }
-  float* row_max() { return normaliser_.data(); }  // [Hq, rows], the normaliser's first half
-  float* row_sum() { return normaliser_.data() + row_count(); }
+  // [Hq, rows] each, the normaliser's halves (score_window allocates it; nothing reads them before).
+  [[nodiscard]] float* row_max() const { return normaliser_.data(); }
+  [[nodiscard]] float* row_sum() const { return normaliser_.data() + row_count(); }
   /// Statistics in device memory with candidate rows of `width` entries, to be filled on stream_.
   [[nodiscard]] estimator::device_statistics statistics_of_width(index_t width) const {
     const auto heads = static_cast<std::size_t>(heads_);

@@ -27,8 +27,8 @@ struct budget {
 /// selection (select.cuh) both follow, so that they pick the same lines.
 struct top_p_rule {
   /// The goals' defaults, vertical_slash_top_p's too. Vertical 0.99: at 0.9 the verticals left out a
-  /// quarter of a noise-free pattern's mass, and 0.99 costs the noisy generator only 0.2-5.7% more
-  /// entries. Slash 0.9: 0.99 as well added 2.8 points of density at 128K for 0.013 more recall
+  /// quarter of a noise-free pattern's mass, and 0.99 costs the noisy generator 0.2-5.7% more
+  /// entries (16% on periodic_slash). Slash 0.9: 0.99 as well added 2.8 points of density at 128K for 0.013 more recall
   /// (tests/bench/RESULTS.md, 2026-12-07, fifth).
   double p_vertical = 0.99;
   double p_slash = 0.9;

@@ -35,7 +35,8 @@ namespace stria::host {
 /// - periodic_slash: extra slash lines of equal weight every period_blocks block diagonals. The
 ///   lines share the fast RoPE pairs and interfere: off them the expected score's spread grows about
 ///   as the square root of the number of lines, and from about 7 lines its maximum there tops the
-///   lines' mean (tests/bench/recall_bounds prints the spreads and the lines' masses);
+///   lines' mean, and the grown query mean widens the key noise's spread (tests/bench/recall_bounds
+///   prints the spreads and the lines' masses);
 /// - clustered_vertical: the outlier keys fall in a few clusters of nearby tokens;
 /// - mixture: per query head one of rope, power_law_slash, periodic_slash (head h: h mod 3), and
 ///   clustered outliers on odd KV heads.

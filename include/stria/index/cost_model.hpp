@@ -739,7 +739,8 @@ inline layer_prediction predict_one_gpu(std::int64_t total_entries, const layer_
 /// cost (FLOPs over the throughput and active rows x a row's fixed cost: the three terms without
 /// the curve, whose extra time for short rows is then filled) and the slowest rank's call alone,
 /// and never more than the calls one after another (the three terms exceed the curve at some row
-/// works; RESULTS.md, 2026-12-05, sixth). The device copies overlap the calls and are not counted.
+/// works; RESULTS.md, 2026-12-05, sixth: the calls alone against together). The device copies
+/// overlap the calls and are not counted (RESULTS.md, 2026-11-29, two GPUs).
 inline layer_prediction predict_shared_gpu(const ring_workload& entries, const ring_workload& rows, const layer_shape& shape,
                                            const kernel_throughput& kernel, const ring_workload& vertical_padding = {}) {
   shape.validate();
