@@ -44,7 +44,6 @@ __global__ void fill_after_delay(float* x, std::size_t n, float value, unsigned 
   for (std::size_t i = threadIdx.x; i < n; i += blockDim.x) x[i] = value;
 }
 
-
 }  // namespace
 
 TEST_CASE("the device ring over local_device equals the whole-sequence reference, every sharding x topology") {
