@@ -67,7 +67,8 @@ enum class forward_kernel { automatic, mma_sync, wgmma, wgmma_paired };
 /// for more than 65535 query blocks. kv_group_inner against query_blocks_inner, vs95, D 128: 32K
 /// +6-11% (L2 hits 85 -> 93%), 128K +0-1.5% (with Hkv = Hq it is the same order); heads_inner loses
 /// up to 4.5% at 128K with Hkv 16; the dQ passes gain 0.4-1.2%, and `automatic` keeps the forward's
-/// choice for them though heads_inner was a little faster at 32K (RESULTS, 2026-12-06, second and third).
+/// choice for them though heads_inner was a little faster at 32K (RESULTS, 2026-12-06, second and
+/// third).
 enum class launch_order { automatic, query_blocks_inner, kv_group_inner, heads_inner };
 
 /// Which kernels run the backward's passes: the Hopper ones (wgmma) where the device and this build

@@ -28,8 +28,8 @@ struct budget {
 struct top_p_rule {
   /// The goals' defaults, vertical_slash_top_p's too. Vertical 0.99: at 0.9 the verticals left out a
   /// quarter of a noise-free pattern's mass, and 0.99 costs the noisy generator 0.2-5.7% more
-  /// entries (16% on periodic_slash). Slash 0.9: 0.99 as well added 2.8 points of density at 128K for 0.013 more recall
-  /// (tests/bench/RESULTS.md, 2026-12-07, fifth).
+  /// entries (16% on periodic_slash). Slash 0.9: 0.99 as well added 2.8 points of density at 128K
+  /// for 0.013 more recall (tests/bench/RESULTS.md, 2026-12-07, fifth).
   double p_vertical = 0.99;
   double p_slash = 0.9;
   index_t vertical_min = 1, vertical_cap = 0;  // tokens

@@ -20,8 +20,8 @@ struct vertical_slash_top_p {
 
   /// Default caps, used when a budget's max is 0; they scale with the sequence. Verticals: 1/32 of
   /// the key tokens (each covers ~1/seq_len of the causal entries), in [128, 8192]: at S / 64 the cap
-  /// left out planted vertical keys (tests/bench/RESULTS.md, 2026-12-02 and 2026-12-03, sixth). Slashes: 1/32
-  /// of the block diagonals.
+  /// left out planted vertical keys (tests/bench/RESULTS.md, 2026-12-02 and 2026-12-03, sixth).
+  /// Slashes: 1/32 of the block diagonals.
   static constexpr index_t default_vertical_cap(index_t seq_len) {
     return std::min(seq_len, std::clamp<index_t>(seq_len / 32, 128, 8192));
   }

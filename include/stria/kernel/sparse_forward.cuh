@@ -265,7 +265,8 @@ __global__ void __launch_bounds__(attention_threads, forward_ctas_per_sm) sparse
 /// A CTA per row, not persistent CTAs: four persistent forms (static walks, a dynamic walk from a
 /// counter) were none faster by more than 1% and most slower, by up to 19% (dense 128K), with ptxas
 /// spilling the producer's 32 registers in every one; with two or three CTAs per SM a CTA's start
-/// already overlaps the others' main loops (RESULTS, 2026-12-03 second, 2026-12-04, 2026-12-04 second, 2026-12-06 fifth).
+/// already overlaps the others' main loops (RESULTS, 2026-12-03 second, 2026-12-04, 2026-12-04
+/// second, 2026-12-06 fifth).
 struct forward_wgmma_tuning {
   int k_stages;
   int v_stages;

@@ -26,9 +26,10 @@
 // gives away columns also stops receiving those KV chunks: for causal masks at W = 64 the plan moves
 // less than the query-owner placement of step 1. Deterministic.
 // A task spans all heads (DESIGN 9's optional head groups are not used): where the mask is the same
-// in every head, a group's task has 1/G of the area and its moves 1/G of the cost, so groups only make tasks
-// finer, which chunks_per_rank does too (with moves that shrink where the mask is sparse), and on VS
-// selections every head group has work in every task and on every edge (solver_bench's inputs), so they save no move.
+// in every head, a group's task has 1/G of the area and its moves 1/G of the cost, so groups only
+// make tasks finer, which chunks_per_rank does too (with moves that shrink where the mask is
+// sparse), and on VS selections every head group has work in every task and on every edge
+// (solver_bench's inputs), so they save no move.
 #pragma once
 
 #include <algorithm>
