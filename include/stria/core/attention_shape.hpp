@@ -66,4 +66,16 @@ attention_shape checked_attention_shape(const Q& q, const KV& k, const KV& v) {
   return shape;
 }
 
+/// The extents every backward call checks: out, d_out, dq like q; lse [Hq, Sq]; dk, dv like k.
+template <class Out, class Lse, class Grad, class GradKV>
+void check_backward_tensors(const attention_shape& shape, const Out& out, const Out& d_out, const Lse& lse, const Grad& dq, const GradKV& dk,
+                            const GradKV& dv) {
+  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
+  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
+  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
+  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
+  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
+  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
+}
+
 }  // namespace stria

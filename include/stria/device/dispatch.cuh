@@ -17,6 +17,7 @@
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/error.hpp"
 #include "stria/core/tile.hpp"
+#include "stria/device/launch.cuh"
 #include "stria/kernel/dispatch.cuh"
 
 namespace stria::device {
@@ -49,10 +50,9 @@ void move_rank_blocks(const P& policy, const T* from, T* to, index_t seq_len, st
   const std::int64_t block_vectors = static_cast<std::int64_t>(block_bytes / 16);
   const std::int64_t total = static_cast<std::int64_t>(local) * block_vectors;
   const auto grid = static_cast<unsigned>(std::clamp<std::int64_t>((total + 255) / 256, 1, 65535));
-  kernel::copy_token_blocks<><<<grid, 256, 0, stream>>>(reinterpret_cast<const uint4*>(from), reinterpret_cast<uint4*>(to),
-                                                        to_shard ? global_d.data() : local_d.data(), to_shard ? local_d.data() : global_d.data(),
-                                                        local, block_vectors);
-  STRIA_CUDA_CHECK_LAUNCH("copy_token_blocks");
+  detail::launch<&kernel::copy_token_blocks<>>("copy_token_blocks", {grid, 256, 0, stream}, reinterpret_cast<const uint4*>(from),
+                                               reinterpret_cast<uint4*>(to), to_shard ? global_d.data() : local_d.data(),
+                                               to_shard ? local_d.data() : global_d.data(), local, block_vectors);
 }
 
 }  // namespace stria::device

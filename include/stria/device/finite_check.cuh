@@ -15,6 +15,7 @@
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
 #include "stria/core/finite_check.hpp"
+#include "stria/device/launch.cuh"
 #include "stria/kernel/finite_check.cuh"
 
 namespace stria::device {
@@ -45,8 +46,7 @@ class step_check {
     if (count == 0) return;
     const unsigned threads = 256;
     const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((count + threads - 1) / threads, 4096));
-    kernel::first_non_finite<T><<<blocks, threads, 0, stream_>>>(data, count, t.negative_infinity_allowed, slot);
-    STRIA_CUDA_CHECK_LAUNCH("first_non_finite");
+    detail::launch<&kernel::first_non_finite<T>>("first_non_finite", {blocks, threads, 0, stream_}, data, count, t.negative_infinity_allowed, slot);
   }
 
   /// Reads the results back and throws non_finite_error for the first tensor holding a bad value.

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // What every launcher of the device layer shares: the head dim as a template argument, per-device
-// facts read without a lock, and the dynamic shared-memory attribute set once per kernel and device.
+// facts read without a lock, the dynamic shared-memory attribute set once per kernel and device, and
+// `launch`, the one place the library starts a kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +11,9 @@
 #include <atomic>
 #include <cstddef>
 #include <mutex>
+#include <source_location>
+#include <string>
+#include <utility>
 
 #include "stria/core/config.hpp"
 #include "stria/core/cuda_check.cuh"
@@ -60,6 +64,33 @@ void allow_shared_bytes(std::size_t bytes) {
   const std::size_t limit = recorded ? std::max(bytes, allowed[static_cast<std::size_t>(device)].load(std::memory_order_relaxed)) : bytes;
   STRIA_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
   if (recorded) allowed[static_cast<std::size_t>(device)].store(limit, std::memory_order_release);
+}
+
+/// A kernel's name for launch errors, with the launcher's file:line.
+struct kernel_name {
+  kernel_name(const char* text, std::source_location where = std::source_location::current()) : text(text), where(where) {}
+  const char* text;
+  std::source_location where;
+};
+
+/// Grid, block, dynamic shared memory and stream of one launch.
+struct launch_shape {
+  dim3 grid;
+  dim3 threads;
+  std::size_t shared_bytes = 0;
+  cudaStream_t stream = nullptr;
+};
+
+/// Launches `Kernel` (the library's only `<<<`): raises its dynamic shared-memory limit first where
+/// the launch needs more than 48 KiB (allow_shared_bytes), and throws stria::cuda_error naming the
+/// kernel and the launcher's line when the launch fails (a bad configuration shows up in
+/// cudaGetLastError, not in the launch itself).
+template <auto Kernel, class... Args>
+void launch(kernel_name name, const launch_shape& shape, Args&&... args) {
+  if (shape.shared_bytes > 48 * 1024) allow_shared_bytes<Kernel>(shape.shared_bytes);
+  Kernel<<<shape.grid, shape.threads, shape.shared_bytes, shape.stream>>>(std::forward<Args>(args)...);
+  if (const cudaError_t status = cudaGetLastError(); status != cudaSuccess)
+    stria::detail::check_cuda(status, ("launch of " + std::string(name.text)).c_str(), name.where);
 }
 
 }  // namespace stria::device::detail

@@ -4,10 +4,9 @@
 // kernel/local_index.cuh on one stream. Also the scans and grid sizes other launchers share.
 #pragma once
 
-#include <cub/device/device_scan.cuh>
-
 #include <algorithm>
 #include <cstdint>
+#include <cub/device/device_scan.cuh>
 #include <iterator>
 #include <span>
 #include <utility>
@@ -16,6 +15,7 @@
 #include "stria/core/concepts.hpp"
 #include "stria/core/cuda_check.cuh"
 #include "stria/core/device_buffer.cuh"
+#include "stria/device/launch.cuh"
 #include "stria/index/device_index.cuh"
 #include "stria/index/local_index.hpp"
 #include "stria/index/step_index.hpp"
@@ -81,8 +81,7 @@ inline void scan_counts(const std::int64_t* counts, std::int64_t* prefix, const 
   const std::int64_t n = at.start[kernel::index_counts];
   exclusive_scan(counts, prefix, n, stream);
   const auto ctas = static_cast<unsigned>(std::min<std::int64_t>((n + kernel::split_threads - 1) / kernel::split_threads, 1024));
-  kernel::split_scanned_counts<><<<ctas, kernel::split_threads, 0, stream>>>(prefix, at, totals);
-  STRIA_CUDA_CHECK_LAUNCH("split_scanned_counts");
+  device::detail::launch<&kernel::split_scanned_counts<>>("split_scanned_counts", {ctas, kernel::split_threads, 0, stream}, prefix, at, totals);
 }
 
 /// What every index of a batch reads: where each global block lives, and each head's slash bitmap.
@@ -106,9 +105,8 @@ struct batch_tables {
     slash_bits.fill_bytes(0);
     kernel::index_build_params p{};
     fill_selection(sel, p);
-    kernel::mark_slash_bits<><<<static_cast<unsigned>(sel.num_heads()), 128, 0, stream>>>(p.slash_ptr, p.slash, layout.num_blocks, slash_words,
-                                                                                           slash_bits.data());
-    STRIA_CUDA_CHECK_LAUNCH("mark_slash_bits");
+    device::detail::launch<&kernel::mark_slash_bits<>>("mark_slash_bits", {static_cast<unsigned>(sel.num_heads()), 128, 0, stream}, p.slash_ptr,
+                                                       p.slash, layout.num_blocks, slash_words, slash_bits.data());
   }
 };
 
@@ -153,18 +151,17 @@ inline index_in_build count_local_index(const device_selection& sel, const shard
   b.owned_block_ptr = device_buffer<index_t>(static_cast<std::size_t>(heads) * (static_cast<std::size_t>(local) + 1), stream);
   owned_flag.fill_bytes(0);
   if (total > 0) {
-    kernel::owned_vertical_flags<><<<blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_flag.data());
-    STRIA_CUDA_CHECK_LAUNCH("owned_vertical_flags");
+    device::detail::launch<&kernel::owned_vertical_flags<>>("owned_vertical_flags", {blocks_for(total, threads), threads, 0, stream}, p, total,
+                                                            owned_flag.data());
   }
   exclusive_scan(owned_flag, owned_position, stream);
   if (total > 0) {
-    kernel::scatter_owned_vertical<><<<blocks_for(total, threads), threads, 0, stream>>>(p, total, owned_position.data(), b.owned_token.data());
-    STRIA_CUDA_CHECK_LAUNCH("scatter_owned_vertical");
+    device::detail::launch<&kernel::scatter_owned_vertical<>>("scatter_owned_vertical", {blocks_for(total, threads), threads, 0, stream}, p, total,
+                                                              owned_position.data(), b.owned_token.data());
   }
   p.owned_token = b.owned_token.data();
-  kernel::owned_block_offsets<><<<blocks_for(heads * (local + 1), threads), threads, 0, stream>>>(p, owned_position.data(),
-                                                                                                   b.owned_block_ptr.data());
-  STRIA_CUDA_CHECK_LAUNCH("owned_block_offsets");
+  device::detail::launch<&kernel::owned_block_offsets<>>("owned_block_offsets", {blocks_for(heads * (local + 1), threads), threads, 0, stream}, p,
+                                                         owned_position.data(), b.owned_block_ptr.data());
   p.owned_block_ptr = b.owned_block_ptr.data();
 
   // 1. Every count (per row: tiles, tokens, transposed tiles; per vertical entry: used, queries) in
@@ -182,9 +179,9 @@ inline index_in_build count_local_index(const device_selection& sel, const shard
   device_buffer<std::int64_t> counts(2 * static_cast<std::size_t>(n), stream);
   counts.fill_bytes(0);  // the zero after each array
   const unsigned row_ctas = blocks_for(rows, kernel::index_threads);
-  kernel::count_index<><<<2 * row_ctas + blocks_for(total, kernel::index_threads), kernel::index_threads, 0, stream>>>(
-      p, sel.vertical_head(), total, at, counts.data());
-  STRIA_CUDA_CHECK_LAUNCH("count_index");
+  device::detail::launch<&kernel::count_index<>>("count_index",
+                                                 {2 * row_ctas + blocks_for(total, kernel::index_threads), kernel::index_threads, 0, stream}, p,
+                                                 sel.vertical_head(), total, at, counts.data());
 
   // 2. One scan makes every pointer array; the five totals come out of it in 64 bits.
   scan_counts(counts.data(), counts.data() + n, at, totals, stream);
@@ -211,8 +208,7 @@ inline device_step_index fill_local_index(index_in_build&& b, const device_selec
                                          sel.vertical_head(),   total,                   used_tokens,             used_queries};
   const unsigned ctas = 2 * blocks_for(rows, kernel::index_threads) + blocks_for(rows, kernel::index_warps_per_block) +
                         blocks_for(total, kernel::index_warps_per_block);
-  kernel::fill_index<><<<ctas, kernel::index_threads, 0, stream>>>(b.p, arrays);
-  STRIA_CUDA_CHECK_LAUNCH("fill_index");
+  device::detail::launch<&kernel::fill_index<>>("fill_index", {ctas, kernel::index_threads, 0, stream}, b.p, arrays);
   return std::move(out);  // the temporaries in `b` are freed in stream order, after this kernel
 }
 

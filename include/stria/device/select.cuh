@@ -57,9 +57,7 @@ class workspace_layout {
 template <int Items>
 void launch_select_head(const kernel::selection_params& p, cudaStream_t stream) {
   constexpr std::size_t bytes = sizeof(kernel::detail::head_storage<Items>);
-  allow_shared_bytes<&kernel::select_head<Items>>(bytes);
-  kernel::select_head<Items><<<static_cast<unsigned>(p.heads), kernel::select_threads, bytes, stream>>>(p);
-  STRIA_CUDA_CHECK_LAUNCH("select_head");
+  detail::launch<&kernel::select_head<Items>>("select_head", {static_cast<unsigned>(p.heads), kernel::select_threads, bytes, stream}, p);
 }
 
 }  // namespace detail
@@ -140,11 +138,9 @@ inline device_selection select_with_rule(const estimator::device_statistics& st,
   } else if (one_launch) {
     detail::launch_select_head<8>(p, stream);
   } else {
-    kernel::select_verticals<><<<grid, kernel::select_threads, 0, stream>>>(p, x);
-    STRIA_CUDA_CHECK_LAUNCH("select_verticals");
+    detail::launch<&kernel::select_verticals<>>("select_verticals", {grid, kernel::select_threads, 0, stream}, p, x);
     sort(sort_temp, sort_bytes);
-    kernel::select_slashes<><<<grid, kernel::select_threads, 0, stream>>>(p, x);
-    STRIA_CUDA_CHECK_LAUNCH("select_slashes");
+    detail::launch<&kernel::select_slashes<>>("select_slashes", {grid, kernel::select_threads, 0, stream}, p, x);
   }
 
   const pinned_buffer<index_t> counts(2 * static_cast<std::size_t>(heads), stream);
@@ -163,9 +159,8 @@ inline device_selection select_with_rule(const estimator::device_statistics& st,
   out.vertical = device_buffer<index_t>(tokens, stream);
   out.vertical_head = device_buffer<index_t>(tokens, stream);
   out.slash = device_buffer<index_t>(deltas, stream);
-  kernel::gather_lists<><<<grid, kernel::select_threads, 0, stream>>>(p, out.vertical_ptr.data(), out.slash_ptr.data(), out.tile_ptr.data(),
-                                                                      out.vertical.data(), out.vertical_head.data(), out.slash.data());
-  STRIA_CUDA_CHECK_LAUNCH("gather_lists");
+  detail::launch<&kernel::gather_lists<>>("gather_lists", {grid, kernel::select_threads, 0, stream}, p, out.vertical_ptr.data(), out.slash_ptr.data(),
+                                          out.tile_ptr.data(), out.vertical.data(), out.vertical_head.data(), out.slash.data());
   return {shape.seq_len, heads, shape.causal, std::move(out)};  // complete in stream order
 }
 

@@ -30,6 +30,7 @@
 #include "stria/core/finite_check.hpp"
 #include "stria/core/tensor_view.hpp"
 #include "stria/device/finite_check.cuh"
+#include "stria/device/launch.cuh"
 #include "stria/device/ring_attention.cuh"
 #include "stria/device/sparse_attention_step.cuh"
 #include "stria/engine/solver_engine.hpp"
@@ -253,9 +254,8 @@ struct solver_forward_backend : solver_backend_base<Comm, T> {
     const auto chunk = query(move.chunk);  // its running O and LSE: elements 1 and 2
     const partial& x = returned.at(i);
     const std::int64_t row_count = static_cast<std::int64_t>(ct) * hq;
-    kernel::merge_partial<float><<<stria::detail::blocks_for(row_count * 32, 256), 256, 0, stream>>>(
-        std::get<1>(chunk).data(), std::get<2>(chunk).data(), x.out.data(), x.lse.data(), ct, hq, dim);
-    STRIA_CUDA_CHECK_LAUNCH("merge_partial");
+    detail::launch<&kernel::merge_partial<float>>("merge_partial", {stria::detail::blocks_for(row_count * 32, 256), 256, 0, stream},
+                                                  std::get<1>(chunk).data(), std::get<2>(chunk).data(), x.out.data(), x.lse.data(), ct, hq, dim);
   }
   void finish() {
     write_output(tensor_view<const float, 3>(running.data(), {local, hq, dim}), out, stream);
@@ -439,11 +439,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   static_assert(check_device_communicator<Comm>());
   const solver::rank_chunks me = detail::checked_solver_call<HeadDim>(comm, p, plan, indices, q, k);
   const index_t hq = q.extent(1), hkv = k.extent(1), dim = q.extent(2), local = q.extent(0);
-  for (auto [x, name] : {std::pair{out, "out"}, std::pair{d_out, "d_out"}}) check_extents(x, {local, hq, dim}, name);
-  check_extents(lse, {hq, local}, "lse");
-  check_extents(dq, {local, hq, dim}, "dq");
-  check_extents(dk, {local, hkv, dim}, "dk");
-  check_extents(dv, {local, hkv, dim}, "dv");
+  check_backward_tensors(attention_shape{local, local, hq, hkv, dim}, out, d_out, lse, dq, dk, dv);
   detail::check_layout(lse, "lse", 4);
   detail::solver_backward_backend<HeadDim, Comm, T> backend(plan, check, out, lse, d_out, dq, dk, dv, mode, comm, p, me, indices, q, k, v, softmax_scale,
                                                             stream, transfer_stream);

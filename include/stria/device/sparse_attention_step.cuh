@@ -107,8 +107,7 @@ inline bool hopper_kernels_available() {
   if (major == 9) {
     device_buffer<int> flag(1);
     flag.fill_bytes(0);
-    kernel::probe_wgmma<><<<1, 1, 0, flag.stream()>>>(flag.data());
-    STRIA_CUDA_CHECK_LAUNCH("probe_wgmma");
+    detail::launch<&kernel::probe_wgmma<>>("probe_wgmma", {1, 1, 0, flag.stream()}, flag.data());
     available = flag.download()[0] == 1;
   }
   known.emplace(device, available);
@@ -371,24 +370,20 @@ void sparse_forward(const device_step_index& index, const step_forward_tensors<T
     if constexpr (D == 128) {
       if (paired) {  // two query blocks per CTA, a head's pairs one after another in every order
         constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D, true>();
-        detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D, true>>(bytes);
         const dim3 pairs = detail::forward_grid(1, (index.shape.num_query_blocks + 1) / 2, shape.heads_q);
-        kernel::sparse_forward_wgmma<T, D, true><<<pairs, kernel::forward_wgmma_threads<D, true>, bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma (paired)");
+        detail::launch<&kernel::sparse_forward_wgmma<T, D, true>>("sparse_forward_wgmma (paired)",
+                                                                  {pairs, kernel::forward_wgmma_threads<D, true>, bytes, stream}, params);
         return;
       }
     }
     auto launch = [&]<bool Grouped>() {
       if (hopper) {
         constexpr std::size_t bytes = kernel::forward_wgmma_shared_bytes<D>();
-        detail::allow_shared_bytes<&kernel::sparse_forward_wgmma<T, D, false, Grouped>>(bytes);
-        kernel::sparse_forward_wgmma<T, D, false, Grouped><<<grid, kernel::forward_wgmma_threads<D>, bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_forward_wgmma");
+        detail::launch<&kernel::sparse_forward_wgmma<T, D, false, Grouped>>("sparse_forward_wgmma",
+                                                                            {grid, kernel::forward_wgmma_threads<D>, bytes, stream}, params);
       } else {
         constexpr std::size_t bytes = kernel::forward_shared_bytes<D, T>();
-        detail::allow_shared_bytes<&kernel::sparse_forward<T, D, Grouped>>(bytes);
-        kernel::sparse_forward<T, D, Grouped><<<grid, kernel::attention_threads, bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_forward");
+        detail::launch<&kernel::sparse_forward<T, D, Grouped>>("sparse_forward", {grid, kernel::attention_threads, bytes, stream}, params);
       }
     };
     if (grouped) launch.template operator()<true>();
@@ -404,8 +399,8 @@ void write_output(tensor_view<const float, 3> running, tensor_view<T, 3> out, cu
   detail::check_layout(out, "out", sizeof(T));
   detail::check_on_device({{running.data(), "running"}, {out.data(), "out"}});
   const std::int64_t count = out.size();
-  kernel::write_output<T><<<std::min(stria::detail::blocks_for(count, 256), 65535u), 256, 0, stream>>>(running.data(), out.data(), count);
-  STRIA_CUDA_CHECK_LAUNCH("write_output");
+  detail::launch<&kernel::write_output<T>>("write_output", {std::min(stria::detail::blocks_for(count, 256), 65535u), 256, 0, stream}, running.data(),
+                                           out.data(), count);
 }
 
 /// delta [Hq, Sq] = rowsum(dO * O), from the final output; computed once per layer before the
@@ -425,15 +420,14 @@ void backward_delta(tensor_view<const T, 3> out, tensor_view<const T, 3> d_out, 
   const int lanes = sizeof(T) == 2 && aligned && (dim == 64 || dim == 128) ? static_cast<int>(dim) / 8 : 0;
   auto vectorized = [&]<int Lanes>() {
     if constexpr (sizeof(T) == 2)
-      kernel::backward_delta_vectorized<T, Lanes>
-          <<<stria::detail::blocks_for(rows * Lanes, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0), out.extent(1), delta.data());
+      detail::launch<&kernel::backward_delta_vectorized<T, Lanes>>("backward_delta", {stria::detail::blocks_for(rows * Lanes, 256), 256, 0, stream},
+                                                                   out.data(), d_out.data(), out.extent(0), out.extent(1), delta.data());
   };
   if (lanes == 16) vectorized.template operator()<16>();
   else if (lanes == 8) vectorized.template operator()<8>();
   else
-    kernel::backward_delta<T><<<stria::detail::blocks_for(rows * 32, 256), 256, 0, stream>>>(out.data(), d_out.data(), out.extent(0),
-                                                                                       out.extent(1), dim, delta.data());
-  STRIA_CUDA_CHECK_LAUNCH("backward_delta");
+    detail::launch<&kernel::backward_delta<T>>("backward_delta", {stria::detail::blocks_for(rows * 32, 256), 256, 0, stream}, out.data(),
+                                               d_out.data(), out.extent(0), out.extent(1), dim, delta.data());
 }
 
 /// One ring step's backward operands (device tensors): the step's queries and KV chunk, the incoming
@@ -522,8 +516,8 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
   const std::int64_t lse_count = std::int64_t{shape.heads_q} * shape.query_tokens;
   device_buffer<float> lse_log2(static_cast<std::size_t>(lse_count), stream);
   if (lse_count > 0) {
-    kernel::log2_lse<<<std::min(stria::detail::blocks_for(lse_count, 256), 65535u), 256, 0, stream>>>(lse.data(), lse_log2.data(), lse_count);
-    STRIA_CUDA_CHECK_LAUNCH("log2_lse");
+    detail::launch<&kernel::log2_lse<>>("log2_lse", {std::min(stria::detail::blocks_for(lse_count, 256), 65535u), 256, 0, stream}, lse.data(),
+                                        lse_log2.data(), lse_count);
   }
   // The stored dS (Hopper): 64 rows of 64 values per block tile, one row per vertical entry, for a
   // range of query heads at a time (detail::ds_head_ranges), each within the workspace limit
@@ -565,9 +559,9 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
   if (store_ds) {
     const step_index_view view = index.view();
     if (block_entries > 0) {
-      kernel::transposed_block_entries<><<<std::min(stria::detail::blocks_for(static_cast<std::int64_t>(block_entries), 256), 65535u), 256, 0,
-                                           stream>>>(view, static_cast<index_t>(block_entries), kv_query_entry.data());
-      STRIA_CUDA_CHECK_LAUNCH("transposed_block_entries");
+      detail::launch<&kernel::transposed_block_entries<>>(
+          "transposed_block_entries", {std::min(stria::detail::blocks_for(static_cast<std::int64_t>(block_entries), 256), 65535u), 256, 0, stream},
+          view, static_cast<index_t>(block_entries), kv_query_entry.data());
     }
     if (vertical_entries > 0) {
       // The groups of a head are strided over z: sized by all heads' tokens together (what one head
@@ -575,8 +569,7 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       constexpr std::int64_t group_strides = 16;
       const dim3 grid(stria::detail::blocks_for(index.shape.num_query_blocks, 128), static_cast<unsigned>(shape.heads_q),
                       static_cast<unsigned>(std::min<std::int64_t>(static_cast<std::int64_t>(index.vtoken.size()) / block_tokens + 1, group_strides)));
-      kernel::vertical_group_entries<><<<grid, 128, 0, stream>>>(view, vertical_group_entry.data());
-      STRIA_CUDA_CHECK_LAUNCH("vertical_group_entries");
+      detail::launch<&kernel::vertical_group_entries<>>("vertical_group_entries", {grid, 128, 0, stream}, view, vertical_group_entry.data());
     }
   }
   kernel::backward_params<T> params{index.view(),
@@ -629,9 +622,8 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
                               : kernel::vertical_launch{shape.heads_q, static_cast<index_t>(groups)};
           const std::int64_t ctas = vertical.ctas() + std::int64_t{columns.x} * columns.y;
           if (ctas == 0) return;
-          detail::allow_shared_bytes<&kernel::sparse_backward_dkdv_wgmma<T, D>>(bytes);
-          kernel::sparse_backward_dkdv_wgmma<T, D><<<static_cast<unsigned>(ctas), kernel::attention_threads, bytes, on>>>(params, vertical);
-          STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv_wgmma");
+          detail::launch<&kernel::sparse_backward_dkdv_wgmma<T, D>>(
+              "sparse_backward_dkdv_wgmma", {static_cast<unsigned>(ctas), kernel::attention_threads, bytes, on}, params, vertical);
         };
         auto cover_heads = [&](index_t begin, index_t end) {  // the query heads of the passes launched next
           params.head_begin = begin;
@@ -646,14 +638,12 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
           auto launch = [&]<bool Grouped>() {
             if (pass == dq_source::stored) {
               constexpr std::size_t bytes = kernel::backward_dq_stored_shared_bytes<D>();
-              detail::allow_shared_bytes<&kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped>>(bytes);
-              kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, on>>>(params);
-              STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_stored_wgmma");
+              detail::launch<&kernel::sparse_backward_dq_stored_wgmma<T, D, Grouped>>("sparse_backward_dq_stored_wgmma",
+                                                                                      {grid, kernel::attention_threads, bytes, on}, params);
             } else {
               constexpr std::size_t bytes = kernel::backward_dq_wgmma_shared_bytes<D>();
-              detail::allow_shared_bytes<&kernel::sparse_backward_dq_wgmma<T, D, Grouped>>(bytes);
-              kernel::sparse_backward_dq_wgmma<T, D, Grouped><<<grid, kernel::attention_threads, bytes, on>>>(params);
-              STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq_wgmma");
+              detail::launch<&kernel::sparse_backward_dq_wgmma<T, D, Grouped>>("sparse_backward_dq_wgmma",
+                                                                               {grid, kernel::attention_threads, bytes, on}, params);
             }
           };
           if (detail::grouped_launch(section)) launch.template operator()<true>();
@@ -698,19 +688,15 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
       }
       if constexpr (!Atomic) {
         constexpr std::size_t dq_bytes = kernel::backward_dq_shared_bytes<D, T>();
-        detail::allow_shared_bytes<&kernel::sparse_backward_dq<T, D>>(dq_bytes);
-        kernel::sparse_backward_dq<T, D><<<rows, kernel::attention_threads, dq_bytes, stream>>>(params);
-        STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dq");
+        detail::launch<&kernel::sparse_backward_dq<T, D>>("sparse_backward_dq", {rows, kernel::attention_threads, dq_bytes, stream}, params);
       }
       constexpr std::size_t dkdv_bytes = kernel::backward_dkdv_shared_bytes<D, T, Atomic>();
-      detail::allow_shared_bytes<&kernel::sparse_backward_dkdv<T, D, Atomic>>(dkdv_bytes);
-      kernel::sparse_backward_dkdv<T, D, Atomic><<<columns, kernel::attention_threads, dkdv_bytes, stream>>>(params);
-      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_dkdv");
+      detail::launch<&kernel::sparse_backward_dkdv<T, D, Atomic>>("sparse_backward_dkdv", {columns, kernel::attention_threads, dkdv_bytes, stream},
+                                                                  params);
       if (entries == 0) return;
       constexpr std::size_t vertical_bytes = kernel::backward_vertical_shared_bytes<D, T, Atomic>();
-      detail::allow_shared_bytes<&kernel::sparse_backward_vertical<T, D, Atomic>>(vertical_bytes);
-      kernel::sparse_backward_vertical<T, D, Atomic><<<tokens, kernel::attention_threads, vertical_bytes, stream>>>(params);
-      STRIA_CUDA_CHECK_LAUNCH("sparse_backward_vertical");
+      detail::launch<&kernel::sparse_backward_vertical<T, D, Atomic>>("sparse_backward_vertical",
+                                                                      {tokens, kernel::attention_threads, vertical_bytes, stream}, params);
     };
     if (mode == determinism::atomic) {
       passes.template operator()<true>();
@@ -720,9 +706,9 @@ void sparse_backward(const device_step_index& index, const step_backward_tensors
     if (!deterministic) return;  // no vertical entries
     const unsigned blocks = stria::detail::blocks_for(static_cast<std::int64_t>(entries) * D, 256);
     for (index_t offset = 0; offset < shape.group_size(); ++offset) {
-      kernel::add_vertical_gradients<D><<<blocks, 256, 0, stream>>>(index.view(), vertical_dk.data(), vertical_dv.data(), entries,
-                                                                    shape.heads_kv, shape.group_size(), offset, dk.data(), dv.data());
-      STRIA_CUDA_CHECK_LAUNCH("add_vertical_gradients");
+      detail::launch<&kernel::add_vertical_gradients<D>>("add_vertical_gradients", {blocks, 256, 0, stream}, index.view(), vertical_dk.data(),
+                                                         vertical_dv.data(), entries, shape.heads_kv, shape.group_size(), offset, dk.data(),
+                                                         dv.data());
     }
   });
   if (dq_cast_after)

@@ -97,15 +97,13 @@ class window_backend {
     const index_t chunks = grid().y;
     device_buffer<float> partial_max(row_count() * static_cast<std::size_t>(chunks), stream_), partial_sum(partial_max.size(), stream_);
     with_head_dim<any_head_dim>(dim_, [&]<int D>() {
-      allow_shared_bytes<&kernel::window_partials<T, D>>(kernel::window_shared_bytes<T, D>());
-      kernel::window_partials<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(params(), partial_max.data(),
-                                                                                                                    partial_sum.data());
+      detail::launch<&kernel::window_partials<T, D>>("window_partials",
+                                                     {grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_}, params(),
+                                                     partial_max.data(), partial_sum.data());
     });
-    STRIA_CUDA_CHECK_LAUNCH("window_partials");
     normaliser_ = device_buffer<float>(2 * row_count(), stream_);
-    kernel::combine_row_partials<><<<static_cast<unsigned>(row_count()), 256, 0, stream_>>>(partial_max.data(), partial_sum.data(), chunks, rows_,
-                                                                                          row_max(), row_sum());
-    STRIA_CUDA_CHECK_LAUNCH("combine_row_partials");
+    detail::launch<&kernel::combine_row_partials<>>("combine_row_partials", {static_cast<unsigned>(row_count()), 256, 0, stream_}, partial_max.data(),
+                                                    partial_sum.data(), chunks, rows_, row_max(), row_sum());
     lap(&estimator::statistics_timing::pass1_ms);
   }
 
@@ -119,9 +117,8 @@ class window_backend {
   void place_normaliser(floats every_rank) {
     if (every_rank.size() != 2 * row_count() * static_cast<std::size_t>(plan_.world))
       throw invalid_argument("every_rank.size()", every_rank.size(), "must be W * 2 * Hq * rows = " + std::to_string(2 * row_count() * static_cast<std::size_t>(plan_.world)));
-    kernel::combine_normalisers<><<<static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_>>>(
-        every_rank.data(), plan_.world, static_cast<index_t>(row_count()), row_max(), row_sum());
-    STRIA_CUDA_CHECK_LAUNCH("combine_normalisers");
+    detail::launch<&kernel::combine_normalisers<>>("combine_normalisers", {static_cast<unsigned>((row_count() + 255) / 256), 256, 0, stream_},
+                                                   every_rank.data(), plan_.world, static_cast<index_t>(row_count()), row_max(), row_sum());
   }
 
   /// Pass 2: per-token vertical mass and per-tile (block diagonal) mass; then each head's first
@@ -135,12 +132,10 @@ class window_backend {
     device_buffer<float> vertical(items, stream_);
     tile_mass_ = device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_), stream_);
     with_head_dim<any_head_dim>(dim_, [&]<int D>() {
-      allow_shared_bytes<&kernel::window_probabilities<T, D>>(kernel::window_shared_bytes<T, D>());
-      kernel::window_probabilities<T, D><<<grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_>>>(
-          params(), row_max(), row_sum(), plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(),
-          tile_mass_.data());
+      detail::launch<&kernel::window_probabilities<T, D>>(
+          "window_probabilities", {grid(), kernel::window_threads, kernel::window_shared_bytes<T, D>(), stream_}, params(), row_max(), row_sum(),
+          plan_.shape.num_blocks() - plan_.shape.local_blocks, vertical.data(), tile_mass_.data());
     });
-    STRIA_CUDA_CHECK_LAUNCH("window_probabilities");
     lap(&estimator::statistics_timing::pass2_ms);
     const index_t per_rank = plan_.per_rank;
     if (per_rank == 0) {  // no candidates asked for: nothing reads a run
@@ -149,10 +144,9 @@ class window_backend {
       run_stride_ = per_rank;
       sorted_keys_ = device_buffer<std::uint64_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_);
       sorted_tokens_ = device_buffer<index_t>(sorted_keys_.size(), stream_);
-      allow_shared_bytes<&kernel::candidate_top_k<>>(kernel::top_k_shared_bytes());
-      kernel::candidate_top_k<><<<static_cast<unsigned>(heads_), kernel::top_k_threads, kernel::top_k_shared_bytes(), stream_>>>(
-          vertical.data(), key_global_block_, tokens_, per_rank, sorted_keys_.data(), sorted_tokens_.data());
-      STRIA_CUDA_CHECK_LAUNCH("candidate_top_k");
+      detail::launch<&kernel::candidate_top_k<>>("candidate_top_k",
+                                                 {static_cast<unsigned>(heads_), kernel::top_k_threads, kernel::top_k_shared_bytes(), stream_},
+                                                 vertical.data(), key_global_block_, tokens_, per_rank, sorted_keys_.data(), sorted_tokens_.data());
     } else {
       run_stride_ = tokens_;
       sort_all_candidates(vertical);
@@ -167,9 +161,8 @@ class window_backend {
     device_buffer<index_t> tokens(items, stream_);
     sorted_keys_ = device_buffer<std::uint64_t>(items, stream_);
     sorted_tokens_ = device_buffer<index_t>(items, stream_);
-    kernel::candidate_keys<><<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream_>>>(vertical.data(), key_global_block_, heads_, tokens_,
-                                                                                            keys.data(), tokens.data());
-    STRIA_CUDA_CHECK_LAUNCH("candidate_keys");
+    detail::launch<&kernel::candidate_keys<>>("candidate_keys", {static_cast<unsigned>((items + 255) / 256), 256, 0, stream_}, vertical.data(),
+                                              key_global_block_, heads_, tokens_, keys.data(), tokens.data());
     const int end_bit = 32 + std::bit_width(static_cast<unsigned>(heads_));  // head bits above the 32 mass bits
     std::size_t temp_bytes = 0;
     STRIA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys.data(), sorted_keys_.data(), tokens.data(), sorted_tokens_.data(),
@@ -184,10 +177,9 @@ class window_backend {
     const index_t per_rank = plan_.per_rank;
     share mine{device_buffer<float>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(blocks_ + 1), stream_),
                device_buffer<std::uint64_t>(static_cast<std::size_t>(heads_) * static_cast<std::size_t>(per_rank), stream_)};
-    kernel::pack_rank_share<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(tile_mass_.data(), sorted_keys_.data(), sorted_tokens_.data(),
-                                                                                 blocks_, run_stride_, per_rank, mine.mass.data(),
-                                                                                 mine.candidates.data());
-    STRIA_CUDA_CHECK_LAUNCH("pack_rank_share");
+    detail::launch<&kernel::pack_rank_share<>>("pack_rank_share", {static_cast<unsigned>(heads_), 256, 0, stream_}, tile_mass_.data(),
+                                               sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank, mine.mass.data(),
+                                               mine.candidates.data());
     return mine;
   }
 
@@ -198,14 +190,13 @@ class window_backend {
     const index_t per_rank = plan_.per_rank, diagonals = plan_.shape.num_diagonals();
     const index_t width = static_cast<index_t>(std::min<std::int64_t>(plan_.keep, std::int64_t{plan_.world} * per_rank));
     estimator::device_statistics out = statistics_of_width(width);
-    kernel::combine_block_masses<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
-        all.mass.data(), every_key_global_block_.data(), plan_.world, heads_, blocks_, plan_.shape.num_blocks(), diagonals,
-        plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data());
-    STRIA_CUDA_CHECK_LAUNCH("combine_block_masses");
+    detail::launch<&kernel::combine_block_masses<>>("combine_block_masses", {static_cast<unsigned>(heads_), 256, 0, stream_}, all.mass.data(),
+                                                    every_key_global_block_.data(), plan_.world, heads_, blocks_, plan_.shape.num_blocks(), diagonals,
+                                                    plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data());
     if (const std::int64_t entries = std::int64_t{plan_.world} * heads_ * std::min(per_rank, width); entries > 0) {
-      kernel::merge_candidate_runs<><<<static_cast<unsigned>((entries + 255) / 256), 256, 0, stream_>>>(
-          all.candidates.data(), plan_.world, heads_, per_rank, width, out.candidate_mass.data(), out.candidate_token.data());
-      STRIA_CUDA_CHECK_LAUNCH("merge_candidate_runs");
+      detail::launch<&kernel::merge_candidate_runs<>>("merge_candidate_runs", {static_cast<unsigned>((entries + 255) / 256), 256, 0, stream_},
+                                                      all.candidates.data(), plan_.world, heads_, per_rank, width, out.candidate_mass.data(),
+                                                      out.candidate_token.data());
     }
     lap(&estimator::statistics_timing::collectives_ms);
     return out;
@@ -215,10 +206,10 @@ class window_backend {
   estimator::device_statistics own_statistics() {
     const index_t per_rank = plan_.per_rank, diagonals = plan_.shape.num_diagonals();
     estimator::device_statistics out = statistics_of_width(per_rank);
-    kernel::single_rank_statistics<><<<static_cast<unsigned>(heads_), 256, 0, stream_>>>(
-        tile_mass_.data(), key_global_block_, sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank, plan_.shape.num_blocks(),
-        diagonals, plan_.shape.diagonal_offset(), out.slash_mass.data(), out.window_mass.data(), out.candidate_mass.data(), out.candidate_token.data());
-    STRIA_CUDA_CHECK_LAUNCH("single_rank_statistics");
+    detail::launch<&kernel::single_rank_statistics<>>("single_rank_statistics", {static_cast<unsigned>(heads_), 256, 0, stream_}, tile_mass_.data(),
+                                                      key_global_block_, sorted_keys_.data(), sorted_tokens_.data(), blocks_, run_stride_, per_rank,
+                                                      plan_.shape.num_blocks(), diagonals, plan_.shape.diagonal_offset(), out.slash_mass.data(),
+                                                      out.window_mass.data(), out.candidate_mass.data(), out.candidate_token.data());
     lap(&estimator::statistics_timing::collectives_ms);
     return out;
   }

@@ -40,18 +40,6 @@ attention_shape check_inputs(tensor_view<const T, 3> q, tensor_view<const T, 3> 
   return shape;
 }
 
-/// The extents every backward call checks: out, d_out, dq like q; lse [Hq, Sq]; dk, dv like k.
-template <class Out, class Lse, class Grad, class GradKV>
-void check_backward_tensors(const attention_shape& shape, const Out& out, const Out& d_out, const Lse& lse, const Grad& dq, const GradKV& dk,
-                            const GradKV& dv) {
-  check_extents(out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "out");
-  check_extents(d_out, {shape.query_tokens, shape.heads_q, shape.head_dim}, "d_out");
-  check_extents(lse, {shape.heads_q, shape.query_tokens}, "lse");
-  check_extents(dq, {shape.query_tokens, shape.heads_q, shape.head_dim}, "dq");
-  check_extents(dk, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dk");
-  check_extents(dv, {shape.kv_tokens, shape.heads_kv, shape.head_dim}, "dv");
-}
-
 /// Tokens [first, first + tokens) of each of `xs` in turn as fp32 rows [tokens, heads, D]; tokens < 0:
 /// from `first` to each view's end.
 template <class T>
@@ -141,7 +129,7 @@ void reference_backward(tensor_view<const T, 3> q, tensor_view<const T, 3> k, te
                         tensor_view<Grad, 3> dk, tensor_view<Grad, 3> dv) {
   const attention_shape shape = detail::check_inputs(q, k, v, index);
   check_softmax_scale(softmax_scale);
-  detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
+  check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
 
   const index_t dim = shape.head_dim;
   const Accum scale = Accum(softmax_scale);

@@ -126,7 +126,7 @@ void ring_backward(Comm& comm, const Topology& topology, std::span<const step_in
   const auto [q, k, v, out, d_out, lse, dq, dk, dv] = tensors;
   const attention_shape s = engine::check_ring_call(topology, comm.world_size(), comm.rank(), indices, q, k);
   detail::check_indices(indices);
-  detail::check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
+  check_backward_tensors(s, out, d_out, lse, dq, dk, dv);
 
   const std::vector<float> q32 = detail::rows_to_float<T>({q}), out32 = detail::rows_to_float<T>({out}),
                            d_out32 = detail::rows_to_float<T>({d_out});

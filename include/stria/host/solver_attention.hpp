@@ -304,7 +304,7 @@ void solver_backward(Comm& comm, const solver::problem& p, const solver::plan& p
   const solver::rank_chunks me(p, plan, g.seq_len, g.num_heads(), comm.rank(), comm.world_size(), q.extent(0), k.extent(0), q.extent(1), k.extent(1));
   const attention_shape shape{q.extent(0), k.extent(0), q.extent(1), k.extent(1), q.extent(2)};
   shape.validate();
-  detail::check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
+  check_backward_tensors(shape, out, d_out, lse, dq, dk, dv);
   detail::solver_backward_backend<Comm, T> backend{{comm, p, g, me, q, k, v, softmax_scale}, out, d_out, lse, dq, dk, dv};
   engine::run_solver_plan(backend, plan, me, check);
 }

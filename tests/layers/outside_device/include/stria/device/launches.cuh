@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The same launch where it belongs, for the test of cmake/check_layers.cmake: not reported; its
-// thrust call with a synchronizing policy is.
+// A device/ header that launches by itself instead of through device/launch.cuh, for the test of
+// cmake/check_layers.cmake: its launch is reported, and so is its thrust call with a synchronizing
+// policy (not the one without).
 #pragma once
 
 #include "stria/kernel/select.cuh"
