@@ -14,7 +14,7 @@
 #   with cuDNN's dense rows measured in the same call (tests/bench/cudnn_bench.py); STRIA_COMMIT names
 #   the commit measured; estimator_bench writes $OUT/estimator_h200.json the same way. TESTS picks
 #   doctest cases of stria_gpu_tests (-tc), all by default; GPU_TESTS=0 skips the GPU tests (a call for the sanitizers or benchmarks). RING_ARGS are passed to ring_bench (e.g. "--seq-len 131072 --checked": checked mode's cost). TORCH=0 skips
-#   installing and testing the PyTorch package.
+#   installing and testing the PyTorch package. AB="dirA dirB" times those folders' attention_bench in turns (below).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/stria-device-out}
@@ -164,6 +164,25 @@ if [ "${TORCH:-1}" = 1 ] && python3 -c "import torch" 2>/dev/null; then
   run torch_tests python3 python/tests/test_sparse_attention.py
   run torch_cp_tests timeout 300 python3 python/tests/test_context_parallel.py  # NCCL's initialisation has no timeout of its own
   bench_logs+=" torch_tests torch_cp_tests"
+fi
+# AB="dirA dirB ...": attention_bench of each folder (built from the commits compared, same nvcc and
+# flags) timed in turns at 128K, AB_ROUNDS (2) rounds: the forward alone at D 64 and 128 (vs95 and
+# dense), then forward and backward at D 128 (vs95). $OUT/ab.log holds one line per run (round, folder,
+# head dim, pattern, forward ms and TF, backward ms and TF); each folder's medians are compared only
+# with the others' from the same call.
+if [ -n "${AB:-}" ]; then
+  for ((round = 1; round <= ${AB_ROUNDS:-2}; ++round)); do
+    for dim in 64 128 128full; do
+      for dir in $AB; do
+        args=(--head-dim "${dim%full}" --seq-len 131072 --repeats 7)
+        if [ "$dim" = 128full ]; then args+=(--patterns vs95); else args+=(--forward-only --patterns vs95,dense); fi
+        timeout 150 "$dir/attention_bench" "${args[@]}" 2>&1 | awk -v r="$round" -v d="$dir" -v h="$dim" \
+          '$1 == 131072 && $3 ~ /%$/ { printf "round %s %-20s D %-8s %-6s fwd %8s ms %7s TF  bwd %8s ms %7s TF  %s\n", r, d, h, $2, $4, $5, $6, $7, $NF }' >> "$OUT/ab.log"
+      done
+    done
+  done
+  note "ab: $(wc -l < "$OUT/ab.log") rows, $AB in turns"
+  bench_logs+=" ab"
 fi
 for bench in $benches; do
   if [ "$bench" = attention_results ]; then
