@@ -82,12 +82,13 @@ struct launch_shape {
 };
 
 /// Launches `Kernel` (the library's only `<<<`): raises its dynamic shared-memory limit first where
-/// the launch needs more than 48 KiB (allow_shared_bytes), and throws stria::cuda_error naming the
-/// kernel and the launcher's line when the launch fails (a bad configuration shows up in
+/// the launch has dynamic shared memory (allow_shared_bytes; the default limit is 48 KiB less the
+/// kernel's static shared memory, so any nonzero size may need it), and throws stria::cuda_error
+/// naming the kernel and the launcher's line when the launch fails (a bad configuration shows up in
 /// cudaGetLastError, not in the launch itself).
 template <auto Kernel, class... Args>
 void launch(kernel_name name, const launch_shape& shape, Args&&... args) {
-  if (shape.shared_bytes > 48 * 1024) allow_shared_bytes<Kernel>(shape.shared_bytes);
+  if (shape.shared_bytes > 0) allow_shared_bytes<Kernel>(shape.shared_bytes);
   Kernel<<<shape.grid, shape.threads, shape.shared_bytes, shape.stream>>>(std::forward<Args>(args)...);
   if (const cudaError_t status = cudaGetLastError(); status != cudaSuccess)
     stria::detail::check_cuda(status, ("launch of " + std::string(name.text)).c_str(), name.where);
