@@ -2,10 +2,10 @@
 # cmake -DROOT=<source dir> -P check_layers.cmake
 # The one launch layer (DESIGN 3): every kernel launch (`<<<`) is in include/stria/device/launch.cuh
 # (device::detail::launch, which the rest of device/ calls), and only kernel/ and device/ include
-# stria/kernel/. And no header names thrust::cuda::par or thrust::device,
-# the policies that synchronize the stream after a call (a ring step's host would wait for the device
-# there; other spellings and thrust calls that return a value, which block under any policy, are not
-# caught). Fails naming every file that breaks a rule.
+# stria/kernel/. And no header names thrust::cuda::par or thrust::device, the policies that
+# synchronize the stream after a call (a ring step's host would wait for the device there; other
+# spellings and thrust calls that return a value, which block under any policy, are not caught).
+# Fails naming every file that breaks a rule.
 get_filename_component(ROOT "${ROOT}" ABSOLUTE)
 file(GLOB_RECURSE headers RELATIVE "${ROOT}/include" "${ROOT}/include/*.hpp" "${ROOT}/include/*.cuh" "${ROOT}/include/*.h")
 list(LENGTH headers count)

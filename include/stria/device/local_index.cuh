@@ -4,9 +4,10 @@
 // kernel/local_index.cuh on one stream. Also the scans and grid sizes other launchers share.
 #pragma once
 
+#include <cub/device/device_scan.cuh>
+
 #include <algorithm>
 #include <cstdint>
-#include <cub/device/device_scan.cuh>
 #include <iterator>
 #include <span>
 #include <utility>
